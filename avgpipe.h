@@ -180,6 +180,315 @@ typedef struct avgpipe_buf {
 } avgpipe_buf;
 AVGPIPE_API void avgpipe_buf_free(avgpipe_context *ctx, avgpipe_buf *b);
 
+/* ============================================================================================ */
+/* 2. Schedule IR                                                                                */
+/* ============================================================================================ */
+/* A schedule is one op list per rank, executed in order. Stage partitions ("stages" below) are
+   global: the model has G = S·V of them, and stage g lives on rank g % S (PyTorch's loop
+   placement). Micro-batch numbers are per parallel pipeline and run on across rounds: micro-batch
+   u of pipeline i belongs to round u / M, and is micro-batch u % M of that round's batch. */
+
+typedef enum avgpipe_op_kind {
+    AVGPIPE_OP_IDLE = 0,    /* an empty slot (kept so imported files export unchanged) */
+    AVGPIPE_OP_F,           /* forward */
+    AVGPIPE_OP_B,           /* full backward (inputs and weights) */
+    AVGPIPE_OP_I,           /* backward to the inputs */
+    AVGPIPE_OP_W,           /* backward to the weights */
+    AVGPIPE_OP_SEND_F,      /* stage g sends its forward output of a micro-batch to stage g+1 */
+    AVGPIPE_OP_RECV_F,      /* stage g posts the receive of its forward input from stage g-1 */
+    AVGPIPE_OP_SEND_B,      /* stage g sends its input gradient to stage g-1 */
+    AVGPIPE_OP_RECV_B,      /* stage g posts the receive of its output gradient from stage g+1 */
+    AVGPIPE_OP_STEP,        /* local optimizer step of one parallel model on one stage; micro = round */
+    AVGPIPE_OP_AVG,         /* elastic pull + contribution to the reference; micro = round */
+    AVGPIPE_OP_UNSHARD,     /* PyTorch FSDP actions: imported, exported and validated as no-ops */
+    AVGPIPE_OP_RESHARD,
+    AVGPIPE_OP_REDUCE_GRAD,
+    AVGPIPE_OP_KIND_COUNT
+} avgpipe_op_kind;
+
+/* Op flags. */
+#define AVGPIPE_OPF_OVERLAP_NEXT 1u /* runs together with the next op: "(a;b)OVERLAP_F_B" */
+
+/* One op (16 bytes). micro is -1 where the kind takes none (UNSHARD, RESHARD, REDUCE_GRAD). */
+typedef struct avgpipe_op {
+    int32_t stage; /* global stage partition g */
+    int32_t micro; /* micro-batch (per pipeline, across rounds); the round for STEP and AVG */
+    int16_t pipe;  /* parallel pipeline i */
+    uint8_t kind;  /* avgpipe_op_kind */
+    uint8_t flags; /* AVGPIPE_OPF_* */
+    int32_t reserved;
+} avgpipe_op;
+
+typedef enum avgpipe_sched_kind {
+    AVGPIPE_SCHED_CUSTOM = 0, /* imported or built by hand */
+    AVGPIPE_SCHED_AFAB,       /* all forwards, then all backwards (GPipe) */
+    AVGPIPE_SCHED_1F1B,       /* one forward one backward (PipeDream-flush) */
+    AVGPIPE_SCHED_ADVANCE,    /* AvgPipe's advance forward propagation with K extra forwards */
+    AVGPIPE_SCHED_INTERLEAVED,/* interleaved 1F1B, V chunks per rank (Megatron-LM) */
+    AVGPIPE_SCHED_ZBH1,       /* zero-bubble ZB-H1: B split into I and W, W fills the bubbles */
+    AVGPIPE_SCHED_KIND_COUNT
+} avgpipe_sched_kind;
+
+/* The shape a schedule was made for; kept in the schedule and written to its text header. */
+typedef struct avgpipe_shape {
+    avgpipe_sched_kind kind;
+    int stages;     /* S: ranks */
+    int chunks;     /* V: stage partitions per rank */
+    int micro;      /* M: micro-batches per batch */
+    int pipes;      /* N: parallel pipelines */
+    int rounds;     /* R */
+    int advance;    /* K (advance forward only) */
+    int continuous; /* 1: continuous rounds, 0: synchronous rounds */
+} avgpipe_shape;
+
+/* A schedule: ops[r][0 .. len[r]-1] for each rank r < nranks. Owned by the library's allocator:
+   release with avgpipe_sched_free(). has_comm is 1 when the lists carry SEND/RECV ops. */
+typedef struct avgpipe_schedule {
+    avgpipe_shape shape;
+    int nranks;
+    int nstages; /* G = S·V */
+    int has_comm;
+    int *len;
+    avgpipe_op **ops;
+} avgpipe_schedule;
+
+/* Release a schedule's lists (the struct itself is the caller's). Safe on a zeroed struct. */
+AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s);
+/* Deep copy. */
+AVGPIPE_API avgpipe_result avgpipe_sched_copy(avgpipe_context *ctx, const avgpipe_schedule *src,
+                                              avgpipe_schedule *dst);
+/* An empty schedule of nranks lists (then append with avgpipe_sched_push). shape may be NULL. */
+AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_schedule *s, int nranks,
+                                              const avgpipe_shape *shape);
+/* Append one op to rank r's list. */
+AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_schedule *s, int rank,
+                                              avgpipe_op op);
+/* Rank that holds global stage g under loop placement. */
+AVGPIPE_API int avgpipe_stage_rank(const avgpipe_schedule *s, int stage);
+
+/* Names: "F", "SEND_F", ... and "afab", "1f1b", "advance", "interleaved", "zbh1", "custom". */
+AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k);
+AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k);
+/* Parse a schedule kind name (as above); returns AVGPIPE_INVALID_ARG for an unknown name. */
+AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out);
+
+/* Text form of one op (no composite): "[P:]<stage><KIND>[<micro>]", e.g. "0F3", "1:2SEND_B0",
+   "3STEP1". Writes at most cap bytes including the NUL; returns the length it needed. */
+AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out, size_t cap);
+
+/* ---- Text / CSV import and export ------------------------------------------------------------
+   PyTorch's format (torch.distributed.pipelining): one line per rank, comma-separated actions in
+   execution order, an empty field is an idle slot. An action is <stage><KIND><micro> with KIND one
+   of F B I W SEND_F RECV_F SEND_B RECV_B (micro required) or UNSHARD RESHARD REDUCE_GRAD (no micro);
+   "(a;b)OVERLAP_F_B" runs a and b together.
+   avgpipe's extension (documented, backwards compatible):
+     - an action may carry its parallel pipeline as a prefix "P:" ("1:0F3" = pipeline 1);
+     - STEP and AVG actions: "<stage>STEP<round>", "<stage>AVG<round>";
+     - a first line "# avgpipe kind=advance stages=4 chunks=1 micro=8 pipes=2 rounds=3 advance=2
+       continuous=1" carries the shape; other lines starting with '#' are comments.
+   The exporter writes the header line and the extension only when the schedule needs them (more
+   than one pipeline or round, STEP/AVG ops, or a generator's shape), so a PyTorch file exports back
+   byte-identical. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file PyTorch reads
+   (an error when N > 1). */
+#define AVGPIPE_TEXT_TORCH 1u
+
+AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                                unsigned flags, avgpipe_buf *out);
+/* Parse text (len bytes; need not be NUL-terminated). Errors name the line and the field. The
+   shape is taken from the header line when present, else inferred: ranks = lines, stages = highest
+   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage). */
+AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len,
+                                                avgpipe_schedule *out);
+#ifndef AVGPIPE_NO_STDIO
+AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out);
+AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
+                                              const char *path);
+#endif
+
+/* ============================================================================================ */
+/* 3. Generators                                                                                 */
+/* ============================================================================================ */
+/* Zero-initialise; zero fields mean:
+     stages, micro  required (>= 1)
+     pipes 0 -> 1, chunks 0 -> 1 (2 for INTERLEAVED), rounds 0 -> 1, advance 0 -> 0 (1F1B)
+   Supported shapes: chunks > 1 only for INTERLEAVED, which needs micro % stages == 0 (Megatron-LM's
+   grouping of S micro-batches per chunk) and treats chunks == 1 as 1F1B. All other kinds take any
+   S, M, N, R >= 1 and K >= 0.
+   Order of the parallel pipelines: each rank runs the batches as one stream, batch (i, t) of
+   pipeline i in round t at position t·N + i; within a stream every rank keeps 1F1B's (or AFAB's)
+   discipline over all micro-batches of the stream, so N pipelines fill each other's bubbles.
+   Synchronous rounds: a rank starts round t+1 after it has finished every batch of round t.
+   Continuous rounds: the stream never drains; the forward of batch (i, t+1) on a stage waits only
+   for STEP(i, t) on that stage. STEP(i, t) follows the last backward work of batch (i, t) on its
+   stage at once, AVG(i, t) right after it (AVG for every N, so N = 1 with α = 0 is plain training). */
+typedef struct avgpipe_sched_desc {
+    avgpipe_sched_kind kind;
+    int stages;     /* S */
+    int micro;      /* M */
+    int pipes;      /* N */
+    int chunks;     /* V */
+    int rounds;     /* R */
+    int advance;    /* K */
+    int continuous; /* 0 synchronous, 1 continuous rounds */
+} avgpipe_sched_desc;
+
+/* Resolve defaults and check the shape; *out gets the resolved description. Errors name the field. */
+AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
+                                                 avgpipe_sched_desc *out);
+/* Generate the compute-only schedule (F, B, I, W, STEP, AVG) for desc. */
+AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
+                                                  avgpipe_schedule *out);
+/* Forwards a stage runs before its first backward (per batch stream): AvgPipe's warm-up
+   min(T, (S-s-1) + floor(K(S-s-1)/(S-1) + 1/2)) for s < S-1, 0 for the last stage, with T = N·M
+   the micro-batches of one round (K = 0 is 1F1B, AFAB is T). For INTERLEAVED, counted in
+   (chunk, micro-batch) units per rank: min(T·V, 2(S-r-1) + (V-1)S). Returns -1 on a bad desc. */
+AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank);
+/* Memory model: peak stashed activations (micro-batches whose forward ran and whose backward did
+   not finish) on a rank, over all its chunks: min(warm-up + 1, T·V); AFAB T·V; ZB-H1 min(S, T) (an
+   upper bound: its in-flight cap). Equals what the simulator measures for generated schedules. */
+AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank);
+
+/* Greedy list scheduler for custom schedules (V = 1). It simulates the pipeline with the given op
+   costs and free transfers; whenever a rank is free it runs the first ready op in priority order,
+   where a forward is ready only while the rank's in-flight micro-batches (forward done, backward
+   not finished) stay under the cap. Backwards are taken oldest first, forwards in stream order.
+   Zero fields: priority {0} -> B (or I), F, W; cap NULL -> S - s (1F1B's memory);
+   cost 0 -> F 1, B 2, I 1, W 1.  kind of the output is CUSTOM. */
+typedef struct avgpipe_greedy_desc {
+    int stages, micro, pipes, rounds, continuous;
+    int split_backward;                 /* 1: emit I and W instead of B */
+    avgpipe_op_kind priority[3];        /* e.g. {I, F, W}; unset entries are filled in default order */
+    const int *inflight_cap;            /* per stage, or NULL */
+    int inflight_cap_all;               /* if > 0 and inflight_cap is NULL: the same cap everywhere */
+    double cost_f, cost_b, cost_i, cost_w;
+} avgpipe_greedy_desc;
+AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgpipe_greedy_desc *desc,
+                                                avgpipe_schedule *out);
+
+/* Lowering: insert SEND/RECV ops into a compute-only schedule. Each compute op that produces data
+   for a stage on another rank is followed by its SEND; the receiver's RECV (the sender inserts the
+   matching receive) is posted right after the receiver's previous compute op, before that op's own
+   sends, so blocking sends always find the receive posted. Idle slots are dropped. */
+AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpipe_schedule *in,
+                                               avgpipe_schedule *out);
+
+/* ============================================================================================ */
+/* 4. Validation                                                                                 */
+/* ============================================================================================ */
+/* Checks (DESIGN §3): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
+   its W, each op on the rank that holds its stage; forward/backward data dependencies; each channel
+   (src, dst) carries the same sequence on both ends (matched per peer without tags, as NCCL does);
+   SEND after its producer, RECV before its consumer; STEP after all backward work of its batch on
+   its stage and before the next batch's forwards, AVG after STEP; a lockstep replay under async and
+   under blocking sends progresses (no deadlock); peak stashed activations per rank equal the memory
+   model when the schedule carries a generator's shape. Compute-only schedules are lowered first
+   for the replay. */
+typedef struct avgpipe_validate_report {
+    avgpipe_result result; /* AVGPIPE_OK, AVGPIPE_INVALID_SCHEDULE or AVGPIPE_DEADLOCK */
+    int rank, pos;         /* the offending op (-1 if none); pos indexes the schedule's own list */
+    char op_text[64];
+    char message[512];     /* also copied to the context's last error */
+    int peak_stash[256];   /* per rank (first 256 ranks), from the replay */
+} avgpipe_validate_report;
+
+typedef struct avgpipe_validate_desc {
+    int skip_replay;  /* 1: static checks only */
+    int skip_memory;  /* 1: do not compare peak stash with the memory model */
+} avgpipe_validate_desc;
+
+/* desc may be NULL. Returns report->result (also when report is NULL). */
+AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                                  const avgpipe_validate_desc *desc,
+                                                  avgpipe_validate_report *report);
+/* ASCII grid of the op lists (one row per rank, one column per position); the op at
+   (mark_rank, mark_pos) is shown as ">op<". mark_rank -1: no mark. */
+AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                                     int mark_rank, int mark_pos, avgpipe_buf *out);
+
+/* ============================================================================================ */
+/* 5. Simulation                                                                                 */
+/* ============================================================================================ */
+/* Model: per rank one compute resource that runs its ops in list order, and a full-duplex link
+   between each pair of ranks (one resource per direction, FIFO in the sender's order). A transfer
+   costs latency + bytes/bandwidth. Asynchronous sends cost the sender nothing; a blocking send
+   waits for the receiver to post the receive and for the transfer to finish. Compute-only
+   schedules get the transfers implied by their dependencies (asynchronous; lowered first when
+   blocking sends are asked for). Event times follow from the dependencies in causal order (every
+   resource serves its ops in a fixed order), so the result is exactly that of a discrete-event run.
+   Zero fields mean: cost F 1, B 2, I 1, W 1, STEP/AVG/others 0; latency 0; bytes 0; bandwidth 0
+   (= no bandwidth term); micro_size 1; act_bytes 0. */
+typedef struct avgpipe_sim_desc {
+    double cost[AVGPIPE_OP_KIND_COUNT]; /* per kind, all stages; 0 -> default above */
+    const double *stage_cost;   /* optional [stage * AVGPIPE_OP_KIND_COUNT + kind], overrides cost */
+    double (*cost_fn)(const avgpipe_op *op, void *user); /* optional, overrides both */
+    void *cost_user;
+    double micro_size;          /* samples per micro-batch */
+    int scale_by_micro_size;    /* 1: compute costs are per sample, multiplied by micro_size */
+    double latency;             /* per transfer */
+    double bytes;               /* per transfer, every stage boundary */
+    const double *stage_bytes;  /* optional per sending stage: bytes of its activation = of its input grad */
+    double bandwidth;           /* bytes per time unit; 0: no bandwidth term */
+    int blocking_send;
+    double act_bytes;           /* stashed activation bytes per micro-batch and stage, for peak_bytes */
+    const double *stage_act_bytes; /* optional per stage */
+    int record_events;          /* 1: fill result.events (for the renderers) */
+} avgpipe_sim_desc;
+
+/* One box in a timeline. track: 0 compute, 1 outgoing transfer, 2 incoming transfer. */
+typedef struct avgpipe_event {
+    avgpipe_op op;
+    int32_t rank, track;
+    int32_t peer;  /* for transfers: the other rank; else -1 */
+    int32_t flow;  /* transfer id shared by the send and the receive event; else -1 */
+    double start, end;
+} avgpipe_event;
+
+typedef struct avgpipe_rank_stats {
+    double busy;     /* compute time */
+    double blocked;  /* time waiting in blocking sends */
+    double idle;     /* makespan - busy - blocked */
+    int peak_stash;  /* stashed activations (micro-batches) */
+    double peak_bytes;
+} avgpipe_rank_stats;
+
+typedef struct avgpipe_sim_result {
+    double makespan;
+    double bubble;       /* 1 - sum(busy) / (nranks · makespan) */
+    int nranks;
+    avgpipe_rank_stats *rank; /* [nranks] */
+    long long ops;       /* ops executed */
+    long long transfers;
+    avgpipe_event *events; /* when record_events: compute and transfer events */
+    size_t nevents, events_cap;
+} avgpipe_sim_result;
+
+/* Simulate s. Returns AVGPIPE_DEADLOCK (naming each stuck rank's op) if the replay stops. desc may
+   be NULL (defaults). */
+AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                           const avgpipe_sim_desc *desc, avgpipe_sim_result *out);
+AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_result *r);
+
+/* ============================================================================================ */
+/* 6. Rendering                                                                                  */
+/* ============================================================================================ */
+/* Renderers take events (from the simulator, or later from a real run's profile). */
+typedef struct avgpipe_render_desc {
+    int width;          /* ASCII: columns for the time axis; 0 -> 100 */
+    double us_per_unit; /* Chrome trace: microseconds per time unit; 0 -> 1000 */
+    double px_per_unit; /* SVG: pixels per time unit; 0 -> fit 1200 px */
+    const char *title;  /* optional */
+} avgpipe_render_desc;
+
+AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgpipe_event *ev, size_t n,
+                                                int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
+/* Chrome trace JSON ("traceEvents"): one process per rank, a compute thread and a comm thread,
+   complete events with real durations, and flow arrows from each send to its receive. Opens in
+   Perfetto (ui.perfetto.dev) and chrome://tracing. */
+AVGPIPE_API avgpipe_result avgpipe_render_chrome(avgpipe_context *ctx, const avgpipe_event *ev, size_t n,
+                                                 int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
+AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpipe_event *ev, size_t n,
+                                              int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
+
 /*@@SECTIONS_DECL@@*/
 
 #ifdef __cplusplus
@@ -391,6 +700,1876 @@ static int avgpipe__buf_printf(avgpipe_context *ctx, avgpipe_buf *b, const char 
     va_end(ap);
     b->len += (size_t)n;
     return 1;
+}
+
+/* --- 2. Schedule IR ---------------------------------------------------------------------------- */
+
+static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
+    "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
+    "UNSHARD", "RESHARD", "REDUCE_GRAD"};
+static const char *const avgpipe__sched_names[AVGPIPE_SCHED_KIND_COUNT] = {
+    "custom", "afab", "1f1b", "advance", "interleaved", "zbh1"};
+
+AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k) {
+    return (k >= 0 && k < AVGPIPE_OP_KIND_COUNT) ? avgpipe__op_names[k] : "?";
+}
+AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k) {
+    return (k >= 0 && k < AVGPIPE_SCHED_KIND_COUNT) ? avgpipe__sched_names[k] : "?";
+}
+AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out) {
+    int k;
+    if (!name || !out) return AVGPIPE_INVALID_ARG;
+    for (k = 0; k < AVGPIPE_SCHED_KIND_COUNT; k++)
+        if (strcmp(name, avgpipe__sched_names[k]) == 0) {
+            *out = (avgpipe_sched_kind)k;
+            return AVGPIPE_OK;
+        }
+    if (strcmp(name, "gpipe") == 0) {
+        *out = AVGPIPE_SCHED_AFAB;
+        return AVGPIPE_OK;
+    }
+    return AVGPIPE_INVALID_ARG;
+}
+
+static int avgpipe__is_compute(int k) {
+    return k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_I || k == AVGPIPE_OP_W;
+}
+static int avgpipe__is_comm(int k) { return k >= AVGPIPE_OP_SEND_F && k <= AVGPIPE_OP_RECV_B; }
+static int avgpipe__is_backward(int k) { return k == AVGPIPE_OP_B || k == AVGPIPE_OP_I; }
+static int avgpipe__has_micro(int k) { return k >= AVGPIPE_OP_F && k <= AVGPIPE_OP_AVG; }
+
+static avgpipe_op avgpipe__op(int kind, int pipe, int stage, int micro) {
+    avgpipe_op o;
+    o.stage = stage;
+    o.micro = micro;
+    o.pipe = (int16_t)pipe;
+    o.kind = (uint8_t)kind;
+    o.flags = 0;
+    o.reserved = 0;
+    return o;
+}
+
+AVGPIPE_API int avgpipe_stage_rank(const avgpipe_schedule *s, int stage) {
+    return (s && s->nranks > 0 && stage >= 0) ? stage % s->nranks : -1;
+}
+
+AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s) {
+    int r;
+    if (!s) return;
+    if (s->ops)
+        for (r = 0; r < s->nranks; r++) avgpipe_free(ctx, s->ops[r]);
+    avgpipe_free(ctx, s->ops);
+    avgpipe_free(ctx, s->len);
+    s->ops = NULL;
+    s->len = NULL;
+    s->nranks = 0;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_schedule *s, int nranks,
+                                              const avgpipe_shape *shape) {
+    if (!s) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_init: s is NULL");
+    memset(s, 0, sizeof *s);
+    if (nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_init: nranks must be >= 1 (got %d)", nranks);
+    s->nranks = nranks;
+    if (shape) s->shape = *shape;
+    if (s->shape.stages <= 0) s->shape.stages = nranks;
+    if (s->shape.chunks <= 0) s->shape.chunks = 1;
+    if (s->shape.pipes <= 0) s->shape.pipes = 1;
+    if (s->shape.rounds <= 0) s->shape.rounds = 1;
+    s->nstages = nranks * s->shape.chunks;
+    s->len = (int *)avgpipe__calloc(ctx, (size_t)nranks, sizeof(int));
+    s->ops = (avgpipe_op **)avgpipe__calloc(ctx, (size_t)nranks, sizeof(avgpipe_op *));
+    if (!s->len || !s->ops) {
+        avgpipe_sched_free(ctx, s);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_init: out of memory");
+    }
+    return AVGPIPE_OK;
+}
+
+/* Capacity is implicit: the next power of two >= len (at least 16), so push needs no extra field. */
+static size_t avgpipe__cap_of(size_t len) {
+    size_t c = 16;
+    while (c < len) c *= 2;
+    return c;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_schedule *s, int rank, avgpipe_op op) {
+    size_t n;
+    if (!s || rank < 0 || rank >= s->nranks)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_push: rank %d out of range", rank);
+    n = (size_t)s->len[rank];
+    if (!s->ops[rank] || (n >= 16 && n == avgpipe__cap_of(n))) {
+        size_t cap = s->ops[rank] ? 2 * n : 16;
+        avgpipe_op *p = (avgpipe_op *)avgpipe__realloc(ctx, s->ops[rank], n * sizeof(avgpipe_op), cap * sizeof(avgpipe_op));
+        if (!p) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_push: out of memory");
+        s->ops[rank] = p;
+    }
+    s->ops[rank][n] = op;
+    s->len[rank]++;
+    if (op.stage >= s->nstages && op.kind != AVGPIPE_OP_IDLE) s->nstages = op.stage + 1;
+    if (op.pipe >= s->shape.pipes) s->shape.pipes = op.pipe + 1;
+    return AVGPIPE_OK;
+}
+
+/* Reserve exactly n ops for a rank (generators know their counts). */
+static avgpipe_result avgpipe__sched_reserve(avgpipe_context *ctx, avgpipe_schedule *s, int rank, size_t n) {
+    avgpipe_op *p;
+    size_t cap = avgpipe__cap_of(n);
+    if (s->ops[rank]) return AVGPIPE_OK;
+    p = (avgpipe_op *)avgpipe_alloc(ctx, cap * sizeof(avgpipe_op));
+    if (!p) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reserving %zu ops", n);
+    s->ops[rank] = p;
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_copy(avgpipe_context *ctx, const avgpipe_schedule *src, avgpipe_schedule *dst) {
+    int r;
+    avgpipe_result res;
+    if (!src || !dst) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_copy: NULL argument");
+    res = avgpipe_sched_init(ctx, dst, src->nranks, &src->shape);
+    if (res) return res;
+    dst->nstages = src->nstages;
+    dst->has_comm = src->has_comm;
+    for (r = 0; r < src->nranks; r++) {
+        size_t n = (size_t)src->len[r];
+        res = avgpipe__sched_reserve(ctx, dst, r, n);
+        if (res) {
+            avgpipe_sched_free(ctx, dst);
+            return res;
+        }
+        if (n) memcpy(dst->ops[r], src->ops[r], n * sizeof(avgpipe_op));
+        dst->len[r] = (int)n;
+    }
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out, size_t cap) {
+    char pre[16] = "";
+    if (!op || !out || cap == 0) return 0;
+    if (op->kind == AVGPIPE_OP_IDLE) {
+        out[0] = 0;
+        return 0;
+    }
+    if (with_pipe || op->pipe != 0) snprintf(pre, sizeof pre, "%d:", op->pipe);
+    if (avgpipe__has_micro(op->kind))
+        return snprintf(out, cap, "%s%d%s%d", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind), op->micro);
+    return snprintf(out, cap, "%s%d%s", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind));
+}
+
+/* ---- export ---- */
+
+static int avgpipe__needs_ext(const avgpipe_schedule *s) {
+    int r, i;
+    if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            int k = s->ops[r][i].kind;
+            if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG || s->ops[r][i].pipe != 0) return 1;
+        }
+    return 0;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
+                                                avgpipe_buf *out) {
+    int r, i, ok = 1, torch = (flags & AVGPIPE_TEXT_TORCH) != 0, ext;
+    char txt[64];
+    if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_export: NULL argument");
+    if (torch && s->shape.pipes > 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                             "avgpipe_sched_export: PyTorch's format has no parallel pipelines (pipes = %d)", s->shape.pipes);
+    ext = !torch && avgpipe__needs_ext(s);
+    out->len = 0;
+    if (ext)
+        ok &= avgpipe__buf_printf(ctx, out,
+                                  "# avgpipe kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d\n",
+                                  avgpipe_sched_kind_name(s->shape.kind), s->nranks, s->shape.chunks, s->shape.micro,
+                                  s->shape.pipes, s->shape.rounds, s->shape.advance, s->shape.continuous);
+    for (r = 0; r < s->nranks && ok; r++) {
+        int first = 1, in_group = 0;
+        for (i = 0; i < s->len[r] && ok; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (torch && (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG)) continue;
+            if (!in_group) {
+                if (!first) ok &= avgpipe__buf_put(ctx, out, ",", 1);
+                first = 0;
+                if (op->flags & AVGPIPE_OPF_OVERLAP_NEXT) {
+                    ok &= avgpipe__buf_put(ctx, out, "(", 1);
+                    in_group = 1;
+                }
+            } else {
+                ok &= avgpipe__buf_put(ctx, out, ";", 1);
+            }
+            avgpipe_op_format(op, 0, txt, sizeof txt);
+            ok &= avgpipe__buf_put(ctx, out, txt, strlen(txt));
+            if (in_group && !(op->flags & AVGPIPE_OPF_OVERLAP_NEXT)) {
+                ok &= avgpipe__buf_put(ctx, out, ")OVERLAP_F_B", 12);
+                in_group = 0;
+            }
+        }
+        if (in_group) ok &= avgpipe__buf_put(ctx, out, ")OVERLAP_F_B", 12);
+        ok &= avgpipe__buf_put(ctx, out, "\n", 1);
+    }
+    if (!ok) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_export: out of memory");
+    return AVGPIPE_OK;
+}
+
+/* ---- import ---- */
+
+typedef struct avgpipe__lexer {
+    const char *p, *end;
+    int line;
+} avgpipe__lexer;
+
+static int avgpipe__parse_int(const char **pp, const char *end, int *out) {
+    const char *p = *pp;
+    long v = 0;
+    if (p >= end || *p < '0' || *p > '9') return 0;
+    while (p < end && *p >= '0' && *p <= '9') {
+        v = v * 10 + (*p - '0');
+        if (v > 1000000000L) return 0;
+        p++;
+    }
+    *out = (int)v;
+    *pp = p;
+    return 1;
+}
+
+/* Parse one action "[P:]<stage><KIND>[<micro>]" in [p, end). */
+static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op, const char **why) {
+    int a, b = 0, k, best = -1;
+    size_t bestlen = 0;
+    *op = avgpipe__op(AVGPIPE_OP_IDLE, 0, 0, -1);
+    if (!avgpipe__parse_int(&p, end, &a)) {
+        *why = "expected a stage number";
+        return 0;
+    }
+    if (p < end && *p == ':') {
+        p++;
+        if (a > 32767) {
+            *why = "pipeline number too large";
+            return 0;
+        }
+        op->pipe = (int16_t)a;
+        if (!avgpipe__parse_int(&p, end, &a)) {
+            *why = "expected a stage number after the pipeline";
+            return 0;
+        }
+    }
+    op->stage = a;
+    for (k = 1; k < AVGPIPE_OP_KIND_COUNT; k++) { /* longest match: SEND_F before F, etc. */
+        size_t n = strlen(avgpipe__op_names[k]);
+        if ((size_t)(end - p) >= n && memcmp(p, avgpipe__op_names[k], n) == 0 && n > bestlen) {
+            best = k;
+            bestlen = n;
+        }
+    }
+    if (best < 0) {
+        *why = "unknown action kind";
+        return 0;
+    }
+    op->kind = (uint8_t)best;
+    p += bestlen;
+    if (avgpipe__has_micro(best)) {
+        if (!avgpipe__parse_int(&p, end, &b)) {
+            *why = "expected a micro-batch number";
+            return 0;
+        }
+        op->micro = b;
+    }
+    if (p != end) {
+        *why = "unexpected characters after the action";
+        return 0;
+    }
+    return 1;
+}
+
+static int avgpipe__is_space(char c) { return c == ' ' || c == '\t' || c == '\r'; }
+
+static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p, const char *end, int line,
+                                            avgpipe_shape *sh) {
+    /* "# avgpipe key=value ..." */
+    while (p < end) {
+        const char *k0, *k1, *v0;
+        char key[32], val[32];
+        int iv = 0;
+        while (p < end && avgpipe__is_space(*p)) p++;
+        if (p >= end) break;
+        k0 = p;
+        while (p < end && *p != '=' && !avgpipe__is_space(*p)) p++;
+        k1 = p;
+        if (p >= end || *p != '=')
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: header field '%.*s' has no '='", line, (int)(k1 - k0), k0);
+        p++;
+        v0 = p;
+        while (p < end && !avgpipe__is_space(*p)) p++;
+        if ((size_t)(k1 - k0) >= sizeof key || (size_t)(p - v0) >= sizeof val || p == v0)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: bad header field '%.*s'", line, (int)(p - k0), k0);
+        memcpy(key, k0, (size_t)(k1 - k0));
+        key[k1 - k0] = 0;
+        memcpy(val, v0, (size_t)(p - v0));
+        val[p - v0] = 0;
+        if (strcmp(key, "kind") == 0) {
+            if (avgpipe_sched_kind_parse(val, &sh->kind))
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: unknown schedule kind '%s'", line, val);
+            continue;
+        }
+        {
+            const char *q = val;
+            if (!avgpipe__parse_int(&q, val + strlen(val), &iv) || *q)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field '%s' needs a number, got '%s'", line, key, val);
+        }
+        if (strcmp(key, "stages") == 0) sh->stages = iv;
+        else if (strcmp(key, "chunks") == 0) sh->chunks = iv;
+        else if (strcmp(key, "micro") == 0) sh->micro = iv;
+        else if (strcmp(key, "pipes") == 0) sh->pipes = iv;
+        else if (strcmp(key, "rounds") == 0) sh->rounds = iv;
+        else if (strcmp(key, "advance") == 0) sh->advance = iv;
+        else if (strcmp(key, "continuous") == 0) sh->continuous = iv;
+        else return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: unknown header field '%s'", line, key);
+    }
+    return AVGPIPE_OK;
+}
+
+/* Parse one rank line into rank r of s. */
+static avgpipe_result avgpipe__parse_line(avgpipe_context *ctx, const char *p, const char *end, int line,
+                                          avgpipe_schedule *s, int r) {
+    for (;;) {
+        const char *f = p, *fe;
+        avgpipe_op op;
+        const char *why = "";
+        while (p < end && *p != ',') p++;
+        fe = p;
+        while (f < fe && avgpipe__is_space(*f)) f++;
+        while (fe > f && avgpipe__is_space(fe[-1])) fe--;
+        if (f == fe) {
+            if (avgpipe_sched_push(ctx, s, r, avgpipe__op(AVGPIPE_OP_IDLE, 0, 0, -1))) return AVGPIPE_OUT_OF_MEMORY;
+        } else if (*f == '(') {
+            const char *close = NULL, *q, *a;
+            static const char tail[] = ")OVERLAP_F_B";
+            size_t tl = sizeof tail - 1;
+            int nsub = 0;
+            if ((size_t)(fe - f) > tl && memcmp(fe - tl, tail, tl) == 0) close = fe - tl;
+            if (!close)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: composite '%.*s' must end in )OVERLAP_F_B", line,
+                                     (int)(fe - f), f);
+            a = f + 1;
+            for (q = a; q <= close; q++) {
+                if (q == close || *q == ';') {
+                    if (!avgpipe__parse_action(a, q, &op, &why))
+                        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: action '%.*s': %s", line, (int)(q - a), a, why);
+                    if (q != close) op.flags |= AVGPIPE_OPF_OVERLAP_NEXT;
+                    if (avgpipe_sched_push(ctx, s, r, op)) return AVGPIPE_OUT_OF_MEMORY;
+                    nsub++;
+                    a = q + 1;
+                }
+            }
+            if (nsub < 2)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: composite '%.*s' needs at least two actions", line,
+                                     (int)(fe - f), f);
+        } else {
+            if (!avgpipe__parse_action(f, fe, &op, &why))
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: action '%.*s': %s", line, (int)(fe - f), f, why);
+            if (avgpipe_sched_push(ctx, s, r, op)) return AVGPIPE_OUT_OF_MEMORY;
+        }
+        if (p >= end) break;
+        p++; /* the comma */
+    }
+    return AVGPIPE_OK;
+}
+
+/* Infer what the header did not say. */
+static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
+    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (op->kind == AVGPIPE_OP_IDLE) continue;
+            if (op->stage > maxstage) maxstage = op->stage;
+            if (op->pipe > maxpipe) maxpipe = op->pipe;
+            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
+                if (op->micro > maxround) maxround = op->micro;
+            } else if (op->micro > maxmicro)
+                maxmicro = op->micro;
+            if (avgpipe__is_comm(op->kind)) s->has_comm = 1;
+        }
+    if (!have_header) {
+        int stages = maxstage + 1;
+        s->shape.kind = AVGPIPE_SCHED_CUSTOM;
+        s->shape.stages = s->nranks;
+        s->shape.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
+        s->shape.pipes = maxpipe + 1;
+        s->shape.rounds = maxround >= 0 ? maxround + 1 : 1;
+        s->shape.micro = (maxmicro + 1) / s->shape.rounds;
+        if (s->shape.micro < 1) s->shape.micro = 1;
+    } else {
+        if (s->shape.stages != s->nranks)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says stages=%d but the file has %d rank lines",
+                                 s->shape.stages, s->nranks);
+        if (s->shape.chunks < 1 || s->shape.micro < 1 || s->shape.pipes < 1 || s->shape.rounds < 1)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: chunks, micro, pipes and rounds must be >= 1");
+        if (maxpipe >= s->shape.pipes)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says pipes=%d but an action names pipeline %d",
+                                 s->shape.pipes, maxpipe);
+    }
+    s->nstages = s->nranks * s->shape.chunks;
+    if (maxstage >= s->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "an action names stage %d but %d ranks x %d chunks hold %d stages",
+                             maxstage, s->nranks, s->shape.chunks, s->nstages);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len, avgpipe_schedule *out) {
+    const char *p, *end;
+    int nlines = 0, line = 0, r = 0, have_header = 0;
+    avgpipe_shape sh;
+    avgpipe_result res;
+    if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_import: NULL argument");
+    memset(out, 0, sizeof *out);
+    memset(&sh, 0, sizeof sh);
+    end = text + len;
+    /* count rank lines (non-comment); a final newline does not start a line */
+    for (p = text; p < end;) {
+        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
+        if (!e) e = end;
+        if (*p != '#') nlines++;
+        p = e + 1;
+    }
+    if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
+    if (nlines > 65536) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most 65536)", nlines);
+    res = avgpipe_sched_init(ctx, out, nlines, NULL);
+    if (res) return res;
+    for (p = text; p < end;) {
+        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p)), *le;
+        if (!e) e = end;
+        line++;
+        le = e;
+        if (le > p && le[-1] == '\r') le--;
+        if (*p == '#') {
+            static const char tag[] = "# avgpipe ";
+            if ((size_t)(le - p) >= sizeof tag - 1 && memcmp(p, tag, sizeof tag - 1) == 0) {
+                if (line != 1) {
+                    res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
+                    goto fail;
+                }
+                res = avgpipe__parse_header(ctx, p + sizeof tag - 1, le, line, &sh);
+                if (res) goto fail;
+                have_header = 1;
+            }
+        } else {
+            res = avgpipe__parse_line(ctx, p, le, line, out, r++);
+            if (res) goto fail;
+        }
+        p = e + 1;
+    }
+    if (have_header) {
+        out->shape = sh;
+        if (out->shape.chunks == 0) out->shape.chunks = 1;
+    }
+    res = avgpipe__infer_shape(ctx, out, have_header);
+    if (res) goto fail;
+    return AVGPIPE_OK;
+fail:
+    avgpipe_sched_free(ctx, out);
+    return res;
+}
+
+#ifndef AVGPIPE_NO_STDIO
+AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out) {
+    FILE *f;
+    long n;
+    char *text;
+    avgpipe_result res;
+    if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_load: NULL argument");
+    f = fopen(path, "rb");
+    if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
+    if (fseek(f, 0, SEEK_END) != 0 || (n = ftell(f)) < 0 || fseek(f, 0, SEEK_SET) != 0) {
+        fclose(f);
+        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s'", path);
+    }
+    text = (char *)avgpipe_alloc(ctx, (size_t)n + 1);
+    if (!text) {
+        fclose(f);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
+    }
+    if (fread(text, 1, (size_t)n, f) != (size_t)n) {
+        fclose(f);
+        avgpipe_free(ctx, text);
+        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s'", path);
+    }
+    fclose(f);
+    res = avgpipe_sched_import(ctx, text, (size_t)n, out);
+    if (res) {
+        avgpipe_context *c = avgpipe__ctx(ctx);
+        char detail[AVGPIPE_ERROR_MAX];
+        snprintf(detail, sizeof detail, "%s", c->error);
+        avgpipe__fail(ctx, res, "%s: %s", path, detail);
+    }
+    avgpipe_free(ctx, text);
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
+                                              const char *path) {
+    avgpipe_buf b = {NULL, 0, 0};
+    FILE *f;
+    avgpipe_result res = avgpipe_sched_export(ctx, s, flags, &b);
+    if (res) return res;
+    f = fopen(path, "wb");
+    if (!f) {
+        avgpipe_buf_free(ctx, &b);
+        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot create '%s'", path);
+    }
+    if (fwrite(b.data, 1, b.len, f) != b.len) res = avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot write '%s'", path);
+    if (fclose(f) != 0 && !res) res = avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot write '%s'", path);
+    avgpipe_buf_free(ctx, &b);
+    return res;
+}
+#endif
+
+/* --- 3. Generators ----------------------------------------------------------------------------- */
+
+#define AVGPIPE__MAX_STAGES 32767
+#define AVGPIPE__MAX_OPS 400000000LL /* a schedule larger than this is surely a mistake */
+
+AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
+                                                 avgpipe_sched_desc *out) {
+    avgpipe_sched_desc d;
+    long long total;
+    if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_resolve: NULL argument");
+    d = *desc;
+    if (d.kind <= AVGPIPE_SCHED_CUSTOM || d.kind >= AVGPIPE_SCHED_KIND_COUNT)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kind: %d is not a generator (afab, 1f1b, advance, interleaved, zbh1)",
+                             (int)d.kind);
+    if (d.stages < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: must be >= 1 (got %d)", d.stages);
+    if (d.micro < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: must be >= 1 (got %d)", d.micro);
+    if (d.pipes < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: must be >= 1 (got %d)", d.pipes);
+    if (d.chunks < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: must be >= 1 (got %d)", d.chunks);
+    if (d.rounds < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "rounds: must be >= 1 (got %d)", d.rounds);
+    if (d.advance < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "advance: must be >= 0 (got %d)", d.advance);
+    if (d.continuous != 0 && d.continuous != 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "continuous: must be 0 or 1 (got %d)", d.continuous);
+    if (d.pipes == 0) d.pipes = 1;
+    if (d.rounds == 0) d.rounds = 1;
+    if (d.chunks == 0) d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1;
+    if (d.kind != AVGPIPE_SCHED_ADVANCE) d.advance = 0;
+    if (d.chunks > 1 && d.kind != AVGPIPE_SCHED_INTERLEAVED)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %d chunks per rank need the interleaved schedule (%s takes 1)",
+                             d.chunks, avgpipe_sched_kind_name(d.kind));
+    if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.chunks > 1 && d.micro % d.stages != 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                             "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
+                             d.stages);
+    if (d.pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most 32767 (got %d)", d.pipes);
+    if ((long long)d.stages * d.chunks > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: stages x chunks must be at most %d", AVGPIPE__MAX_STAGES);
+    total = (long long)d.stages * d.chunks * d.pipes * d.micro * d.rounds;
+    if (total * 3 > AVGPIPE__MAX_OPS || (long long)d.micro * d.rounds > 1000000000LL)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: stages x chunks x pipes x micro x rounds = %lld is too large", total);
+    *out = d;
+    return AVGPIPE_OK;
+}
+
+static int avgpipe__warmup(const avgpipe_sched_desc *d, int r) {
+    long long T = (long long)d->pipes * d->micro, w, S = d->stages, k = d->advance, dist = S - r - 1;
+    switch (d->kind) {
+    case AVGPIPE_SCHED_AFAB: return (int)T;
+    case AVGPIPE_SCHED_INTERLEAVED:
+        if (d->chunks > 1) {
+            w = 2 * dist + (long long)(d->chunks - 1) * S;
+            return (int)(w < T * d->chunks ? w : T * d->chunks);
+        }
+        return (int)(dist < T ? dist : T);
+    case AVGPIPE_SCHED_ADVANCE:
+        if (r >= S - 1) return 0;
+        w = dist + (2 * k * dist + (S - 1)) / (2 * (S - 1)); /* floor(K·dist/(S-1) + 1/2) */
+        return (int)(w < T ? w : T);
+    default: return (int)(dist < T ? dist : T);
+    }
+}
+
+AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank) {
+    avgpipe_sched_desc d;
+    avgpipe_context quiet;
+    avgpipe_context_init(&quiet, NULL);
+    if (avgpipe_sched_resolve(&quiet, desc, &d) || rank < 0 || rank >= d.stages) return -1;
+    return avgpipe__warmup(&d, rank);
+}
+
+AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank) {
+    avgpipe_sched_desc d;
+    avgpipe_context quiet;
+    long long T, w;
+    avgpipe_context_init(&quiet, NULL);
+    if (avgpipe_sched_resolve(&quiet, desc, &d) || rank < 0 || rank >= d.stages) return -1;
+    T = (long long)d.pipes * d.micro * d.chunks;
+    if (d.kind == AVGPIPE_SCHED_AFAB) return (int)T;
+    if (d.kind == AVGPIPE_SCHED_ZBH1) return (int)(d.stages < T ? d.stages : T);
+    w = avgpipe__warmup(&d, rank) + 1;
+    return (int)(w < T ? w : T);
+}
+
+/* Stream position -> (pipeline, micro-batch across rounds, batch index in the stream). */
+static void avgpipe__stream_item(const avgpipe_sched_desc *d, long long k, int *pipe, int *micro, long long *batch) {
+    long long b = k / d->micro, m = k % d->micro, t = b / d->pipes;
+    *pipe = (int)(b % d->pipes);
+    *micro = (int)(t * d->micro + m);
+    *batch = b;
+}
+
+/* j-th forward (or backward) of rank r in Megatron-LM's interleaved order: groups of S stream
+   items run through chunk 0, 1, ... V-1 (backwards through V-1 ... 0). */
+static long long avgpipe__virtual(const avgpipe_sched_desc *d, long long j, int backward, int *chunk) {
+    long long SV = (long long)d->stages * d->chunks, group = j / SV, w = j % SV;
+    int c = (int)(w / d->stages);
+    *chunk = backward ? d->chunks - 1 - c : c;
+    return group * d->stages + w % d->stages;
+}
+
+/* One rank of the 1F1B family (AFAB, 1F1B, advance, interleaved): forwards while at most `warm`
+   micro-batches are in flight (so warm-up forwards, then one forward one backward, then the
+   cool-down), a forward only once the round (synchronous) or the pipeline's previous batch on this
+   stage (continuous) has finished, STEP and AVG right after a batch's last backward. */
+static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, avgpipe_schedule *s,
+                                        int *bdone /* [chunks * batches], zeroed */) {
+    long long Tall = (long long)d->rounds * d->pipes * d->micro, total = Tall * d->chunks;
+    long long nf = 0, nb = 0, batches = (long long)d->rounds * d->pipes, perround = (long long)d->pipes * d->micro * d->chunks;
+    long long warm = avgpipe__warmup(d, r);
+    avgpipe_op *o = s->ops[r];
+    int n = 0;
+    while (nb < total) {
+        int chunk, pipe, micro, canf = nf < total && nf - nb <= warm;
+        long long item, b;
+        if (canf) {
+            item = avgpipe__virtual(d, nf, 0, &chunk);
+            avgpipe__stream_item(d, item, &pipe, &micro, &b);
+            if (!d->continuous)
+                canf = nb >= (b / d->pipes) * perround;
+            else
+                canf = b < d->pipes || bdone[(long long)chunk * batches + b - d->pipes] == d->micro;
+            if (canf) {
+                o[n++] = avgpipe__op(AVGPIPE_OP_F, pipe, chunk * d->stages + r, micro);
+                nf++;
+                continue;
+            }
+        }
+        if (nb >= nf) /* cannot happen for the supported shapes; guard against an endless loop */
+            return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d cannot continue at forward %lld", r, nf);
+        item = avgpipe__virtual(d, nb, 1, &chunk);
+        avgpipe__stream_item(d, item, &pipe, &micro, &b);
+        o[n++] = avgpipe__op(AVGPIPE_OP_B, pipe, chunk * d->stages + r, micro);
+        nb++;
+        if (++bdone[(long long)chunk * batches + b] == d->micro) {
+            int t = (int)(b / d->pipes);
+            o[n++] = avgpipe__op(AVGPIPE_OP_STEP, pipe, chunk * d->stages + r, t);
+            o[n++] = avgpipe__op(AVGPIPE_OP_AVG, pipe, chunk * d->stages + r, t);
+        }
+    }
+    s->len[r] = n;
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__shape_sched(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
+    avgpipe_shape sh;
+    memset(&sh, 0, sizeof sh);
+    sh.kind = d->kind;
+    sh.stages = d->stages;
+    sh.chunks = d->chunks;
+    sh.micro = d->micro;
+    sh.pipes = d->pipes;
+    sh.rounds = d->rounds;
+    sh.advance = d->advance;
+    sh.continuous = d->continuous;
+    return avgpipe_sched_init(ctx, out, d->stages, &sh);
+}
+
+static avgpipe_result avgpipe__greedy_run(avgpipe_context *ctx, const avgpipe_greedy_desc *g, avgpipe_schedule *out);
+
+AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
+                                                  avgpipe_schedule *out) {
+    avgpipe_sched_desc d;
+    avgpipe_result res;
+    int r, *bdone;
+    long long per_rank;
+    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_generate: out is NULL");
+    memset(out, 0, sizeof *out);
+    res = avgpipe_sched_resolve(ctx, desc, &d);
+    if (res) return res;
+    if (d.kind == AVGPIPE_SCHED_ZBH1) {
+        avgpipe_greedy_desc g;
+        memset(&g, 0, sizeof g);
+        g.stages = d.stages;
+        g.micro = d.micro;
+        g.pipes = d.pipes;
+        g.rounds = d.rounds;
+        g.continuous = d.continuous;
+        g.split_backward = 1;
+        g.priority[0] = AVGPIPE_OP_I;
+        g.priority[1] = AVGPIPE_OP_F;
+        g.priority[2] = AVGPIPE_OP_W;
+        g.inflight_cap_all = d.stages; /* ZB-H1: every stage may hold as many as 1F1B's first stage */
+        g.cost_f = g.cost_i = g.cost_w = 1;
+        g.cost_b = 2;
+        res = avgpipe__greedy_run(ctx, &g, out);
+        if (res) return res;
+        out->shape.kind = AVGPIPE_SCHED_ZBH1;
+        return AVGPIPE_OK;
+    }
+    res = avgpipe__shape_sched(ctx, &d, out);
+    if (res) return res;
+    per_rank = 2LL * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
+    bdone = (int *)avgpipe__calloc(ctx, (size_t)d.chunks * d.rounds * d.pipes, sizeof(int));
+    if (!bdone) {
+        avgpipe_sched_free(ctx, out);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    }
+    for (r = 0; r < d.stages && !res; r++) {
+        res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
+        if (!res) {
+            memset(bdone, 0, sizeof(int) * (size_t)d.chunks * d.rounds * d.pipes);
+            res = avgpipe__gen_rank(ctx, &d, r, out, bdone);
+        }
+    }
+    avgpipe_free(ctx, bdone);
+    if (res) avgpipe_sched_free(ctx, out);
+    return res;
+}
+
+/* ---- greedy list scheduler ---- */
+
+typedef struct avgpipe__gstage {
+    long long nf, nbi, nw; /* next forward, next backward (B or I), next W: stream positions */
+    double t, wake;
+    int waiting, done;
+} avgpipe__gstage;
+
+static avgpipe_result avgpipe__greedy_check(avgpipe_context *ctx, const avgpipe_greedy_desc *g) {
+    int i;
+    if (g->stages < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: must be >= 1 (got %d)", g->stages);
+    if (g->micro < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: must be >= 1 (got %d)", g->micro);
+    if (g->pipes < 0 || g->pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: must be in 1..32767 (got %d)", g->pipes);
+    if (g->rounds < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "rounds: must be >= 1 (got %d)", g->rounds);
+    if (g->stages > AVGPIPE__MAX_STAGES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: at most %d", AVGPIPE__MAX_STAGES);
+    if (g->cost_f < 0 || g->cost_b < 0 || g->cost_i < 0 || g->cost_w < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost: op costs must be >= 0");
+    for (i = 0; i < 3; i++) {
+        int k = g->priority[i];
+        if (k != 0 && k != AVGPIPE_OP_F && k != AVGPIPE_OP_B && k != AVGPIPE_OP_I && k != AVGPIPE_OP_W)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "priority: entry %d is not F, B, I or W", i);
+    }
+    if (g->inflight_cap)
+        for (i = 0; i < g->stages; i++)
+            if (g->inflight_cap[i] < 1)
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "inflight_cap: stage %d has cap %d (must be >= 1)", i,
+                                     g->inflight_cap[i]);
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__greedy_run(avgpipe_context *ctx, const avgpipe_greedy_desc *gin, avgpipe_schedule *out) {
+    avgpipe_greedy_desc g = *gin;
+    avgpipe_sched_desc d;
+    avgpipe__gstage *st = NULL;
+    double *fend = NULL, *bend = NULL, cost[4];
+    int *bfin = NULL, prio[3], np = 0, i, S, split;
+    long long Tall, batches;
+    avgpipe_result res;
+    memset(out, 0, sizeof *out);
+    res = avgpipe__greedy_check(ctx, &g);
+    if (res) return res;
+    if (!g.pipes) g.pipes = 1;
+    if (!g.rounds) g.rounds = 1;
+    if (g.cost_f == 0) g.cost_f = 1;
+    if (g.cost_b == 0) g.cost_b = 2;
+    if (g.cost_i == 0) g.cost_i = 1;
+    if (g.cost_w == 0) g.cost_w = 1;
+    S = g.stages;
+    split = g.split_backward != 0;
+    /* priority list: given entries first, the rest in default order; B and I mean "the backward" */
+    for (i = 0; i < 3; i++) {
+        int k = g.priority[i], j, seen = 0;
+        if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_I) k = AVGPIPE_OP_B;
+        if (!k || (k == AVGPIPE_OP_W && !split)) continue;
+        for (j = 0; j < np; j++) seen |= prio[j] == k;
+        if (!seen) prio[np++] = k;
+    }
+    {
+        static const int defaults[3] = {AVGPIPE_OP_B, AVGPIPE_OP_F, AVGPIPE_OP_W};
+        for (i = 0; i < 3; i++) {
+            int j, seen = 0;
+            if (defaults[i] == AVGPIPE_OP_W && !split) continue;
+            for (j = 0; j < np; j++) seen |= prio[j] == defaults[i];
+            if (!seen) prio[np++] = defaults[i];
+        }
+    }
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B;
+    d.stages = S;
+    d.micro = g.micro;
+    d.pipes = g.pipes;
+    d.rounds = g.rounds;
+    d.chunks = 1;
+    d.continuous = g.continuous != 0;
+    Tall = (long long)g.rounds * g.pipes * g.micro;
+    batches = (long long)g.rounds * g.pipes;
+    if ((long long)S * Tall * 4 > AVGPIPE__MAX_OPS)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: stages x pipes x micro x rounds is too large");
+    res = avgpipe__shape_sched(ctx, &d, out);
+    if (res) return res;
+    out->shape.kind = AVGPIPE_SCHED_CUSTOM;
+    cost[0] = g.cost_f;
+    cost[1] = split ? g.cost_i : g.cost_b;
+    cost[2] = g.cost_w;
+    st = (avgpipe__gstage *)avgpipe__calloc(ctx, (size_t)S, sizeof *st);
+    fend = (double *)avgpipe__calloc(ctx, (size_t)(S * Tall), sizeof(double));
+    bend = (double *)avgpipe__calloc(ctx, (size_t)(S * Tall), sizeof(double));
+    bfin = (int *)avgpipe__calloc(ctx, (size_t)(S * batches), sizeof(int));
+    if (!st || !fend || !bend || !bfin) {
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_greedy: out of memory");
+        goto done;
+    }
+    for (i = 0; i < S; i++) {
+        res = avgpipe__sched_reserve(ctx, out, i, (size_t)(3 * Tall + 2 * batches));
+        if (res) goto done;
+    }
+    {
+        long long k;
+        for (k = 0; k < S * Tall; k++) fend[k] = bend[k] = -1;
+    }
+    for (;;) {
+        int s = -1, pick = 0, j;
+        double best = HUGE_VAL, tau;
+        avgpipe__gstage *x;
+        long long fin;
+        for (i = 0; i < S; i++) {
+            double when;
+            if (st[i].done) continue;
+            when = st[i].waiting ? st[i].wake : st[i].t;
+            if (when < best) {
+                best = when;
+                s = i;
+            }
+        }
+        if (s < 0) break; /* all done */
+        if (best == HUGE_VAL) {
+            res = avgpipe__fail(ctx, AVGPIPE_DEADLOCK, "avgpipe_sched_greedy: no stage can proceed (in-flight caps too small?)");
+            goto done;
+        }
+        x = &st[s];
+        tau = best;
+        x->t = tau;
+        x->waiting = 0;
+        fin = split ? x->nw : x->nbi;
+        for (j = 0; j < np && !pick; j++) {
+            if (prio[j] == AVGPIPE_OP_F && x->nf < Tall) {
+                int cap = g.inflight_cap ? g.inflight_cap[s] : g.inflight_cap_all > 0 ? g.inflight_cap_all : S - s;
+                int pipe, micro;
+                long long b;
+                double a = s == 0 ? 0 : fend[(long long)(s - 1) * Tall + x->nf];
+                avgpipe__stream_item(&d, x->nf, &pipe, &micro, &b);
+                if (x->nf - fin < cap && a >= 0 && a <= tau &&
+                    (d.continuous ? (b < d.pipes || bfin[s * batches + b - d.pipes] == d.micro)
+                                  : fin >= (b / d.pipes) * d.pipes * d.micro))
+                    pick = AVGPIPE_OP_F;
+            } else if (prio[j] == AVGPIPE_OP_B && x->nbi < x->nf) {
+                double a = s == S - 1 ? 0 : bend[(long long)(s + 1) * Tall + x->nbi];
+                if (a >= 0 && a <= tau) pick = AVGPIPE_OP_B;
+            } else if (prio[j] == AVGPIPE_OP_W && x->nw < x->nbi) {
+                pick = AVGPIPE_OP_W;
+            }
+        }
+        if (!pick) { /* sleep until the next known arrival, or until a neighbour publishes one */
+            double w = HUGE_VAL, a;
+            if (s > 0 && x->nf < Tall && (a = fend[(long long)(s - 1) * Tall + x->nf]) > tau) w = a;
+            if (s < S - 1 && x->nbi < x->nf && (a = bend[(long long)(s + 1) * Tall + x->nbi]) > tau && a < w) w = a;
+            x->waiting = 1;
+            x->wake = w;
+            continue;
+        }
+        {
+            long long k = pick == AVGPIPE_OP_F ? x->nf : pick == AVGPIPE_OP_B ? x->nbi : x->nw, b;
+            int pipe, micro, kind = pick == AVGPIPE_OP_B ? (split ? AVGPIPE_OP_I : AVGPIPE_OP_B) : pick, nb;
+            double end = tau + cost[pick == AVGPIPE_OP_F ? 0 : pick == AVGPIPE_OP_B ? 1 : 2];
+            avgpipe_op *o = out->ops[s];
+            avgpipe__stream_item(&d, k, &pipe, &micro, &b);
+            nb = out->len[s];
+            o[nb++] = avgpipe__op(kind, pipe, s, micro);
+            if (pick == AVGPIPE_OP_F) {
+                fend[(long long)s * Tall + k] = end;
+                x->nf++;
+                if (s < S - 1 && st[s + 1].waiting && end < st[s + 1].wake) st[s + 1].wake = end > st[s + 1].t ? end : st[s + 1].t;
+            } else if (pick == AVGPIPE_OP_B) {
+                bend[(long long)s * Tall + k] = end;
+                x->nbi++;
+                if (s > 0 && st[s - 1].waiting && end < st[s - 1].wake) st[s - 1].wake = end > st[s - 1].t ? end : st[s - 1].t;
+            } else {
+                x->nw++;
+            }
+            if ((pick == AVGPIPE_OP_W || (pick == AVGPIPE_OP_B && !split)) && ++bfin[s * batches + b] == d.micro) {
+                o[nb++] = avgpipe__op(AVGPIPE_OP_STEP, pipe, s, (int)(b / d.pipes));
+                o[nb++] = avgpipe__op(AVGPIPE_OP_AVG, pipe, s, (int)(b / d.pipes));
+            }
+            out->len[s] = nb;
+            x->t = end;
+            if (x->nf == Tall && x->nbi == Tall && (!split || x->nw == Tall)) x->done = 1;
+        }
+    }
+done:
+    avgpipe_free(ctx, st);
+    avgpipe_free(ctx, fend);
+    avgpipe_free(ctx, bend);
+    avgpipe_free(ctx, bfin);
+    if (res) avgpipe_sched_free(ctx, out);
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgpipe_greedy_desc *desc, avgpipe_schedule *out) {
+    if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_greedy: NULL argument");
+    return avgpipe__greedy_run(ctx, desc, out);
+}
+
+/* ---- lowering ---- */
+
+static avgpipe_result avgpipe__sim_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro);
+
+
+
+/* The SEND a compute op needs under loop placement (its consumer is on another rank). */
+static int avgpipe__op_send(const avgpipe_schedule *s, const avgpipe_op *op, int r, avgpipe_op *send) {
+    int G = s->nstages, S = s->nranks;
+    if (op->kind == AVGPIPE_OP_F && op->stage < G - 1 && (op->stage + 1) % S != r) {
+        *send = avgpipe__op(AVGPIPE_OP_SEND_F, op->pipe, op->stage, op->micro);
+        return 1;
+    }
+    if (avgpipe__is_backward(op->kind) && op->stage > 0 && (op->stage - 1) % S != r) {
+        *send = avgpipe__op(AVGPIPE_OP_SEND_B, op->pipe, op->stage, op->micro);
+        return 1;
+    }
+    return 0;
+}
+
+/* Lowering, in three steps per schedule:
+   1. every compute op that feeds a stage on another rank gets its SEND right after it (after the
+      op's overlap group), so each channel (src, dst) carries messages in the sender's order;
+   2. each receive gets a desired slot on its rank: a RECV_F right after the forward before its
+      consumer (so a rank blocked in a send has its next forward's receive posted), a RECV_B right after the forward of the same micro-batch (the gradient cannot come
+      earlier, and posting it early lets a blocking sender downstream go on);
+   3. receives keep the sender's order on each channel (the sender inserts the matching receive):
+      walking a channel backwards, slot_k = min(desired_k, slot_k+1).
+   A slot q sits after compute unit q-1 and before that unit's sends. */
+typedef struct avgpipe__lower {
+    const avgpipe_schedule *in;
+    int S, G, N;
+    long long U;
+    int *fpos, *bpos; /* [pipe][stage][micro] -> index of the unit holding F / B-or-I on its rank */
+} avgpipe__lower;
+
+static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
+    return ((size_t)p * (size_t)L->G + (size_t)g) * (size_t)L->U + (size_t)u;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out) {
+    avgpipe__lower L;
+    avgpipe_result res;
+    int r, *units = NULL, *ustart = NULL, *nunits = NULL, *slot = NULL, *bucket = NULL, *cursor = NULL, *prevf = NULL;
+    avgpipe_op *msgs = NULL;
+    long long total = 0, cells, i;
+    size_t nmsg = 0, maxmsg = 0;
+    if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
+    if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
+    memset(out, 0, sizeof *out);
+    res = avgpipe__sim_scan(ctx, in, &L.N, &L.U);
+    if (res) return res;
+    L.in = in;
+    L.S = in->nranks;
+    L.G = in->nstages;
+    cells = (long long)L.N * L.G * L.U;
+    for (r = 0; r < L.S; r++) total += in->len[r];
+    L.fpos = (int *)avgpipe_alloc(ctx, (size_t)cells * sizeof(int));
+    L.bpos = (int *)avgpipe_alloc(ctx, (size_t)cells * sizeof(int));
+    units = (int *)avgpipe__calloc(ctx, (size_t)total + 1, sizeof(int)); /* unit index of each op */
+    ustart = (int *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(int));
+    nunits = (int *)avgpipe__calloc(ctx, (size_t)L.S, sizeof(int));
+    if (!L.fpos || !L.bpos || !units || !ustart || !nunits) goto oom;
+    for (i = 0; i < cells; i++) L.fpos[i] = L.bpos[i] = -1;
+    /* units: an op with the ops it overlaps; idle slots are dropped */
+    {
+        long long off = 0;
+        for (r = 0; r < L.S; r++) {
+            int n = in->len[r], j, u = -1, open = 0;
+            const avgpipe_op *src = in->ops[r];
+            ustart[r] = (int)off;
+            for (j = 0; j < n; j++) {
+                if (src[j].kind == AVGPIPE_OP_IDLE && !open) {
+                    units[off + j] = -1;
+                    continue;
+                }
+                if (!open) u++;
+                units[off + j] = u;
+                open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
+                if (src[j].kind == AVGPIPE_OP_F) L.fpos[avgpipe__lix(&L, src[j].pipe, src[j].stage, src[j].micro)] = u;
+                if (avgpipe__is_backward(src[j].kind)) L.bpos[avgpipe__lix(&L, src[j].pipe, src[j].stage, src[j].micro)] = u;
+            }
+            nunits[r] = u + 1;
+            off += n;
+        }
+    }
+    /* prevf[ustart[r] + q]: the last unit before q on rank r that holds a forward (-1: none) */
+    prevf = (int *)avgpipe__calloc(ctx, (size_t)total + 1, sizeof(int));
+    if (!prevf) goto oom;
+    for (r = 0; r < L.S; r++) {
+        int j, last = -1, q = -1;
+        for (j = 0; j < in->len[r]; j++) {
+            int u = units[ustart[r] + j];
+            if (u < 0) continue;
+            if (u != q) {
+                prevf[ustart[r] + u] = last;
+                q = u;
+            }
+            if (in->ops[r][j].kind == AVGPIPE_OP_F) last = u;
+        }
+    }
+    res = avgpipe_sched_init(ctx, out, in->nranks, &in->shape);
+    if (res) goto fail;
+    out->nstages = in->nstages;
+    out->has_comm = 1;
+    /* receives per rank: gather each channel's messages in the sender's order, give them slots */
+    for (r = 0; r < L.S; r++) {
+        int src;
+        nmsg = 0;
+        for (src = 0; src < L.S; src++) {
+            const avgpipe_op *so = in->ops[src];
+            int j, n = in->len[src];
+            size_t first = nmsg, k;
+            if (src == r) continue;
+            for (j = 0; j < n; j++) {
+                avgpipe_op x;
+                int g2;
+                if (!avgpipe__op_send(in, &so[j], src, &x)) continue;
+                g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
+                if (g2 % L.S != r) continue;
+                if (nmsg == maxmsg) {
+                    size_t cap = maxmsg ? 2 * maxmsg : 1024;
+                    avgpipe_op *pm = (avgpipe_op *)avgpipe__realloc(ctx, msgs, maxmsg * sizeof *pm, cap * sizeof *pm);
+                    int *ps = (int *)avgpipe__realloc(ctx, slot, maxmsg * sizeof(int), cap * sizeof(int));
+                    if (!pm || !ps) {
+                        if (pm) msgs = pm;
+                        if (ps) slot = ps;
+                        goto oom;
+                    }
+                    msgs = pm;
+                    slot = ps;
+                    maxmsg = cap;
+                }
+                msgs[nmsg] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
+                if (x.kind == AVGPIPE_OP_SEND_F) {
+                    int c = L.fpos[avgpipe__lix(&L, x.pipe, g2, x.micro)];
+                    slot[nmsg] = c < 0 ? nunits[r] : prevf[ustart[r] + c] + 1;
+                } else {
+                    int c = L.bpos[avgpipe__lix(&L, x.pipe, g2, x.micro)], f = L.fpos[avgpipe__lix(&L, x.pipe, g2, x.micro)];
+                    slot[nmsg] = f >= 0 ? f + 1 : c < 0 ? nunits[r] : c;
+                    if (c >= 0 && slot[nmsg] > c) slot[nmsg] = c;
+                }
+                nmsg++;
+            }
+            for (k = nmsg; k-- > first + 1;) /* keep the channel's order */
+                if (slot[k - 1] > slot[k]) slot[k - 1] = slot[k];
+        }
+        /* bucket the receives by slot, stable (channel, then order) */
+        {
+            int nu = nunits[r], q, w = 0, pend_from = -1, pend_to = -1;
+            size_t k;
+            const avgpipe_op *so = in->ops[r];
+            int n = in->len[r], j = 0, *ord;
+            avgpipe_op *o, x;
+            avgpipe_free(ctx, bucket);
+            avgpipe_free(ctx, cursor);
+            bucket = (int *)avgpipe__calloc(ctx, (size_t)nu + 2, sizeof(int));
+            cursor = (int *)avgpipe__calloc(ctx, nmsg + 1, sizeof(int));
+            if (!bucket || !cursor) goto oom;
+            for (k = 0; k < nmsg; k++) bucket[slot[k] + 1]++;
+            for (q = 0; q <= nu; q++) bucket[q + 1] += bucket[q];
+            ord = cursor;
+            {
+                int *fill = (int *)avgpipe__calloc(ctx, (size_t)nu + 2, sizeof(int));
+                if (!fill) goto oom;
+                memcpy(fill, bucket, ((size_t)nu + 2) * sizeof(int));
+                for (k = 0; k < nmsg; k++) ord[fill[slot[k]]++] = (int)k;
+                avgpipe_free(ctx, fill);
+            }
+            res = avgpipe__sched_reserve(ctx, out, r, (size_t)n * 2 + nmsg + 2);
+            if (res) goto fail;
+            o = out->ops[r];
+            for (q = 0; q <= nu; q++) {
+                int e, b;
+                for (b = bucket[q]; b < bucket[q + 1]; b++) o[w++] = msgs[ord[b]];
+                /* sends of the previous unit */
+                for (e = pend_from; e >= 0 && e < pend_to; e++)
+                    if (avgpipe__op_send(in, &so[e], r, &x)) o[w++] = x;
+                pend_from = pend_to = -1;
+                if (q == nu) break;
+                while (j < n && units[ustart[r] + j] < q) j++;
+                pend_from = j;
+                while (j < n && units[ustart[r] + j] == q) o[w++] = so[j++];
+                pend_to = j;
+            }
+            out->len[r] = w;
+        }
+    }
+    res = AVGPIPE_OK;
+    goto done;
+oom:
+    res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_lower: out of memory");
+fail:
+    avgpipe_sched_free(ctx, out);
+done:
+    avgpipe_free(ctx, L.fpos);
+    avgpipe_free(ctx, L.bpos);
+    avgpipe_free(ctx, units);
+    avgpipe_free(ctx, prevf);
+    avgpipe_free(ctx, ustart);
+    avgpipe_free(ctx, nunits);
+    avgpipe_free(ctx, msgs);
+    avgpipe_free(ctx, slot);
+    avgpipe_free(ctx, bucket);
+    avgpipe_free(ctx, cursor);
+    return res;
+}
+
+
+/* --- 5. Simulation (the validator's replay uses it, so it comes first) ------------------------- */
+
+typedef struct avgpipe__chan {
+    double link_free;
+    int nsend, nrecv, post_cap;
+    double *post; /* post time of each receive, for blocking sends */
+} avgpipe__chan;
+
+typedef struct avgpipe__sim {
+    avgpipe_context *ctx;
+    const avgpipe_schedule *s;
+    const avgpipe_sim_desc *d;
+    avgpipe_sim_result *res;
+    int S, G, N;
+    long long U;
+    double *f_end, *b_end, *act_in, *grad_in; /* [pipe][stage][micro], -1 = not yet */
+    avgpipe__chan *chan;                      /* [src * S + dst] */
+    int *pos, *waiting, *stack, nstack, *stash;
+    double *t, *bytes;
+    long long flows;
+    double makespan;
+} avgpipe__sim;
+
+static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+
+static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
+    const avgpipe_sim_desc *d = m->d;
+    double c;
+    if (d->cost_fn) return d->cost_fn(op, d->cost_user);
+    if (d->stage_cost) c = d->stage_cost[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
+    else {
+        c = d->cost[op->kind];
+        if (c == 0) c = avgpipe__default_cost[op->kind];
+    }
+    if (c < 0) c = 0;
+    if (d->scale_by_micro_size && avgpipe__is_compute(op->kind)) c *= d->micro_size > 0 ? d->micro_size : 1;
+    return c;
+}
+
+static double avgpipe__xfer_time(const avgpipe__sim *m, int boundary) {
+    const avgpipe_sim_desc *d = m->d;
+    double bytes = d->stage_bytes ? d->stage_bytes[boundary] : d->bytes;
+    return d->latency + (d->bandwidth > 0 ? bytes / d->bandwidth : 0);
+}
+
+static size_t avgpipe__idx(const avgpipe__sim *m, int pipe, int stage, int micro) {
+    return ((size_t)pipe * (size_t)m->G + (size_t)stage) * (size_t)m->U + (size_t)micro;
+}
+
+static void avgpipe__wake(avgpipe__sim *m, int r) {
+    if (m->waiting[r]) {
+        m->waiting[r] = 0;
+        m->stack[m->nstack++] = r;
+    }
+}
+
+static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int track, int peer, int flow, double a, double b) {
+    avgpipe_sim_result *R = m->res;
+    avgpipe_event *e;
+    if (!m->d->record_events) return 1;
+    if (R->nevents == R->events_cap) {
+        size_t cap = R->events_cap ? 2 * R->events_cap : 1024;
+        avgpipe_event *p = (avgpipe_event *)avgpipe__realloc(m->ctx, R->events, R->nevents * sizeof *p, cap * sizeof *p);
+        if (!p) return 0;
+        R->events = p;
+        R->events_cap = cap;
+    }
+    e = &R->events[R->nevents++];
+    e->op = *op;
+    e->rank = rank;
+    e->track = track;
+    e->peer = peer;
+    e->flow = flow;
+    e->start = a;
+    e->end = b;
+    return 1;
+}
+
+/* A transfer on the src->dst link, ready at `ready`, not before `post` (blocking). Returns its end. */
+static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int src, int dst, double ready, int boundary, int *ok) {
+    avgpipe__chan *c = &m->chan[src * m->S + dst];
+    double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
+    int flow = (int)(m->flows++ & 0x7fffffff);
+    c->link_free = xe;
+    if (xe > m->makespan) m->makespan = xe;
+    m->res->transfers++;
+    *ok &= avgpipe__event(m, op, src, 1, dst, flow, xs, xe);
+    *ok &= avgpipe__event(m, op, dst, 2, src, flow, xs, xe);
+    return xe;
+}
+
+/* Deliver data produced at `end` by op on rank r to the stage that consumes it. */
+static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
+    int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
+    double *slot;
+    if (g2 < 0 || g2 >= m->G) return;
+    r2 = g2 % m->S;
+    slot = fwd ? &m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] : &m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    if (r2 == r) *slot = end;
+    else if (!m->s->has_comm) {
+        *slot = avgpipe__transfer(m, op, r, r2, end, fwd ? op->stage : g2, ok);
+        avgpipe__wake(m, r2);
+    }
+}
+
+/* Run rank r as far as it can go. Returns 0 on allocation failure. */
+static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
+    const avgpipe_op *ops = m->s->ops[r];
+    int n = m->s->len[r], ok = 1;
+    avgpipe_rank_stats *st = &m->res->rank[r];
+    const avgpipe_sim_desc *d = m->d;
+    while (m->pos[r] < n && ok) {
+        const avgpipe_op *op = &ops[m->pos[r]];
+        double t = m->t[r], dep = 0, c, end;
+        size_t ix = 0;
+        int k = op->kind;
+        if (avgpipe__has_micro(k) && k != AVGPIPE_OP_STEP && k != AVGPIPE_OP_AVG) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
+        switch (k) {
+        case AVGPIPE_OP_F:
+            dep = op->stage > 0 ? m->act_in[ix] : 0;
+            break;
+        case AVGPIPE_OP_B:
+        case AVGPIPE_OP_I:
+            dep = op->stage < m->G - 1 ? m->grad_in[ix] : 0;
+            if (m->f_end[ix] < 0) dep = -1;
+            break;
+        case AVGPIPE_OP_W: dep = m->b_end[ix]; break;
+        case AVGPIPE_OP_SEND_F: dep = m->f_end[ix]; break;
+        case AVGPIPE_OP_SEND_B: dep = m->b_end[ix]; break;
+        default: break;
+        }
+        if (dep < 0) { /* input not there yet: sleep until a producer wakes us */
+            m->waiting[r] = 1;
+            return 1;
+        }
+        if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
+            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst;
+            avgpipe__chan *ch;
+            double ready = dep > t ? dep : t, xe;
+            if (g2 < 0 || g2 >= m->G) return 1; /* validator reports it; cannot happen after validation */
+            dst = g2 % m->S;
+            ch = &m->chan[r * m->S + dst];
+            if (d->blocking_send) {
+                if (ch->nrecv <= ch->nsend) {
+                    m->waiting[r] = 1;
+                    return 1;
+                }
+                if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
+            }
+            ch->nsend++;
+            xe = avgpipe__transfer(m, op, r, dst, ready, fwd ? op->stage : g2, &ok);
+            if (fwd) m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
+            else m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
+            avgpipe__wake(m, dst);
+            if (d->blocking_send) {
+                st->blocked += xe - t;
+                m->t[r] = xe;
+            }
+            m->pos[r]++;
+            continue;
+        }
+        if (k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) {
+            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src;
+            avgpipe__chan *ch;
+            if (g2 < 0 || g2 >= m->G) return 1;
+            src = g2 % m->S;
+            ch = &m->chan[src * m->S + r];
+            if (ch->nrecv == ch->post_cap) {
+                int cap = ch->post_cap ? 2 * ch->post_cap : 64;
+                double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
+                if (!p) return 0;
+                ch->post = p;
+                ch->post_cap = cap;
+            }
+            ch->post[ch->nrecv++] = t;
+            avgpipe__wake(m, src);
+            m->pos[r]++;
+            continue;
+        }
+        c = avgpipe__cost(m, op);
+        if (dep < t) dep = t;
+        end = dep + c;
+        st->busy += c;
+        m->t[r] = end;
+        m->res->ops++;
+        if (k != AVGPIPE_OP_IDLE) ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
+        if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
+            double ab = d->stage_act_bytes ? d->stage_act_bytes[op->stage] : d->act_bytes;
+            int sign = k == AVGPIPE_OP_F ? 1 : -1;
+            m->stash[r] += sign;
+            m->bytes[r] += sign * ab;
+            if (m->stash[r] > st->peak_stash) st->peak_stash = m->stash[r];
+            if (m->bytes[r] > st->peak_bytes) st->peak_bytes = m->bytes[r];
+        }
+        if (k == AVGPIPE_OP_F) {
+            m->f_end[ix] = end;
+            avgpipe__deliver(m, op, r, end, &ok);
+        } else if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_I) {
+            m->b_end[ix] = end;
+            avgpipe__deliver(m, op, r, end, &ok);
+        }
+        m->pos[r]++;
+    }
+    return ok;
+}
+
+AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_result *r) {
+    if (!r) return;
+    avgpipe_free(ctx, r->rank);
+    avgpipe_free(ctx, r->events);
+    memset(r, 0, sizeof *r);
+}
+
+static void avgpipe__sim_release(avgpipe__sim *m) {
+    avgpipe_context *ctx = m->ctx;
+    int i;
+    if (m->chan)
+        for (i = 0; i < m->S * m->S; i++) avgpipe_free(ctx, m->chan[i].post);
+    avgpipe_free(ctx, m->chan);
+    avgpipe_free(ctx, m->f_end);
+    avgpipe_free(ctx, m->b_end);
+    avgpipe_free(ctx, m->act_in);
+    avgpipe_free(ctx, m->grad_in);
+    avgpipe_free(ctx, m->pos);
+    avgpipe_free(ctx, m->waiting);
+    avgpipe_free(ctx, m->stack);
+    avgpipe_free(ctx, m->stash);
+    avgpipe_free(ctx, m->t);
+    avgpipe_free(ctx, m->bytes);
+}
+
+/* Sizes of the dependency tables, and a structural check the simulator relies on. */
+static avgpipe_result avgpipe__sim_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
+    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
+    long long U = 1;
+    *npipes = 1;
+    *nmicro = 1;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            char txt[64];
+            if (op->kind == AVGPIPE_OP_IDLE) continue;
+            avgpipe_op_format(op, 0, txt, sizeof txt);
+            if (op->kind >= AVGPIPE_OP_KIND_COUNT)
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d: unknown op kind %d", r, i, op->kind);
+            if (op->stage < 0 || op->stage >= s->nstages || op->stage % s->nranks != r)
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d does not live on rank %d", r,
+                                     i, txt, op->stage, r);
+            if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
+            if (op->pipe >= N) N = op->pipe + 1;
+            if (avgpipe__has_micro(op->kind)) {
+                if (op->micro < 0)
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative micro-batch", r, i, txt);
+                if (op->kind != AVGPIPE_OP_STEP && op->kind != AVGPIPE_OP_AVG && op->micro + 1LL > U) U = op->micro + 1LL;
+            }
+        }
+    if ((long long)N * s->nstages * U > 200000000LL)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
+                             N, s->nstages, U);
+    *npipes = N;
+    *nmicro = U;
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__sim_deadlock(avgpipe__sim *m) {
+    char msg[AVGPIPE_ERROR_MAX];
+    size_t n = 0;
+    int r, shown = 0;
+    n += (size_t)snprintf(msg, sizeof msg, "deadlock (%s sends):", m->d->blocking_send ? "blocking" : "async");
+    for (r = 0; r < m->S && n < sizeof msg; r++) {
+        char txt[64];
+        if (m->pos[r] >= m->s->len[r]) continue;
+        if (shown++ == 8) {
+            n += (size_t)snprintf(msg + n, sizeof msg - n, " ...");
+            break;
+        }
+        avgpipe_op_format(&m->s->ops[r][m->pos[r]], 0, txt, sizeof txt);
+        n += (size_t)snprintf(msg + n, sizeof msg - n, " rank %d waits at position %d (%s);", r, m->pos[r], txt);
+    }
+    return avgpipe__fail(m->ctx, AVGPIPE_DEADLOCK, "%s", msg);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
+                                           avgpipe_sim_result *out) {
+    avgpipe_sim_desc zero;
+    avgpipe__sim m;
+    avgpipe_result res;
+    size_t cells;
+    int r, N;
+    long long U, i;
+    double busy = 0;
+    if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: NULL argument");
+    memset(out, 0, sizeof *out);
+    if (!desc) {
+        memset(&zero, 0, sizeof zero);
+        desc = &zero;
+    }
+    if (desc->latency < 0 || desc->bytes < 0 || desc->bandwidth < 0 || desc->micro_size < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: latency, bytes, bandwidth and micro_size must be >= 0");
+    if (desc->blocking_send && !s->has_comm) { /* blocking semantics need explicit receives */
+        avgpipe_schedule low;
+        res = avgpipe_sched_lower(ctx, s, &low);
+        if (res) return res;
+        res = avgpipe_sim_run(ctx, &low, desc, out);
+        avgpipe_sched_free(ctx, &low);
+        return res;
+    }
+    res = avgpipe__sim_scan(ctx, s, &N, &U);
+    if (res) return res;
+    memset(&m, 0, sizeof m);
+    m.ctx = ctx;
+    m.s = s;
+    m.d = desc;
+    m.res = out;
+    m.S = s->nranks;
+    m.G = s->nstages;
+    m.N = N;
+    m.U = U;
+    cells = (size_t)N * (size_t)m.G * (size_t)U;
+    m.f_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
+    m.b_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
+    m.act_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
+    m.grad_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
+    m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, (size_t)m.S * m.S, sizeof(avgpipe__chan));
+    m.pos = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
+    m.waiting = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
+    m.stack = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
+    m.stash = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
+    m.t = (double *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(double));
+    m.bytes = (double *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(double));
+    out->rank = (avgpipe_rank_stats *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(avgpipe_rank_stats));
+    out->nranks = m.S;
+    if (!m.f_end || !m.b_end || !m.act_in || !m.grad_in || !m.chan || !m.pos || !m.waiting || !m.stack || !m.stash || !m.t ||
+        !m.bytes || !out->rank) {
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+        goto done;
+    }
+    for (i = 0; i < (long long)cells; i++) m.f_end[i] = m.b_end[i] = m.act_in[i] = m.grad_in[i] = -1;
+    for (r = m.S - 1; r >= 0; r--) m.stack[m.nstack++] = r;
+    while (m.nstack > 0) {
+        r = m.stack[--m.nstack];
+        if (!avgpipe__sim_rank(&m, r)) {
+            res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+            goto done;
+        }
+    }
+    for (r = 0; r < m.S; r++)
+        if (m.pos[r] < s->len[r]) {
+            res = avgpipe__sim_deadlock(&m);
+            goto done;
+        }
+    for (r = 0; r < m.S; r++) {
+        if (m.t[r] > m.makespan) m.makespan = m.t[r];
+        busy += out->rank[r].busy;
+    }
+    out->makespan = m.makespan;
+    for (r = 0; r < m.S; r++) out->rank[r].idle = m.makespan - out->rank[r].busy - out->rank[r].blocked;
+    out->bubble = m.makespan > 0 ? 1.0 - busy / (m.S * m.makespan) : 0;
+done:
+    avgpipe__sim_release(&m);
+    if (res) avgpipe_sim_result_free(ctx, out);
+    return res;
+}
+
+/* --- 4. Validation ------------------------------------------------------------------------------ */
+
+typedef struct avgpipe__msg {
+    uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
+    int16_t pipe;
+    int32_t stage, micro; /* the consumer's stage */
+    int32_t rank, pos;
+} avgpipe__msg;
+
+typedef struct avgpipe__msgs {
+    avgpipe__msg *v;
+    int n, cap;
+} avgpipe__msgs;
+
+static int avgpipe__msgs_push(avgpipe_context *ctx, avgpipe__msgs *q, avgpipe__msg x) {
+    if (q->n == q->cap) {
+        int cap = q->cap ? 2 * q->cap : 64;
+        avgpipe__msg *p = (avgpipe__msg *)avgpipe__realloc(ctx, q->v, (size_t)q->n * sizeof x, (size_t)cap * sizeof x);
+        if (!p) return 0;
+        q->v = p;
+        q->cap = cap;
+    }
+    q->v[q->n++] = x;
+    return 1;
+}
+
+typedef struct avgpipe__vstate {
+    avgpipe_context *ctx;
+    const avgpipe_schedule *s;
+    avgpipe_validate_report *rep;
+    int S, G, N, M, R;
+    uint8_t *st;   /* [pipe][stage][micro]: bits below */
+    uint8_t *step; /* [pipe][stage][round]: 1 STEP, 2 AVG */
+    avgpipe__msgs *sendq, *recvq; /* [src * S + dst] */
+    int any_step;
+} avgpipe__vstate;
+
+enum { AVGPIPE__VF = 1, AVGPIPE__VB = 2, AVGPIPE__VI = 4, AVGPIPE__VW = 8, AVGPIPE__VRF = 16, AVGPIPE__VRB = 32 };
+
+static avgpipe_result avgpipe__vfail(avgpipe__vstate *v, avgpipe_result res, int rank, int pos, const char *fmt, ...) {
+    va_list ap;
+    avgpipe_validate_report *rep = v->rep;
+    char body[400];
+    va_start(ap, fmt);
+    vsnprintf(body, sizeof body, fmt, ap);
+    va_end(ap);
+    rep->result = res;
+    rep->rank = rank;
+    rep->pos = pos;
+    rep->op_text[0] = 0;
+    if (rank >= 0 && pos >= 0 && rank < v->s->nranks && pos < v->s->len[rank])
+        avgpipe_op_format(&v->s->ops[rank][pos], 0, rep->op_text, sizeof rep->op_text);
+    if (pos >= 0)
+        snprintf(rep->message, sizeof rep->message, "rank %d, position %d, op %s: %s", rank, pos, rep->op_text, body);
+    else
+        snprintf(rep->message, sizeof rep->message, "%s", body);
+    return avgpipe__fail(v->ctx, res, "%s", rep->message);
+}
+
+static size_t avgpipe__vix(const avgpipe__vstate *v, int p, int g, int u) {
+    return ((size_t)p * (size_t)v->G + (size_t)g) * (size_t)(v->M * v->R) + (size_t)u;
+}
+
+/* One op of the static pass. */
+static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
+    const avgpipe_op *op = &v->s->ops[r][i];
+    int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, S = v->S, G = v->G, MR = v->M * v->R;
+    uint8_t *x;
+    avgpipe__msg msg;
+    if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD)
+        return AVGPIPE_OK;
+    if (k >= AVGPIPE_OP_KIND_COUNT) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "unknown op kind %d", k);
+    if (g < 0 || g >= G) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d out of range 0..%d", g, G - 1);
+    if (g % S != r) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d", g, g % S, r);
+    if (p < 0 || p >= v->N) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "pipeline %d out of range 0..%d", p, v->N - 1);
+    if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) {
+        uint8_t *sx;
+        int j;
+        if (u < 0 || u >= v->R) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "round %d out of range 0..%d", u, v->R - 1);
+        sx = &v->step[((size_t)p * G + g) * v->R + u];
+        v->any_step = 1;
+        if (k == AVGPIPE_OP_AVG) {
+            if (!(*sx & 1)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "AVG before its STEP");
+            if (*sx & 2) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate AVG");
+            *sx |= 2;
+            return AVGPIPE_OK;
+        }
+        if (*sx & 1) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate STEP");
+        for (j = u * v->M; j < (u + 1) * v->M; j++) {
+            uint8_t b = v->st[avgpipe__vix(v, p, g, j)];
+            if (!(b & AVGPIPE__VB) && !(b & AVGPIPE__VW))
+                return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "STEP before the backward work of micro-batch %d", j);
+        }
+        *sx |= 1;
+        return AVGPIPE_OK;
+    }
+    if (u < 0 || u >= MR)
+        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "micro-batch %d out of range 0..%d (micro x rounds)", u, MR - 1);
+    x = &v->st[avgpipe__vix(v, p, g, u)];
+    msg.pipe = (int16_t)p;
+    msg.micro = u;
+    msg.rank = r;
+    msg.pos = i;
+    switch (k) {
+    case AVGPIPE_OP_F:
+        if (*x & AVGPIPE__VF) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate forward");
+        if (g > 0 && (g - 1) % S == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward before the forward of stage %d it needs", g - 1);
+        if (v->s->has_comm && g > 0 && (g - 1) % S != r && !(*x & AVGPIPE__VRF))
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward without a RECV_F posted before it");
+        if (v->any_step && u >= v->M && !(v->step[((size_t)p * G + g) * v->R + u / v->M - 1] & 1))
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward of round %d before STEP of round %d", u / v->M,
+                                  u / v->M - 1);
+        *x |= AVGPIPE__VF;
+        break;
+    case AVGPIPE_OP_B:
+    case AVGPIPE_OP_I:
+        if (!(*x & AVGPIPE__VF)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before its forward");
+        if (*x & (AVGPIPE__VB | AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate backward");
+        if (g < G - 1 && (g + 1) % S == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before the backward of stage %d it needs", g + 1);
+        if (v->s->has_comm && g < G - 1 && (g + 1) % S != r && !(*x & AVGPIPE__VRB))
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward without a RECV_B posted before it");
+        *x |= k == AVGPIPE_OP_B ? AVGPIPE__VB : AVGPIPE__VI;
+        break;
+    case AVGPIPE_OP_W:
+        if (!(*x & AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "W before its I");
+        if (*x & AVGPIPE__VW) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate W");
+        *x |= AVGPIPE__VW;
+        break;
+    case AVGPIPE_OP_SEND_F:
+    case AVGPIPE_OP_SEND_B: {
+        int fwd = k == AVGPIPE_OP_SEND_F, g2 = g + (fwd ? 1 : -1);
+        if (fwd ? !(*x & AVGPIPE__VF) : !(*x & (AVGPIPE__VB | AVGPIPE__VI)))
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
+        if (g2 < 0 || g2 >= G || g2 % S == r)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send with no consumer on another rank");
+        msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
+        msg.stage = g2;
+        if (!avgpipe__msgs_push(v->ctx, &v->sendq[r * S + g2 % S], msg))
+            return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+        break;
+    }
+    case AVGPIPE_OP_RECV_F:
+    case AVGPIPE_OP_RECV_B: {
+        int fwd = k == AVGPIPE_OP_RECV_F, g2 = g + (fwd ? -1 : 1);
+        if (g2 < 0 || g2 >= G || g2 % S == r)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
+        if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
+        *x |= fwd ? AVGPIPE__VRF : AVGPIPE__VRB;
+        msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
+        msg.stage = g;
+        if (!avgpipe__msgs_push(v->ctx, &v->recvq[(g2 % S) * S + r], msg))
+            return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+        break;
+    }
+    default: break;
+    }
+    return AVGPIPE_OK;
+}
+
+/* Completeness after the pass: every micro-batch forwarded and fully backwarded, every STEP there. */
+static avgpipe_result avgpipe__check_complete(avgpipe__vstate *v) {
+    int p, g, u, t;
+    for (p = 0; p < v->N; p++)
+        for (g = 0; g < v->G; g++) {
+            for (u = 0; u < v->M * v->R; u++) {
+                uint8_t b = v->st[avgpipe__vix(v, p, g, u)];
+                if (!(b & AVGPIPE__VF))
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has no forward (missing forward)", g % v->S, p,
+                                          g, u);
+                if (!(b & (AVGPIPE__VB | AVGPIPE__VI)))
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has no backward", g % v->S, p, g, u);
+                if ((b & AVGPIPE__VI) && !(b & AVGPIPE__VW))
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has I but no W", g % v->S, p, g, u);
+            }
+            if (v->any_step)
+                for (t = 0; t < v->R; t++)
+                    if (!(v->step[((size_t)p * v->G + g) * v->R + t] & 1))
+                        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
+                                              "rank %d: pipeline %d stage %d has no STEP for round %d", g % v->S, p, g, t);
+        }
+    return AVGPIPE_OK;
+}
+
+/* Each channel (src, dst) must carry the same messages in the same order at both ends: the comm
+   backends match per peer without tags. */
+static avgpipe_result avgpipe__check_channels(avgpipe__vstate *v) {
+    int c, j;
+    for (c = 0; c < v->S * v->S; c++) {
+        avgpipe__msgs *a = &v->sendq[c], *b = &v->recvq[c];
+        int n = a->n < b->n ? a->n : b->n;
+        for (j = 0; j < n; j++) {
+            avgpipe__msg *x = &a->v[j], *y = &b->v[j];
+            if (x->kind != y->kind || x->pipe != y->pipe || x->stage != y->stage || x->micro != y->micro) {
+                char tx[64], ty[64];
+                avgpipe_op_format(&v->s->ops[x->rank][x->pos], 0, tx, sizeof tx);
+                avgpipe_op_format(&v->s->ops[y->rank][y->pos], 0, ty, sizeof ty);
+                return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, y->rank, y->pos,
+                                      "mismatched send/receive order on channel rank %d -> rank %d, message #%d: sent %s (rank %d "
+                                      "position %d), received as %s",
+                                      c / v->S, c % v->S, j, tx, x->rank, x->pos, ty);
+            }
+        }
+        if (a->n != b->n) {
+            avgpipe__msg *x = a->n > b->n ? &a->v[n] : &b->v[n];
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, x->rank, x->pos,
+                                  "channel rank %d -> rank %d has %d sends but %d receives", c / v->S, c % v->S, a->n, b->n);
+        }
+    }
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__check_static(avgpipe__vstate *v) {
+    avgpipe_result res = AVGPIPE_OK;
+    int r, i;
+    for (r = 0; r < v->S && !res; r++)
+        for (i = 0; i < v->s->len[r] && !res; i++) res = avgpipe__check_op(v, r, i);
+    if (!res) res = avgpipe__check_complete(v);
+    if (!res && v->s->has_comm) res = avgpipe__check_channels(v);
+    return res;
+}
+
+/* Peak stashed activations per rank: forward +1, B or W -1 (I keeps the activation for W). */
+static void avgpipe__static_peaks(const avgpipe_schedule *s, int *peak, int nmax) {
+    int r, i;
+    for (r = 0; r < s->nranks && r < nmax; r++) {
+        int cur = 0, best = 0;
+        for (i = 0; i < s->len[r]; i++) {
+            int k = s->ops[r][i].kind;
+            if (k == AVGPIPE_OP_F && ++cur > best) best = cur;
+            if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) cur--;
+        }
+        peak[r] = best;
+    }
+}
+
+static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
+    const avgpipe_shape *sh = &v->s->shape;
+    avgpipe_sched_desc d;
+    int r;
+    if (sh->kind == AVGPIPE_SCHED_CUSTOM) return AVGPIPE_OK;
+    memset(&d, 0, sizeof d);
+    d.kind = sh->kind;
+    d.stages = sh->stages;
+    d.micro = sh->micro;
+    d.pipes = sh->pipes;
+    d.chunks = sh->chunks;
+    d.rounds = sh->rounds;
+    d.advance = sh->advance;
+    d.continuous = sh->continuous;
+    for (r = 0; r < v->S && r < 256; r++) {
+        int model = avgpipe_sched_peak_stash(&d, r), got = v->rep->peak_stash[r];
+        if (model < 0) continue;
+        if (sh->kind == AVGPIPE_SCHED_ZBH1 ? got > model : got != model)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, -1,
+                                  "rank %d stashes %d activations at its peak but the memory model of %s says %d", r, got,
+                                  avgpipe_sched_kind_name(sh->kind), model);
+    }
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
+    avgpipe_schedule low;
+    const avgpipe_schedule *x = v->s;
+    avgpipe_sim_desc d;
+    avgpipe_sim_result sr;
+    avgpipe_result res = AVGPIPE_OK;
+    int blocking;
+    memset(&low, 0, sizeof low);
+    if (!x->has_comm) {
+        res = avgpipe_sched_lower(v->ctx, x, &low);
+        if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
+        x = &low;
+    }
+    for (blocking = 0; blocking < 2 && !res; blocking++) {
+        memset(&d, 0, sizeof d);
+        d.blocking_send = blocking;
+        res = avgpipe_sim_run(v->ctx, x, &d, &sr);
+        if (res) {
+            char detail[360];
+            snprintf(detail, sizeof detail, "%.359s", avgpipe_last_error(v->ctx));
+            res = avgpipe__vfail(v, res, -1, -1, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
+        } else
+            avgpipe_sim_result_free(v->ctx, &sr);
+    }
+    avgpipe_sched_free(v->ctx, &low);
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                                  const avgpipe_validate_desc *desc, avgpipe_validate_report *report) {
+    avgpipe_validate_report local;
+    avgpipe__vstate v;
+    avgpipe_result res = AVGPIPE_OK;
+    size_t cells;
+    int c;
+    if (!report) report = &local;
+    memset(report, 0, sizeof *report);
+    report->rank = report->pos = -1;
+    if (!s || !s->len || s->nranks < 1) {
+        report->result = AVGPIPE_INVALID_ARG;
+        snprintf(report->message, sizeof report->message, "avgpipe_sched_validate: empty schedule");
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s", report->message);
+    }
+    memset(&v, 0, sizeof v);
+    v.ctx = ctx;
+    v.s = s;
+    v.rep = report;
+    v.S = s->nranks;
+    v.G = s->nstages;
+    v.N = s->shape.pipes > 0 ? s->shape.pipes : 1;
+    v.M = s->shape.micro > 0 ? s->shape.micro : 1;
+    v.R = s->shape.rounds > 0 ? s->shape.rounds : 1;
+    cells = (size_t)v.N * v.G * v.M * v.R;
+    if ((double)v.N * v.G * v.M * v.R > 4e8)
+        return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
+    v.st = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
+    v.step = (uint8_t *)avgpipe__calloc(ctx, (size_t)v.N * v.G * v.R, 1);
+    v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.S * v.S, sizeof(avgpipe__msgs));
+    v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.S * v.S, sizeof(avgpipe__msgs));
+    if (!v.st || !v.step || !v.sendq || !v.recvq) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    if (!res) res = avgpipe__check_static(&v);
+    avgpipe__static_peaks(s, report->peak_stash, 256);
+    if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
+    if (!res && !(desc && desc->skip_replay)) res = avgpipe__replay(&v);
+    if (v.sendq)
+        for (c = 0; c < v.S * v.S; c++) avgpipe_free(ctx, v.sendq[c].v);
+    if (v.recvq)
+        for (c = 0; c < v.S * v.S; c++) avgpipe_free(ctx, v.recvq[c].v);
+    avgpipe_free(ctx, v.sendq);
+    avgpipe_free(ctx, v.recvq);
+    avgpipe_free(ctx, v.st);
+    avgpipe_free(ctx, v.step);
+    report->result = res;
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const avgpipe_schedule *s, int mark_rank, int mark_pos,
+                                                     avgpipe_buf *out) {
+    int r, i, width = 4, maxlen = 0, ok = 1;
+    char txt[72];
+    if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_render_grid: NULL argument");
+    for (r = 0; r < s->nranks; r++) {
+        if (s->len[r] > maxlen) maxlen = s->len[r];
+        for (i = 0; i < s->len[r]; i++) {
+            int n = avgpipe_op_format(&s->ops[r][i], 0, txt, sizeof txt) + 2;
+            if (n > width) width = n;
+        }
+    }
+    out->len = 0;
+    ok &= avgpipe__buf_printf(ctx, out, "%-8s", "pos");
+    for (i = 0; i < maxlen; i++) ok &= avgpipe__buf_printf(ctx, out, "%-*d", width + 1, i);
+    ok &= avgpipe__buf_put(ctx, out, "\n", 1);
+    for (r = 0; r < s->nranks; r++) {
+        ok &= avgpipe__buf_printf(ctx, out, "rank %-3d", r);
+        for (i = 0; i < s->len[r]; i++) {
+            char cell[80];
+            avgpipe_op_format(&s->ops[r][i], 0, txt, sizeof txt);
+            if (s->ops[r][i].kind == AVGPIPE_OP_IDLE) snprintf(txt, sizeof txt, ".");
+            if (r == mark_rank && i == mark_pos) snprintf(cell, sizeof cell, ">%s<", txt);
+            else snprintf(cell, sizeof cell, " %s ", txt);
+            ok &= avgpipe__buf_printf(ctx, out, "%-*s", width + 1, cell);
+        }
+        ok &= avgpipe__buf_put(ctx, out, "\n", 1);
+    }
+    if (!ok) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_render_grid: out of memory");
+    return AVGPIPE_OK;
 }
 
 /*@@SECTIONS_IMPL@@*/
