@@ -473,7 +473,7 @@ AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_resul
 /* ============================================================================================ */
 /* Renderers take events (from the simulator, or later from a real run's profile). */
 typedef struct avgpipe_render_desc {
-    int width;          /* ASCII: columns for the time axis; 0 -> 100 */
+    int width;          /* ASCII: columns for the time axis; 0 -> 120 */
     double us_per_unit; /* Chrome trace: microseconds per time unit; 0 -> 1000 */
     double px_per_unit; /* SVG: pixels per time unit; 0 -> fit 1200 px */
     const char *title;  /* optional */
@@ -2570,6 +2570,246 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
     }
     if (!ok) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_render_grid: out of memory");
     return AVGPIPE_OK;
+}
+
+/* --- 6. Rendering -------------------------------------------------------------------------------- */
+
+/* "F3", or "Fb3" (pipeline b = 1, micro-batch 3) when the events span several pipelines. */
+static void avgpipe__label(const avgpipe_op *op, int multi, char *out, size_t cap) {
+    const char *k = avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
+    char pipe[8] = "";
+    if (op->kind == AVGPIPE_OP_STEP) k = "S";
+    else if (op->kind == AVGPIPE_OP_AVG) k = "A";
+    else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) k = ">";
+    else if (op->kind == AVGPIPE_OP_SEND_B || op->kind == AVGPIPE_OP_RECV_B) k = "<";
+    if (multi) {
+        if (op->pipe < 26) snprintf(pipe, sizeof pipe, "%c", 'a' + op->pipe);
+        else snprintf(pipe, sizeof pipe, "p%d.", op->pipe);
+    }
+    snprintf(out, cap, "%s%s%d", k, pipe, op->micro);
+}
+
+typedef struct avgpipe__span {
+    double makespan;
+    int multi; /* more than one pipeline */
+    int has_comm;
+} avgpipe__span;
+
+static avgpipe_result avgpipe__render_check(avgpipe_context *ctx, const avgpipe_event *ev, size_t n, int nranks,
+                                            avgpipe_buf *out, avgpipe__span *sp) {
+    size_t i;
+    if ((!ev && n) || !out || nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "render: NULL argument or nranks < 1");
+    memset(sp, 0, sizeof *sp);
+    for (i = 0; i < n; i++) {
+        if (ev[i].rank < 0 || ev[i].rank >= nranks || !(ev[i].end >= ev[i].start) || ev[i].start < 0)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "render: event %zu has rank %d or times [%g, %g] out of range", i,
+                                 (int)ev[i].rank, ev[i].start, ev[i].end);
+        if (ev[i].end > sp->makespan) sp->makespan = ev[i].end;
+        if (ev[i].op.pipe > 0) sp->multi = 1;
+        if (ev[i].track == 1) sp->has_comm = 1;
+    }
+    out->len = 0;
+    return AVGPIPE_OK;
+}
+
+/* Draw one lane: events of `rank` on `track` into row[0..width). A compute box shows its label
+   (cut to the box); a transfer box is drawn with '>' (activation) or '<' (gradient). */
+static void avgpipe__ascii_lane(const avgpipe_event *ev, size_t n, int rank, int track, double scale, int multi, char *row,
+                                int width) {
+    size_t i;
+    memset(row, track == 0 ? '.' : ' ', (size_t)width);
+    for (i = 0; i < n; i++) {
+        const avgpipe_event *e = &ev[i];
+        char lab[32];
+        int a, b, j, L;
+        if (e->rank != rank || e->track != track || e->end <= e->start) continue;
+        a = (int)floor(e->start * scale + 0.5);
+        b = (int)floor(e->end * scale + 0.5);
+        if (b <= a) b = a + 1;
+        if (a >= width) continue;
+        if (b > width) b = width;
+        if (track != 0) {
+            int grad = e->op.kind == AVGPIPE_OP_B || e->op.kind == AVGPIPE_OP_I || e->op.kind == AVGPIPE_OP_SEND_B ||
+                       e->op.kind == AVGPIPE_OP_RECV_B;
+            memset(row + a, grad ? '<' : '>', (size_t)(b - a));
+            continue;
+        }
+        avgpipe__label(&e->op, multi, lab, sizeof lab);
+        L = (int)strlen(lab);
+        for (j = a; j < b; j++) row[j] = j - a < L ? lab[j - a] : ' ';
+    }
+}
+
+/* A round tick step (1, 2 or 5 times a power of ten) of at least `min` time units. */
+static double avgpipe__nice_step(double min) {
+    double p = pow(10, floor(log10(min > 0 ? min : 1)));
+    return min <= p ? p : min <= 2 * p ? 2 * p : min <= 5 * p ? 5 * p : 10 * p;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgpipe_event *ev, size_t n, int nranks,
+                                                const avgpipe_render_desc *desc, avgpipe_buf *out) {
+    avgpipe__span sp;
+    avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
+    int width = desc && desc->width > 0 ? desc->width : 120, r, ok = 1;
+    double scale;
+    char *row;
+    if (res) return res;
+    if (width > 100000) width = 100000;
+    if (sp.makespan <= 0) return avgpipe__buf_printf(ctx, out, "(empty timeline)\n") ? AVGPIPE_OK : AVGPIPE_OUT_OF_MEMORY;
+    scale = width / sp.makespan;
+    if (scale >= 1) scale = floor(scale); /* whole characters per time unit when they fit */
+    width = (int)ceil(sp.makespan * scale);
+    row = (char *)avgpipe_alloc(ctx, (size_t)width + 1);
+    if (!row) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
+    if (desc && desc->title) ok &= avgpipe__buf_printf(ctx, out, "%s\n", desc->title);
+    {
+        double step = avgpipe__nice_step(10 / scale), t;
+        memset(row, ' ', (size_t)width);
+        row[width] = 0;
+        for (t = 0; t < sp.makespan; t += step) {
+            char tick[24];
+            int c = (int)floor(t * scale + 0.5), L = snprintf(tick, sizeof tick, "|%g", t);
+            if (c + L <= width) memcpy(row + c, tick, (size_t)L);
+        }
+        ok &= avgpipe__buf_printf(ctx, out, "time    %s\n", row);
+    }
+    for (r = 0; r < nranks && ok; r++) {
+        avgpipe__ascii_lane(ev, n, r, 0, scale, sp.multi, row, width);
+        row[width] = 0;
+        ok &= avgpipe__buf_printf(ctx, out, "rank %-3d%s\n", r, row);
+        if (sp.has_comm) {
+            avgpipe__ascii_lane(ev, n, r, 1, scale, sp.multi, row, width);
+            ok &= avgpipe__buf_printf(ctx, out, "  send  %s\n", row);
+        }
+    }
+    ok &= avgpipe__buf_printf(ctx, out, "(%.4g time units, %.3g per column; F/B/I/W + %smicro-batch, S step, A avg, '.' idle%s)\n",
+                              sp.makespan, 1 / scale, sp.multi ? "pipeline letter + " : "",
+                              sp.has_comm ? ", '>' activation and '<' gradient transfers" : "");
+    avgpipe_free(ctx, row);
+    return ok ? AVGPIPE_OK : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
+}
+
+static const char *avgpipe__track_name(int track) { return track == 0 ? "compute" : track == 1 ? "send" : "recv"; }
+
+AVGPIPE_API avgpipe_result avgpipe_render_chrome(avgpipe_context *ctx, const avgpipe_event *ev, size_t n, int nranks,
+                                                 const avgpipe_render_desc *desc, avgpipe_buf *out) {
+    avgpipe__span sp;
+    avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
+    double us = desc && desc->us_per_unit > 0 ? desc->us_per_unit : 1000;
+    int r, t, ok = 1;
+    size_t i;
+    if (res) return res;
+    ok &= avgpipe__buf_printf(ctx, out, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
+    for (r = 0; r < nranks; r++) {
+        ok &= avgpipe__buf_printf(ctx, out, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"name\":\"rank %d\"}},\n", r, r);
+        ok &= avgpipe__buf_printf(ctx, out, "{\"name\":\"process_sort_index\",\"ph\":\"M\",\"pid\":%d,\"args\":{\"sort_index\":%d}},\n", r, r);
+        for (t = 0; t < 3; t++)
+            ok &= avgpipe__buf_printf(ctx, out, "{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}},\n",
+                                      r, t, avgpipe__track_name(t));
+    }
+    for (i = 0; i < n && ok; i++) {
+        const avgpipe_event *e = &ev[i];
+        char lab[32], name[48];
+        double ts = e->start * us, dur = (e->end - e->start) * us;
+        avgpipe__label(&e->op, 1, lab, sizeof lab);
+        avgpipe_op_format(&e->op, sp.multi, name, sizeof name);
+        ok &= avgpipe__buf_printf(ctx, out,
+                                  "{\"name\":\"%s\",\"cat\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                                  "\"args\":{\"op\":\"%s\",\"pipe\":%d,\"stage\":%d,\"micro\":%d,\"peer\":%d}},\n",
+                                  name, avgpipe_op_kind_name((avgpipe_op_kind)e->op.kind), (int)e->rank, (int)e->track, ts, dur, lab,
+                                  e->op.pipe, e->op.stage, e->op.micro, (int)e->peer);
+        if (e->flow >= 0 && e->track != 0) /* arrow from the middle of the send to the middle of the receive */
+            ok &= avgpipe__buf_printf(ctx, out,
+                                      "{\"name\":\"transfer\",\"cat\":\"comm\",\"ph\":\"%s\",%s\"id\":%d,\"pid\":%d,\"tid\":%d,\"ts\":%.3f},\n",
+                                      e->track == 1 ? "s" : "f", e->track == 1 ? "" : "\"bp\":\"e\",", (int)e->flow, (int)e->rank,
+                                      (int)e->track, ts + dur / 2);
+    }
+    if (ok && out->len >= 2 && out->data[out->len - 2] == ',') { /* no trailing comma in JSON */
+        out->data[out->len - 2] = '\n';
+        out->len--;
+        out->data[out->len] = 0;
+    }
+    ok &= avgpipe__buf_printf(ctx, out, "]}\n");
+    return ok ? AVGPIPE_OK : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
+}
+
+static const char *avgpipe__color(int kind) {
+    switch (kind) {
+    case AVGPIPE_OP_F: return "#4e79a7";
+    case AVGPIPE_OP_B: return "#f28e2b";
+    case AVGPIPE_OP_I: return "#76b7b2";
+    case AVGPIPE_OP_W: return "#59a14f";
+    case AVGPIPE_OP_STEP: return "#9c755f";
+    case AVGPIPE_OP_AVG: return "#b07aa1";
+    default: return "#9d9d9d";
+    }
+}
+
+static int avgpipe__svg_text(avgpipe_context *ctx, avgpipe_buf *out, const char *s) {
+    int ok = 1;
+    for (; *s && ok; s++) {
+        switch (*s) {
+        case '<': ok = avgpipe__buf_put(ctx, out, "&lt;", 4); break;
+        case '>': ok = avgpipe__buf_put(ctx, out, "&gt;", 4); break;
+        case '&': ok = avgpipe__buf_put(ctx, out, "&amp;", 5); break;
+        case '"': ok = avgpipe__buf_put(ctx, out, "&quot;", 6); break;
+        default: ok = avgpipe__buf_put(ctx, out, s, 1);
+        }
+    }
+    return ok;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpipe_event *ev, size_t n, int nranks,
+                                              const avgpipe_render_desc *desc, avgpipe_buf *out) {
+    avgpipe__span sp;
+    avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
+    const double left = 70, top = 40, lane = 24, comm = 9, gap = 8;
+    double px, rowh, W, H, tick, t;
+    int r, ok = 1;
+    size_t i;
+    if (res) return res;
+    px = desc && desc->px_per_unit > 0 ? desc->px_per_unit : (sp.makespan > 0 ? 1200 / sp.makespan : 1);
+    rowh = lane + (sp.has_comm ? 2 * comm : 0) + gap;
+    W = left + sp.makespan * px + 20;
+    H = top + nranks * rowh + 30;
+    ok &= avgpipe__buf_printf(ctx, out,
+                              "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%.0f\" height=\"%.0f\" font-family=\"monospace\" "
+                              "font-size=\"10\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+                              W, H);
+    if (desc && desc->title) {
+        ok &= avgpipe__buf_printf(ctx, out, "<text x=\"%.0f\" y=\"16\" font-size=\"13\">", left);
+        ok &= avgpipe__svg_text(ctx, out, desc->title);
+        ok &= avgpipe__buf_printf(ctx, out, "</text>\n");
+    }
+    tick = sp.makespan > 0 ? pow(10, floor(log10(sp.makespan / 5))) : 1;
+    for (t = 0; t <= sp.makespan + 1e-9 && ok; t += tick)
+        ok &= avgpipe__buf_printf(ctx, out,
+                                  "<line x1=\"%.1f\" y1=\"%.0f\" x2=\"%.1f\" y2=\"%.0f\" stroke=\"#ddd\"/><text x=\"%.1f\" y=\"%.0f\" "
+                                  "fill=\"#666\">%g</text>\n",
+                                  left + t * px, top - 4, left + t * px, H - 24, left + t * px + 2, H - 12, t);
+    for (r = 0; r < nranks; r++)
+        ok &= avgpipe__buf_printf(ctx, out, "<text x=\"4\" y=\"%.1f\">rank %d</text>\n", top + r * rowh + lane * 0.65, r);
+    for (i = 0; i < n && ok; i++) {
+        const avgpipe_event *e = &ev[i];
+        double x = left + e->start * px, w = (e->end - e->start) * px, y = top + e->rank * rowh, h = lane;
+        char lab[32], name[48];
+        if (e->track == 2) continue; /* the send lane shows each transfer once */
+        if (e->track == 1) {
+            y += lane + comm * 0.5;
+            h = comm;
+        }
+        if (w < 1) w = 1;
+        avgpipe__label(&e->op, sp.multi, lab, sizeof lab);
+        avgpipe_op_format(&e->op, sp.multi, name, sizeof name);
+        ok &= avgpipe__buf_printf(ctx, out,
+                                  "<rect x=\"%.2f\" y=\"%.1f\" width=\"%.2f\" height=\"%.1f\" fill=\"%s\" stroke=\"white\" "
+                                  "stroke-width=\"0.5\"><title>rank %d %s [%g, %g]</title></rect>\n",
+                                  x, y, w, h, e->track ? "#bab0ac" : avgpipe__color(e->op.kind), (int)e->rank, name, e->start, e->end);
+        if (e->track == 0 && w >= 6.5 * (double)strlen(lab))
+            ok &= avgpipe__buf_printf(ctx, out, "<text x=\"%.2f\" y=\"%.1f\" fill=\"white\">%s</text>\n", x + 2, y + lane * 0.65, lab);
+    }
+    ok &= avgpipe__buf_printf(ctx, out, "</svg>\n");
+    return ok ? AVGPIPE_OK : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
 }
 
 /*@@SECTIONS_IMPL@@*/
