@@ -2577,7 +2577,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
 /* "F3", or "Fb3" (pipeline b = 1, micro-batch 3) when the events span several pipelines. */
 static void avgpipe__label(const avgpipe_op *op, int multi, char *out, size_t cap) {
     const char *k = avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
-    char pipe[8] = "";
+    char pipe[16] = "";
     if (op->kind == AVGPIPE_OP_STEP) k = "S";
     else if (op->kind == AVGPIPE_OP_AVG) k = "A";
     else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) k = ">";
