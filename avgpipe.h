@@ -344,8 +344,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
    (chunk, micro-batch) units per rank: min(T·V, 2(S-r-1) + (V-1)S). Returns -1 on a bad desc. */
 AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank);
 /* Memory model: peak stashed activations (micro-batches whose forward ran and whose backward did
-   not finish) on a rank, over all its chunks: min(warm-up + 1, T·V); AFAB T·V; ZB-H1 min(S, T) (an
-   upper bound: its in-flight cap). Equals what the simulator measures for generated schedules. */
+   not finish: B, or W after I) on a rank, over all its chunks: min(warm-up + 1, T·V); AFAB T·V;
+   ZB-H1 min(S, T). Equals what the simulator measures for generated schedules. */
 AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank);
 
 /* Greedy list scheduler for custom schedules (V = 1). It simulates the pipeline with the given op
@@ -1325,25 +1325,29 @@ static long long avgpipe__virtual(const avgpipe_sched_desc *d, long long j, int 
     return group * d->stages + w % d->stages;
 }
 
-/* One rank of the 1F1B family (AFAB, 1F1B, advance, interleaved): forwards while at most `warm`
-   micro-batches are in flight (so warm-up forwards, then one forward one backward, then the
-   cool-down), a forward only once the round (synchronous) or the pipeline's previous batch on this
-   stage (continuous) has finished, STEP and AVG right after a batch's last backward. */
+/* One rank of the 1F1B family (AFAB, 1F1B, advance, interleaved, ZB-H1): forwards while at most
+   `warm` micro-batches wait for their backward (so warm-up forwards, then one forward one backward,
+   then the cool-down), a forward only once the round (synchronous) or the pipeline's previous batch
+   on this stage (continuous) has finished, STEP and AVG right after a batch's last backward work.
+   ZB-H1 splits each backward into I and W and runs W(j) right after I(j + s) on stage s: the later
+   the stage, the more W it holds back to fill the cool-down bubbles, and every stage keeps at most S
+   micro-batches in flight (1F1B's peak, on its first stage). */
 static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, avgpipe_schedule *s,
                                         int *bdone /* [chunks * batches], zeroed */) {
     long long Tall = (long long)d->rounds * d->pipes * d->micro, total = Tall * d->chunks;
-    long long nf = 0, nb = 0, batches = (long long)d->rounds * d->pipes, perround = (long long)d->pipes * d->micro * d->chunks;
+    long long nf = 0, nb = 0, nw = 0, batches = (long long)d->rounds * d->pipes, perround = (long long)d->pipes * d->micro * d->chunks;
     long long warm = avgpipe__warmup(d, r);
+    int split = d->kind == AVGPIPE_SCHED_ZBH1, lag = split ? r : 0;
     avgpipe_op *o = s->ops[r];
     int n = 0;
-    while (nb < total) {
+    while ((split ? nw : nb) < total) {
         int chunk, pipe, micro, canf = nf < total && nf - nb <= warm;
-        long long item, b;
+        long long item, b, fin = split ? nw : nb;
         if (canf) {
             item = avgpipe__virtual(d, nf, 0, &chunk);
             avgpipe__stream_item(d, item, &pipe, &micro, &b);
             if (!d->continuous)
-                canf = nb >= (b / d->pipes) * perround;
+                canf = fin >= (b / d->pipes) * perround;
             else
                 canf = b < d->pipes || bdone[(long long)chunk * batches + b - d->pipes] == d->micro;
             if (canf) {
@@ -1352,12 +1356,21 @@ static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sche
                 continue;
             }
         }
-        if (nb >= nf) /* cannot happen for the supported shapes; guard against an endless loop */
+        if (nb < nf) { /* the next backward (B, or I for ZB-H1) */
+            item = avgpipe__virtual(d, nb, 1, &chunk);
+            avgpipe__stream_item(d, item, &pipe, &micro, &b);
+            o[n++] = avgpipe__op(split ? AVGPIPE_OP_I : AVGPIPE_OP_B, pipe, chunk * d->stages + r, micro);
+            nb++;
+            if (split && nb - nw <= lag) continue;
+        } else if (!split || nw >= nb) { /* cannot happen for the supported shapes; no endless loop */
             return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d cannot continue at forward %lld", r, nf);
-        item = avgpipe__virtual(d, nb, 1, &chunk);
-        avgpipe__stream_item(d, item, &pipe, &micro, &b);
-        o[n++] = avgpipe__op(AVGPIPE_OP_B, pipe, chunk * d->stages + r, micro);
-        nb++;
+        }
+        if (split) { /* the oldest held-back W */
+            item = avgpipe__virtual(d, nw, 1, &chunk);
+            avgpipe__stream_item(d, item, &pipe, &micro, &b);
+            o[n++] = avgpipe__op(AVGPIPE_OP_W, pipe, chunk * d->stages + r, micro);
+            nw++;
+        }
         if (++bdone[(long long)chunk * batches + b] == d->micro) {
             int t = (int)(b / d->pipes);
             o[n++] = avgpipe__op(AVGPIPE_OP_STEP, pipe, chunk * d->stages + r, t);
@@ -1382,8 +1395,6 @@ static avgpipe_result avgpipe__shape_sched(avgpipe_context *ctx, const avgpipe_s
     return avgpipe_sched_init(ctx, out, d->stages, &sh);
 }
 
-static avgpipe_result avgpipe__greedy_run(avgpipe_context *ctx, const avgpipe_greedy_desc *g, avgpipe_schedule *out);
-
 AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                   avgpipe_schedule *out) {
     avgpipe_sched_desc d;
@@ -1394,29 +1405,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
     memset(out, 0, sizeof *out);
     res = avgpipe_sched_resolve(ctx, desc, &d);
     if (res) return res;
-    if (d.kind == AVGPIPE_SCHED_ZBH1) {
-        avgpipe_greedy_desc g;
-        memset(&g, 0, sizeof g);
-        g.stages = d.stages;
-        g.micro = d.micro;
-        g.pipes = d.pipes;
-        g.rounds = d.rounds;
-        g.continuous = d.continuous;
-        g.split_backward = 1;
-        g.priority[0] = AVGPIPE_OP_I;
-        g.priority[1] = AVGPIPE_OP_F;
-        g.priority[2] = AVGPIPE_OP_W;
-        g.inflight_cap_all = d.stages; /* ZB-H1: every stage may hold as many as 1F1B's first stage */
-        g.cost_f = g.cost_i = g.cost_w = 1;
-        g.cost_b = 2;
-        res = avgpipe__greedy_run(ctx, &g, out);
-        if (res) return res;
-        out->shape.kind = AVGPIPE_SCHED_ZBH1;
-        return AVGPIPE_OK;
-    }
     res = avgpipe__shape_sched(ctx, &d, out);
     if (res) return res;
-    per_rank = 2LL * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
+    per_rank = 3LL * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
     bdone = (int *)avgpipe__calloc(ctx, (size_t)d.chunks * d.rounds * d.pipes, sizeof(int));
     if (!bdone) {
         avgpipe_sched_free(ctx, out);
@@ -2456,7 +2447,7 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     for (r = 0; r < v->S && r < 256; r++) {
         int model = avgpipe_sched_peak_stash(&d, r), got = v->rep->peak_stash[r];
         if (model < 0) continue;
-        if (sh->kind == AVGPIPE_SCHED_ZBH1 ? got > model : got != model)
+        if (got != model)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, -1,
                                   "rank %d stashes %d activations at its peak but the memory model of %s says %d", r, got,
                                   avgpipe_sched_kind_name(sh->kind), model);
