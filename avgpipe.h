@@ -731,6 +731,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sc
     return AVGPIPE_INVALID_ARG;
 }
 
+/* Rank of stage g under loop placement: g % S, without a division in the common V <= 2 case. */
+static int avgpipe__rank_of(int g, int S) { return g < S ? g : g < 2 * S ? g - S : g % S; }
+
 static int avgpipe__is_compute(int k) {
     return k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_I || k == AVGPIPE_OP_W;
 }
@@ -1626,11 +1629,11 @@ static avgpipe_result avgpipe__sim_scan(avgpipe_context *ctx, const avgpipe_sche
 /* The SEND a compute op needs under loop placement (its consumer is on another rank). */
 static int avgpipe__op_send(const avgpipe_schedule *s, const avgpipe_op *op, int r, avgpipe_op *send) {
     int G = s->nstages, S = s->nranks;
-    if (op->kind == AVGPIPE_OP_F && op->stage < G - 1 && (op->stage + 1) % S != r) {
+    if (op->kind == AVGPIPE_OP_F && op->stage < G - 1 && avgpipe__rank_of(op->stage + 1, S) != r) {
         *send = avgpipe__op(AVGPIPE_OP_SEND_F, op->pipe, op->stage, op->micro);
         return 1;
     }
-    if (avgpipe__is_backward(op->kind) && op->stage > 0 && (op->stage - 1) % S != r) {
+    if (avgpipe__is_backward(op->kind) && op->stage > 0 && avgpipe__rank_of(op->stage - 1, S) != r) {
         *send = avgpipe__op(AVGPIPE_OP_SEND_B, op->pipe, op->stage, op->micro);
         return 1;
     }
@@ -1662,7 +1665,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     avgpipe_result res;
     int r, *units = NULL, *ustart = NULL, *nunits = NULL, *slot = NULL, *bucket = NULL, *cursor = NULL, *prevf = NULL;
     avgpipe_op *msgs = NULL;
-    long long total = 0, cells, i;
+    int *msrc = NULL;
+    long long total = 0, cells, i, *moff = NULL, *mfill = NULL;
     size_t nmsg = 0, maxmsg = 0;
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
@@ -1722,48 +1726,48 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (res) goto fail;
     out->nstages = in->nstages;
     out->has_comm = 1;
-    /* receives per rank: gather each channel's messages in the sender's order, give them slots */
-    for (r = 0; r < L.S; r++) {
-        int src;
-        nmsg = 0;
-        for (src = 0; src < L.S; src++) {
-            const avgpipe_op *so = in->ops[src];
-            int j, n = in->len[src];
-            size_t first = nmsg, k;
-            if (src == r) continue;
-            for (j = 0; j < n; j++) {
-                avgpipe_op x;
-                int g2;
-                if (!avgpipe__op_send(in, &so[j], src, &x)) continue;
-                g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
-                if (g2 % L.S != r) continue;
-                if (nmsg == maxmsg) {
-                    size_t cap = maxmsg ? 2 * maxmsg : 1024;
-                    avgpipe_op *pm = (avgpipe_op *)avgpipe__realloc(ctx, msgs, maxmsg * sizeof *pm, cap * sizeof *pm);
-                    int *ps = (int *)avgpipe__realloc(ctx, slot, maxmsg * sizeof(int), cap * sizeof(int));
-                    if (!pm || !ps) {
-                        if (pm) msgs = pm;
-                        if (ps) slot = ps;
-                        goto oom;
-                    }
-                    msgs = pm;
-                    slot = ps;
-                    maxmsg = cap;
-                }
-                msgs[nmsg] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
-                if (x.kind == AVGPIPE_OP_SEND_F) {
-                    int c = L.fpos[avgpipe__lix(&L, x.pipe, g2, x.micro)];
-                    slot[nmsg] = c < 0 ? nunits[r] : prevf[ustart[r] + c] + 1;
-                } else {
-                    int c = L.bpos[avgpipe__lix(&L, x.pipe, g2, x.micro)], f = L.fpos[avgpipe__lix(&L, x.pipe, g2, x.micro)];
-                    slot[nmsg] = f >= 0 ? f + 1 : c < 0 ? nunits[r] : c;
-                    if (c >= 0 && slot[nmsg] > c) slot[nmsg] = c;
-                }
-                nmsg++;
-            }
-            for (k = nmsg; k-- > first + 1;) /* keep the channel's order */
-                if (slot[k - 1] > slot[k]) slot[k - 1] = slot[k];
+    /* every message, grouped by receiving rank, each group in (sender, sender's order) */
+    moff = (long long *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(long long));
+    if (!moff) goto oom;
+    for (r = 0; r < L.S; r++)
+        for (i = 0; i < in->len[r]; i++) {
+            avgpipe_op x;
+            if (avgpipe__op_send(in, &in->ops[r][i], r, &x)) moff[avgpipe__rank_of(x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1), L.S) + 1]++;
         }
+    for (r = 0; r < L.S; r++) moff[r + 1] += moff[r];
+    maxmsg = (size_t)moff[L.S];
+    msgs = (avgpipe_op *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof *msgs);
+    msrc = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
+    slot = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
+    mfill = (long long *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(long long));
+    if (!msgs || !msrc || !slot || !mfill) goto oom;
+    memcpy(mfill, moff, ((size_t)L.S + 1) * sizeof(long long));
+    for (r = 0; r < L.S; r++)
+        for (i = 0; i < in->len[r]; i++) {
+            avgpipe_op x;
+            int g2, dst;
+            if (!avgpipe__op_send(in, &in->ops[r][i], r, &x)) continue;
+            g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
+            dst = avgpipe__rank_of(g2, L.S);
+            msrc[mfill[dst]] = r;
+            msgs[mfill[dst]++] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
+        }
+    for (r = 0; r < L.S; r++) {
+        long long a0 = moff[r], k;
+        nmsg = (size_t)(moff[r + 1] - a0);
+        for (k = a0; k < moff[r + 1]; k++) { /* desired slot */
+            const avgpipe_op *x = &msgs[k];
+            int c, f = L.fpos[avgpipe__lix(&L, x->pipe, x->stage, x->micro)];
+            if (x->kind == AVGPIPE_OP_RECV_F) {
+                slot[k] = f < 0 ? nunits[r] : prevf[ustart[r] + f] + 1;
+            } else {
+                c = L.bpos[avgpipe__lix(&L, x->pipe, x->stage, x->micro)];
+                slot[k] = f >= 0 ? f + 1 : c < 0 ? nunits[r] : c;
+                if (c >= 0 && slot[k] > c) slot[k] = c;
+            }
+        }
+        for (k = moff[r + 1] - 1; k > a0; k--) /* keep each channel's order */
+            if (msrc[k - 1] == msrc[k] && slot[k - 1] > slot[k]) slot[k - 1] = slot[k];
         /* bucket the receives by slot, stable (channel, then order) */
         {
             int nu = nunits[r], q, w = 0, pend_from = -1, pend_to = -1;
@@ -1776,14 +1780,14 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
             bucket = (int *)avgpipe__calloc(ctx, (size_t)nu + 2, sizeof(int));
             cursor = (int *)avgpipe__calloc(ctx, nmsg + 1, sizeof(int));
             if (!bucket || !cursor) goto oom;
-            for (k = 0; k < nmsg; k++) bucket[slot[k] + 1]++;
+            for (k = 0; k < nmsg; k++) bucket[slot[a0 + (long long)k] + 1]++;
             for (q = 0; q <= nu; q++) bucket[q + 1] += bucket[q];
             ord = cursor;
             {
                 int *fill = (int *)avgpipe__calloc(ctx, (size_t)nu + 2, sizeof(int));
                 if (!fill) goto oom;
                 memcpy(fill, bucket, ((size_t)nu + 2) * sizeof(int));
-                for (k = 0; k < nmsg; k++) ord[fill[slot[k]]++] = (int)k;
+                for (k = 0; k < nmsg; k++) ord[fill[slot[a0 + (long long)k]]++] = (int)k;
                 avgpipe_free(ctx, fill);
             }
             res = avgpipe__sched_reserve(ctx, out, r, (size_t)n * 2 + nmsg + 2);
@@ -1791,7 +1795,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
             o = out->ops[r];
             for (q = 0; q <= nu; q++) {
                 int e, b;
-                for (b = bucket[q]; b < bucket[q + 1]; b++) o[w++] = msgs[ord[b]];
+                for (b = bucket[q]; b < bucket[q + 1]; b++) o[w++] = msgs[a0 + ord[b]];
                 /* sends of the previous unit */
                 for (e = pend_from; e >= 0 && e < pend_to; e++)
                     if (avgpipe__op_send(in, &so[e], r, &x)) o[w++] = x;
@@ -1819,6 +1823,9 @@ done:
     avgpipe_free(ctx, ustart);
     avgpipe_free(ctx, nunits);
     avgpipe_free(ctx, msgs);
+    avgpipe_free(ctx, msrc);
+    avgpipe_free(ctx, moff);
+    avgpipe_free(ctx, mfill);
     avgpipe_free(ctx, slot);
     avgpipe_free(ctx, bucket);
     avgpipe_free(ctx, cursor);
@@ -1922,7 +1929,7 @@ static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, doubl
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
     double *slot;
     if (g2 < 0 || g2 >= m->G) return;
-    r2 = g2 % m->S;
+    r2 = avgpipe__rank_of(g2, m->S);
     slot = fwd ? &m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] : &m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)];
     if (r2 == r) *slot = end;
     else if (!m->s->has_comm) {
@@ -1966,7 +1973,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             avgpipe__chan *ch;
             double ready = dep > t ? dep : t, xe;
             if (g2 < 0 || g2 >= m->G) return 1; /* validator reports it; cannot happen after validation */
-            dst = g2 % m->S;
+            dst = avgpipe__rank_of(g2, m->S);
             ch = &m->chan[r * m->S + dst];
             if (d->blocking_send) {
                 if (ch->nrecv <= ch->nsend) {
@@ -1991,7 +1998,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src;
             avgpipe__chan *ch;
             if (g2 < 0 || g2 >= m->G) return 1;
-            src = g2 % m->S;
+            src = avgpipe__rank_of(g2, m->S);
             ch = &m->chan[src * m->S + r];
             if (ch->nrecv == ch->post_cap) {
                 int cap = ch->post_cap ? 2 * ch->post_cap : 64;
@@ -2068,10 +2075,12 @@ static avgpipe_result avgpipe__sim_scan(avgpipe_context *ctx, const avgpipe_sche
             const avgpipe_op *op = &s->ops[r][i];
             char txt[64];
             if (op->kind == AVGPIPE_OP_IDLE) continue;
-            avgpipe_op_format(op, 0, txt, sizeof txt);
+            if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
+                op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
+                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
             if (op->kind >= AVGPIPE_OP_KIND_COUNT)
                 return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d: unknown op kind %d", r, i, op->kind);
-            if (op->stage < 0 || op->stage >= s->nstages || op->stage % s->nranks != r)
+            if (op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r)
                 return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d does not live on rank %d", r,
                                      i, txt, op->stage, r);
             if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
@@ -2263,7 +2272,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
         return AVGPIPE_OK;
     if (k >= AVGPIPE_OP_KIND_COUNT) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "unknown op kind %d", k);
     if (g < 0 || g >= G) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d out of range 0..%d", g, G - 1);
-    if (g % S != r) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d", g, g % S, r);
+    if (avgpipe__rank_of(g, S) != r) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d", g, g % S, r);
     if (p < 0 || p >= v->N) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "pipeline %d out of range 0..%d", p, v->N - 1);
     if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) {
         uint8_t *sx;
@@ -2296,9 +2305,9 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     switch (k) {
     case AVGPIPE_OP_F:
         if (*x & AVGPIPE__VF) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate forward");
-        if (g > 0 && (g - 1) % S == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
+        if (g > 0 && avgpipe__rank_of(g - 1, S) == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward before the forward of stage %d it needs", g - 1);
-        if (v->s->has_comm && g > 0 && (g - 1) % S != r && !(*x & AVGPIPE__VRF))
+        if (v->s->has_comm && g > 0 && avgpipe__rank_of(g - 1, S) != r && !(*x & AVGPIPE__VRF))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward without a RECV_F posted before it");
         if (v->any_step && u >= v->M && !(v->step[((size_t)p * G + g) * v->R + u / v->M - 1] & 1))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward of round %d before STEP of round %d", u / v->M,
@@ -2309,9 +2318,9 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_I:
         if (!(*x & AVGPIPE__VF)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before its forward");
         if (*x & (AVGPIPE__VB | AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate backward");
-        if (g < G - 1 && (g + 1) % S == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
+        if (g < G - 1 && avgpipe__rank_of(g + 1, S) == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before the backward of stage %d it needs", g + 1);
-        if (v->s->has_comm && g < G - 1 && (g + 1) % S != r && !(*x & AVGPIPE__VRB))
+        if (v->s->has_comm && g < G - 1 && avgpipe__rank_of(g + 1, S) != r && !(*x & AVGPIPE__VRB))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward without a RECV_B posted before it");
         *x |= k == AVGPIPE_OP_B ? AVGPIPE__VB : AVGPIPE__VI;
         break;
@@ -2325,7 +2334,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
         int fwd = k == AVGPIPE_OP_SEND_F, g2 = g + (fwd ? 1 : -1);
         if (fwd ? !(*x & AVGPIPE__VF) : !(*x & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
-        if (g2 < 0 || g2 >= G || g2 % S == r)
+        if (g2 < 0 || g2 >= G || avgpipe__rank_of(g2, S) == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send with no consumer on another rank");
         msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
         msg.stage = g2;
@@ -2336,7 +2345,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_RECV_F:
     case AVGPIPE_OP_RECV_B: {
         int fwd = k == AVGPIPE_OP_RECV_F, g2 = g + (fwd ? -1 : 1);
-        if (g2 < 0 || g2 >= G || g2 % S == r)
+        if (g2 < 0 || g2 >= G || avgpipe__rank_of(g2, S) == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
         if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
         *x |= fwd ? AVGPIPE__VRF : AVGPIPE__VRB;
@@ -2462,22 +2471,28 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
     avgpipe_sim_result sr;
     avgpipe_result res = AVGPIPE_OK;
     int blocking;
+    char detail[360];
     memset(&low, 0, sizeof low);
     if (!x->has_comm) {
         res = avgpipe_sched_lower(v->ctx, x, &low);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
         x = &low;
     }
-    for (blocking = 0; blocking < 2 && !res; blocking++) {
+    /* Blocking sends only add waits to asynchronous ones, so a blocking replay that finishes
+       proves both; after a deadlock, an asynchronous replay tells which semantics it needs. */
+    for (blocking = 1; blocking >= 0; blocking--) {
         memset(&d, 0, sizeof d);
         d.blocking_send = blocking;
         res = avgpipe_sim_run(v->ctx, x, &d, &sr);
-        if (res) {
-            char detail[360];
+        if (!res) {
+            avgpipe_sim_result_free(v->ctx, &sr);
+            if (blocking) break;
+            res = avgpipe__vfail(v, AVGPIPE_DEADLOCK, -1, -1, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
+        } else {
             snprintf(detail, sizeof detail, "%.359s", avgpipe_last_error(v->ctx));
             res = avgpipe__vfail(v, res, -1, -1, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
-        } else
-            avgpipe_sim_result_free(v->ctx, &sr);
+            if (res != AVGPIPE_DEADLOCK) break;
+        }
     }
     avgpipe_sched_free(v->ctx, &low);
     return res;
