@@ -1,0 +1,196 @@
+#!/bin/sh
+# Tests of the avgpipe command-line tool (tools/avgpipe.c): exit codes and key outputs.
+#
+#   usage: tests/cli_test.sh BINARY [GOLDEN]
+#
+# GOLDEN is PyTorch's torch_zb1p_2rank_2stagep_compute.csv or the folder that holds it; it defaults to
+# ../shared/golden/ next to the repository.
+# Prints one line per failure and a last line "N passed, M failed"; exits 1 when anything failed.
+
+BIN=$1
+if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
+    echo "usage: $0 BINARY [GOLDEN]" >&2
+    exit 2
+fi
+HERE=$(cd "$(dirname "$0")" && pwd)
+GOLDEN=${2:-$HERE/../../shared/golden}
+if [ -d "$GOLDEN" ]; then GOLDEN=$GOLDEN/torch_zb1p_2rank_2stagep_compute.csv; fi
+TMP=$(mktemp -d "${TMPDIR:-/tmp}/avgpipe_cli.XXXXXX") || exit 2
+trap 'rm -rf "$TMP"' EXIT
+trap 'exit 2' INT TERM
+OUT=$TMP/out
+ERR=$TMP/err
+pass=0
+fail=0
+
+ok() { pass=$((pass + 1)); }
+bad() {
+    fail=$((fail + 1))
+    echo "FAIL: $*"
+    sed -n '1,3s/^/    stderr: /p' "$ERR"
+}
+
+# t NAME WANT_RC ARGS... : run the binary (stdout in $OUT, stderr in $ERR, stdin from $IN) and check
+# its exit code.
+IN=/dev/null
+t() {
+    name=$1
+    want=$2
+    shift 2
+    "$BIN" "$@" >"$OUT" 2>"$ERR" <"$IN"
+    got=$?
+    if [ "$got" = "$want" ]; then ok; else bad "$name: exit $got, expected $want"; fi
+}
+
+# usage_error NAME WORD ARGS... : exit 2 and exactly one stderr line, "avgpipe: ...", that contains WORD.
+usage_error() {
+    name=$1
+    word=$2
+    shift 2
+    t "$name" 2 "$@"
+    if [ "$(wc -l <"$ERR")" -eq 1 ] && grep -q '^avgpipe: ' "$ERR" && grep -q -- "$word" "$ERR"; then
+        ok
+    else
+        bad "$name: expected one stderr line 'avgpipe: ...' naming '$word'"
+    fi
+}
+
+has() { # has NAME FILE PATTERN (fixed string)
+    if grep -q -F -- "$3" "$2"; then ok; else bad "$1: '$3' not found"; fi
+}
+
+lines() { # lines NAME FILE N
+    n=$(wc -l <"$2")
+    if [ "$n" -eq "$3" ]; then ok; else bad "$1: $n lines, expected $3"; fi
+}
+
+# column NAME VALUE... : the values of a TSV column (by header name) of $OUT, one line.
+column() {
+    awk -F '\t' -v c="$1" 'NR == 1 { for (i = 1; i <= NF; i++) if ($i == c) k = i; next }
+                           { printf "%s%s", sep, (k ? $k : "?"); sep = " " } END { print "" }' "$OUT"
+}
+
+eq() { # eq NAME GOT WANT
+    if [ "$2" = "$3" ]; then ok; else bad "$1: got '$2', expected '$3'"; fi
+}
+
+# ---- help and version ----------------------------------------------------------------------------
+t "--help" 0 --help
+has "--help" "$OUT" "usage: avgpipe"
+t "--version" 0 --version
+has "--version" "$OUT" "avgpipe 0."
+for c in sim validate compare; do
+    t "$c --help" 0 "$c" --help
+    has "$c --help" "$OUT" "usage: avgpipe $c"
+done
+t "sim -h" 0 sim -h
+
+# ---- compare: the paper's Fig. 7 (S = 2, M = 8, transfer 1): AFAB 29, 1F1B 35, advance K=1 29 ----
+t "compare tsv" 0 compare --schedule afab,1f1b,advance --stages 2 --micro 8 --comm-latency 1 --advance 1 --summary tsv
+lines "compare tsv" "$OUT" 4
+for col in schedule stages micro pipes chunks advance makespan bubble peak_act_max peak_act_stage0 valid; do
+    has "compare tsv header" "$OUT" "$col"
+done
+eq "compare tsv schedules" "$(column schedule)" "afab 1f1b advance"
+eq "compare tsv makespans" "$(column makespan)" "29 35 29"
+eq "compare tsv stage-0 stash" "$(column peak_act_stage0)" "8 2 3"
+eq "compare tsv bubble" "$(column bubble)" "0.1724 0.3143 0.1724"
+eq "compare tsv valid" "$(column valid)" "1 1 1"
+t "compare range" 0 compare --schedule afab,1f1b,advance --stages 2 --micro 8 --advance 0..3 --summary tsv
+eq "compare range rows" "$(column advance)" "0 0 0 1 2 3"
+t "compare table" 0 compare --schedule afab,1f1b,advance --stages 2 --micro 8 --comm-latency 1 --advance 1
+has "compare table" "$OUT" "makespan"
+has "compare table" "$OUT" "1f1b"
+t "compare defaults" 0 compare --summary tsv
+eq "compare defaults" "$(column schedule)" "afab 1f1b advance zbh1"
+t "compare interleaved chunks" 0 compare --schedule 1f1b,interleaved --stages 2 --micro 4 --chunks 2 --summary tsv
+eq "compare interleaved chunks" "$(column chunks)" "1 2"
+
+# ---- sim -----------------------------------------------------------------------------------------
+t "sim" 0 sim --stages 4 --micro 8
+has "sim" "$OUT" "makespan 33"
+has "sim" "$OUT" "rank 3"
+t "sim tsv" 0 sim --stages 2 --micro 8 --comm-latency 1 --advance 1 --summary tsv
+lines "sim tsv" "$OUT" 2
+eq "sim tsv makespan" "$(column makespan)" "29"
+eq "sim tsv peak" "$(column peak_act_max)" "3"
+t "sim quiet" 0 sim --stages 4 --micro 8 --quiet
+lines "sim quiet" "$OUT" 7
+t "sim files" 0 sim --schedule zbh1 --stages 2 --micro 4 --comm-latency 1 --width 40 \
+    --trace "$TMP/t.json" --svg "$TMP/t.svg" --csv "$TMP/t.csv"
+has "sim --trace" "$TMP/t.json" "traceEvents"
+has "sim --svg" "$TMP/t.svg" "<svg"
+has "sim --csv" "$TMP/t.csv" "0F0"
+t "validate sim --csv" 0 validate "$TMP/t.csv"
+t "sim continuous" 0 sim --stages 3 --micro 3 --pipes 2 --rounds 2 --continuous --blocking-send \
+    --comm-latency 0.5 --comm-bytes 100 --bandwidth 50 --cost-f 1.5 --cost-b 3 --cost-w 1.5 --quiet
+t "sim interleaved" 0 sim --schedule interleaved --stages 2 --micro 4 --chunks 3 --quiet
+t "sim --flag=value" 0 sim --stages=2 --micro=2 --quiet
+
+# ---- bad arguments: exit 2, one line naming the problem --------------------------------------------
+usage_error "--stages 0" "--stages" sim --stages 0
+usage_error "--stages abc" "'abc'" sim --stages abc
+usage_error "--stages missing value" "--stages" sim --stages
+usage_error "--stages 100000" "stages" sim --stages 100000
+usage_error "--micro 999999999" "micro" sim --micro 999999999
+usage_error "--micro overflow" "--micro" sim --micro 99999999999999999999
+usage_error "--pipes -1" "--pipes" compare --pipes -1
+usage_error "--cost-b 0" "--cost-b" sim --cost-b 0
+usage_error "--comm-latency nan" "--comm-latency" sim --comm-latency nan
+usage_error "--width 1" "--width" sim --width 1
+usage_error "unknown flag" "--bogus" sim --bogus
+usage_error "unknown schedule" "foo" compare --schedule afab,foo
+usage_error "empty schedule item" "--schedule" compare --schedule afab,
+usage_error "sim with a list" "--schedule" sim --schedule afab,1f1b
+usage_error "range reversed" "3..1" compare --advance 3..1
+usage_error "range open" "2.." compare --advance 2..
+usage_error "range in sim" "--advance" sim --advance 0..3
+usage_error "--summary xml" "--summary" compare --summary xml
+usage_error "flag of another command" "--lower" sim --lower
+usage_error "stray argument" "extra" compare extra
+usage_error "unknown command" "frobnicate" frobnicate
+usage_error "no command" "command"
+usage_error "interleaved micro % stages" "multiple" sim --schedule interleaved --stages 3 --micro 8
+usage_error "chunks without interleaved" "chunks" sim --schedule 1f1b --chunks 2
+
+# ---- validate ------------------------------------------------------------------------------------
+if [ -r "$GOLDEN" ]; then
+    t "validate golden" 0 validate "$GOLDEN"
+    has "validate golden" "$OUT" "valid: 2 ranks, 4 stages"
+    t "validate --lower golden" 0 validate --lower "$GOLDEN"
+    has "validate --lower golden" "$OUT" "SEND_F"
+    IN=$GOLDEN
+    t "validate --lower --quiet golden" 0 validate --lower --quiet "$GOLDEN"
+    cp "$OUT" "$TMP/lowered.csv"
+    t "validate lowered golden" 0 validate "$TMP/lowered.csv"
+    has "validate lowered golden" "$OUT" "with SEND/RECV"
+    t "validate stdin" 0 validate -
+    IN=/dev/null
+    sed 's/2I0/2W0/' "$GOLDEN" >"$TMP/golden_broken.csv"
+    t "validate broken golden" 1 validate "$TMP/golden_broken.csv"
+    has "validate broken golden" "$OUT" ">2W0<"
+else
+    : >"$ERR"
+    bad "golden schedule '$GOLDEN' not readable (pass its path as the second argument)"
+fi
+printf '0F0,0F1,0B0,0B1\n1B0,1F0,1F1,1B1\n' >"$TMP/broken.csv"
+t "validate broken" 1 validate "$TMP/broken.csv"
+has "validate broken names the op" "$OUT" "rank 1, position 0, op 1B0"
+has "validate broken marks the op" "$OUT" ">1B0<"
+t "validate broken quiet" 1 validate --quiet "$TMP/broken.csv"
+lines "validate broken quiet" "$OUT" 0
+printf '0F0,0F1,0B0,0B1\n1F0,1B0,1F1\n' >"$TMP/short.csv"
+t "validate missing op" 1 validate "$TMP/short.csv"
+has "validate missing op" "$OUT" "no backward"
+: >"$TMP/empty.csv"
+usage_error "validate empty file" "empty.csv" validate "$TMP/empty.csv"
+printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.bin"
+usage_error "validate binary garbage" "garbage.bin" validate "$TMP/garbage.bin"
+usage_error "validate missing file" "nonexistent" validate "$TMP/nonexistent.csv"
+usage_error "validate directory" "directory" validate "$TMP"
+usage_error "validate no file" "FILE" validate
+printf '0F99999999999\n' >"$TMP/huge.csv"
+usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"
+
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]

@@ -1,0 +1,716 @@
+/* avgpipe — the command-line front end of avgpipe.h: generate, validate, simulate, compare and render
+   pipeline schedules.
+
+       avgpipe sim       generate one schedule, validate it, simulate it, print its timeline and a summary
+       avgpipe validate  check a schedule file (PyTorch CSV or avgpipe text) and point at the offending op
+       avgpipe compare   one row per (schedule, K) for the same shape and costs, as a table or TSV
+
+   Exit status: 0 ok; 1 a schedule fails validation; 2 bad arguments, an unreadable or unparseable file,
+   or an error from the library (its message is printed, on one line, on stderr).
+
+   Build: gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tools/avgpipe.c -o build/avgpipe -lm */
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CLI_MAX_KINDS 16   /* entries in a --schedule list */
+#define CLI_MAX_K_RANGE 1000 /* values in an --advance range: each one is a full simulation */
+/* Sizes the library accepts but this tool refuses: the validator and the simulator keep S x S
+   channel tables and a few hundred bytes per (stage, micro-batch), so the library's own limits
+   (32767 stages, 1.3e8 ops) would exhaust memory before they fail cleanly. */
+#define CLI_MAX_STAGES 4096
+#define CLI_MAX_ITEMS 10000000LL
+#define CLI_EXIT_INVALID 1
+#define CLI_EXIT_USAGE 2
+
+enum { CMD_SIM = 1, CMD_VALIDATE = 2, CMD_COMPARE = 4, CMD_ALL = 7 };
+
+/* Everything the command line says, with the defaults filled in before parsing. */
+typedef struct cli_opts {
+    unsigned cmd;
+    avgpipe_sched_kind kinds[CLI_MAX_KINDS];
+    int nkinds;
+    int stages, micro, pipes, chunks, rounds, continuous;
+    int adv_lo, adv_hi; /* --advance K is the range K..K */
+    double cost_f, cost_b, cost_w;
+    double latency, bytes, bandwidth;
+    int blocking, width, tsv, quiet, lower, help;
+    const char *trace, *svg, *csv, *file;
+} cli_opts;
+
+/* One evaluated schedule: a row of the compare table or of the TSV summary. */
+typedef struct cli_row {
+    avgpipe_sched_desc d; /* resolved by the library: what was actually generated */
+    int valid;
+    double makespan, bubble;
+    int peak_max, peak0;
+    char why[512]; /* the validator's message when valid == 0 */
+} cli_row;
+
+/* ---- errors ---------------------------------------------------------------------------------- */
+
+/* Print "avgpipe: <message>" as one line on stderr. Library text may quote a file's bytes: control
+   and non-ASCII bytes are written as \xNN so the message stays one readable line. */
+static int cli_error(const char *fmt, ...) {
+    char msg[1536];
+    va_list ap;
+    const unsigned char *p;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    fputs("avgpipe: ", stderr);
+    for (p = (const unsigned char *)msg; *p; p++) {
+        if (*p >= 0x20 && *p < 0x7f) fputc(*p, stderr);
+        else fprintf(stderr, "\\x%02x", *p);
+    }
+    fputc('\n', stderr);
+    return CLI_EXIT_USAGE;
+}
+
+/* The library's detail for the last failed call on ctx (or the result's name when it left none). */
+static int lib_error(const avgpipe_context *ctx) {
+    const char *msg = avgpipe_last_error(ctx);
+    if (!msg[0]) msg = avgpipe_result_string(avgpipe_last_result(ctx));
+    return cli_error("%s", msg);
+}
+
+/* ---- numbers --------------------------------------------------------------------------------- */
+
+/* A whole-string decimal integer that fits a long. No leading blanks, no trailing characters. */
+static int parse_long(const char *s, long *out) {
+    char *end;
+    if (!s || !(*s == '-' || *s == '+' || (*s >= '0' && *s <= '9'))) return 0;
+    errno = 0;
+    *out = strtol(s, &end, 10);
+    return errno == 0 && end != s && *end == '\0';
+}
+
+/* A whole-string finite floating-point number. */
+static int parse_double(const char *s, double *out) {
+    char *end;
+    if (!s || !(*s == '-' || *s == '+' || *s == '.' || (*s >= '0' && *s <= '9'))) return 0;
+    errno = 0;
+    *out = strtod(s, &end);
+    return errno == 0 && end != s && *end == '\0' && isfinite(*out);
+}
+
+/* ---- option table ---------------------------------------------------------------------------- */
+
+typedef struct cli_flag cli_flag;
+typedef int (*cli_parse_fn)(cli_opts *o, const cli_flag *f, const char *val);
+struct cli_flag {
+    const char *name;
+    cli_parse_fn parse;
+    size_t off;     /* field of cli_opts the generic parsers write */
+    double lo, hi;  /* accepted range of numeric values */
+    unsigned cmds;  /* CMD_* that accept the flag */
+    const char *arg; /* NULL: a switch without a value */
+    const char *help;
+};
+
+#define CLI_FIELD(o, f, type) ((type *)(void *)((char *)(o) + (f)->off))
+#define CLI_POSITIVE (-1.0) /* lo of a number that must be > 0 */
+
+static int set_switch(cli_opts *o, const cli_flag *f, const char *val) {
+    (void)val;
+    *CLI_FIELD(o, f, int) = 1;
+    return 0;
+}
+
+static int set_int(cli_opts *o, const cli_flag *f, const char *val) {
+    long v;
+    if (!parse_long(val, &v) || v < f->lo || v > f->hi) {
+        if (f->hi >= INT_MAX) return cli_error("%s: expected an integer >= %.0f, got '%s'", f->name, f->lo, val);
+        return cli_error("%s: expected an integer from %.0f to %.0f, got '%s'", f->name, f->lo, f->hi, val);
+    }
+    *CLI_FIELD(o, f, int) = (int)v;
+    return 0;
+}
+
+/* A number in [lo, hi], or in (0, hi] when lo is CLI_POSITIVE: a cost may not be zero, since the
+   simulator reads a zero cost as "use the default". */
+static int set_num(cli_opts *o, const cli_flag *f, const char *val) {
+    double v;
+    int ok = parse_double(val, &v) && v <= f->hi && (f->lo == CLI_POSITIVE ? v > 0 : v >= f->lo);
+    if (!ok) return cli_error("%s: expected a number %s 0, got '%s'", f->name, f->lo == CLI_POSITIVE ? ">" : ">=", val);
+    *CLI_FIELD(o, f, double) = v;
+    return 0;
+}
+
+static int set_str(cli_opts *o, const cli_flag *f, const char *val) {
+    if (!val[0]) return cli_error("%s: expected a file name, got ''", f->name);
+    *CLI_FIELD(o, f, const char *) = val;
+    return 0;
+}
+
+static int set_summary(cli_opts *o, const cli_flag *f, const char *val) {
+    if (strcmp(val, "tsv") == 0) o->tsv = 1;
+    else if (strcmp(val, "table") == 0) o->tsv = 0;
+    else return cli_error("%s: expected 'table' or 'tsv', got '%s'", f->name, val);
+    return 0;
+}
+
+/* A comma list of generator names: "afab,1f1b,advance". */
+static int set_schedule(cli_opts *o, const cli_flag *f, const char *val) {
+    const char *p = val;
+    o->nkinds = 0;
+    for (;;) {
+        char name[32];
+        size_t n = strcspn(p, ",");
+        avgpipe_sched_kind k;
+        if (n == 0 || n >= sizeof name)
+            return cli_error("%s: expected a comma list of afab, 1f1b, advance, interleaved, zbh1, got '%s'", f->name, val);
+        memcpy(name, p, n);
+        name[n] = '\0';
+        if (avgpipe_sched_kind_parse(name, &k) != AVGPIPE_OK || k == AVGPIPE_SCHED_CUSTOM)
+            return cli_error("%s: unknown schedule '%s' (expected afab, 1f1b, advance, interleaved or zbh1)", f->name, name);
+        if (o->nkinds == CLI_MAX_KINDS) return cli_error("%s: at most %d schedules", f->name, CLI_MAX_KINDS);
+        o->kinds[o->nkinds++] = k;
+        if (!p[n]) return 0;
+        p += n + 1;
+    }
+}
+
+/* K or, for compare, A..B. */
+static int set_advance(cli_opts *o, const cli_flag *f, const char *val) {
+    const char *dots = strstr(val, "..");
+    char left[32];
+    long a, b;
+    if (!dots) {
+        if (!parse_long(val, &a) || a < 0 || a > INT_MAX)
+            return cli_error("%s: expected an integer >= 0, got '%s'", f->name, val);
+        o->adv_lo = o->adv_hi = (int)a;
+        return 0;
+    }
+    if (o->cmd != CMD_COMPARE) return cli_error("%s: a range is accepted by compare only, got '%s'", f->name, val);
+    if ((size_t)(dots - val) >= sizeof left) return cli_error("%s: malformed range '%s' (expected A..B)", f->name, val);
+    memcpy(left, val, (size_t)(dots - val));
+    left[dots - val] = '\0';
+    if (!parse_long(left, &a) || !parse_long(dots + 2, &b) || a < 0 || b > INT_MAX || a > b)
+        return cli_error("%s: malformed range '%s' (expected A..B with 0 <= A <= B)", f->name, val);
+    if (b - a >= CLI_MAX_K_RANGE) return cli_error("%s: range '%s' has more than %d values", f->name, val, CLI_MAX_K_RANGE);
+    o->adv_lo = (int)a;
+    o->adv_hi = (int)b;
+    return 0;
+}
+
+#define OFF(field) offsetof(cli_opts, field)
+#define SC (CMD_SIM | CMD_COMPARE)
+static const cli_flag cli_flags[] = {
+    {"--schedule", set_schedule, 0, 0, 0, SC, "NAME", "afab|1f1b|advance|interleaved|zbh1; compare takes a comma list"},
+    {"--stages", set_int, OFF(stages), 1, INT_MAX, SC, "S", "pipeline stages = ranks (default 4)"},
+    {"--micro", set_int, OFF(micro), 1, INT_MAX, SC, "M", "micro-batches per batch (default 8)"},
+    {"--pipes", set_int, OFF(pipes), 1, 32767, SC, "N", "parallel pipelines (default 1)"},
+    {"--chunks", set_int, OFF(chunks), 1, INT_MAX, SC, "V", "model chunks per rank, interleaved only (default 2)"},
+    {"--advance", set_advance, 0, 0, 0, SC, "K", "extra warm-up forwards of advance; compare: K or a range A..B"},
+    {"--rounds", set_int, OFF(rounds), 1, INT_MAX, SC, "R", "rounds (default 1)"},
+    {"--continuous", set_switch, OFF(continuous), 0, 0, SC, NULL, "continuous rounds (default synchronous)"},
+    {"--cost-f", set_num, OFF(cost_f), CLI_POSITIVE, 1e12, SC, "T", "forward time of a stage (default 1)"},
+    {"--cost-b", set_num, OFF(cost_b), CLI_POSITIVE, 1e12, SC, "T", "full backward time (default 2)"},
+    {"--cost-w", set_num, OFF(cost_w), CLI_POSITIVE, 1e12, SC, "T", "time of I and of W, split backward halves (default 1)"},
+    {"--comm-latency", set_num, OFF(latency), 0, 1e12, SC, "T", "latency per transfer (default 0)"},
+    {"--comm-bytes", set_num, OFF(bytes), 0, 1e18, SC, "B", "bytes per transfer (default 0)"},
+    {"--bandwidth", set_num, OFF(bandwidth), 0, 1e18, SC, "B/T", "link bandwidth; 0 = no bandwidth term (default)"},
+    {"--blocking-send", set_switch, OFF(blocking), 0, 0, SC, NULL, "blocking sends (default asynchronous)"},
+    {"--trace", set_str, OFF(trace), 0, 0, CMD_SIM, "FILE", "write a Chrome trace JSON (ui.perfetto.dev)"},
+    {"--svg", set_str, OFF(svg), 0, 0, CMD_SIM, "FILE", "write an SVG timeline"},
+    {"--csv", set_str, OFF(csv), 0, 0, CMD_SIM, "FILE", "write the generated compute schedule as text/CSV"},
+    {"--width", set_int, OFF(width), 10, 100000, CMD_SIM, "N", "columns of the ASCII timeline (default 100)"},
+    {"--summary", set_summary, 0, 0, 0, SC, "FMT", "table (default) or tsv: a header line, one row per schedule"},
+    {"--quiet", set_switch, OFF(quiet), 0, 0, CMD_SIM | CMD_VALIDATE, NULL, "sim: no timeline; validate: exit status only"},
+    {"--lower", set_switch, OFF(lower), 0, 0, CMD_VALIDATE, NULL, "also print the schedule with SEND/RECV ops"},
+    {"--help", set_switch, OFF(help), 0, 0, CMD_ALL, NULL, "print this help"},
+};
+#undef SC
+#undef OFF
+#define CLI_NFLAGS (sizeof cli_flags / sizeof cli_flags[0])
+
+/* ---- command line ---------------------------------------------------------------------------- */
+
+typedef struct cli_command {
+    const char *name;
+    unsigned cmd;
+    const char *args, *about, *notes;
+} cli_command;
+
+static const cli_command cli_commands[] = {
+    {"sim", CMD_SIM, "[options]", "generate, validate and simulate a schedule; print its timeline and a summary",
+     "Defaults: --schedule advance --stages 4 --micro 8 --advance 0 (K = 0 is 1F1B).\n"
+     "Costs are per stage; an op of an interleaved chunk costs 1/V of it. The summary gives the makespan, the\n"
+     "bubble (idle share of all ranks' time) and per rank busy, idle, blocked time and peak stashed activations.\n"
+     "Exit status: 0 ok, 1 the generated schedule fails validation, 2 bad arguments or a library error.\n"},
+    {"validate", CMD_VALIDATE, "[options] FILE", "check a schedule file (PyTorch CSV or avgpipe text; '-' = stdin)",
+     "Prints 'valid: ...', or the validator's message and the op grid with the offending op as >op<.\n"
+     "Exit status: 0 valid, 1 invalid, 2 bad arguments or a file that cannot be read or parsed.\n"},
+    {"compare", CMD_COMPARE, "[options]", "simulate several schedules (and a range of K) side by side",
+     "Defaults: --schedule afab,1f1b,advance,zbh1 --stages 4 --micro 8 --advance 0.\n"
+     "--advance A..B gives one row per K for advance (other schedules get one row); --chunks applies to\n"
+     "interleaved only. TSV columns: schedule stages micro pipes chunks advance makespan bubble peak_act_max\n"
+     "peak_act_stage0 valid rounds continuous (bubble a fraction; peak_act_* the simulator's peak stash).\n"
+     "Exit status: 0 ok, 1 a schedule fails validation, 2 bad arguments or a library error.\n"},
+};
+#define CLI_NCOMMANDS (sizeof cli_commands / sizeof cli_commands[0])
+
+static void print_usage(FILE *f) {
+    size_t i;
+    fprintf(f, "usage: avgpipe COMMAND [options]\n       avgpipe --help | --version\n\ncommands:\n");
+    for (i = 0; i < CLI_NCOMMANDS; i++) fprintf(f, "  %-10s %s\n", cli_commands[i].name, cli_commands[i].about);
+    fprintf(f, "\n'avgpipe COMMAND --help' lists the options of a command.\n"
+               "Exit status: 0 ok, 1 a schedule fails validation, 2 bad arguments or input.\n");
+}
+
+static void print_command_help(const cli_command *c) {
+    size_t i;
+    printf("usage: avgpipe %s %s\n%s\n\noptions:\n", c->name, c->args, c->about);
+    for (i = 0; i < CLI_NFLAGS; i++) {
+        const char *arg = cli_flags[i].arg;
+        char lhs[40];
+        if (!(cli_flags[i].cmds & c->cmd)) continue;
+        snprintf(lhs, sizeof lhs, "%s%s%s", cli_flags[i].name, arg ? " " : "", arg ? arg : "");
+        printf("  %-20s %s\n", lhs, cli_flags[i].help);
+    }
+    printf("\n%s", c->notes);
+}
+
+static const cli_flag *find_flag(const char *name, size_t len) {
+    size_t i;
+    for (i = 0; i < CLI_NFLAGS; i++)
+        if (strlen(cli_flags[i].name) == len && strncmp(cli_flags[i].name, name, len) == 0) return &cli_flags[i];
+    return NULL;
+}
+
+/* One option at argv[*i] ("--name value" or "--name=value"); advances *i past its value. */
+static int parse_flag(cli_opts *o, int argc, char **argv, int *i) {
+    const char *arg = argv[*i], *eq = strchr(arg, '='), *val = NULL;
+    size_t len = eq ? (size_t)(eq - arg) : strlen(arg);
+    const cli_flag *f = find_flag(arg, len);
+    if (!f) return cli_error("unknown option '%.*s' (see 'avgpipe %s --help')", (int)len, arg, argv[1]);
+    if (!(f->cmds & o->cmd)) return cli_error("%s: not an option of '%s'", f->name, argv[1]);
+    if (!f->arg) {
+        if (eq) return cli_error("%s: takes no value", f->name);
+        return f->parse(o, f, NULL);
+    }
+    if (eq) val = eq + 1;
+    else if (*i + 1 < argc) val = argv[++*i];
+    else return cli_error("%s: missing value (%s)", f->name, f->arg);
+    return f->parse(o, f, val);
+}
+
+static void default_opts(cli_opts *o, unsigned cmd) {
+    memset(o, 0, sizeof *o);
+    o->cmd = cmd;
+    o->stages = 4;
+    o->micro = 8;
+    o->width = 100;
+    o->pipes = 1;
+    o->rounds = 1;
+    o->cost_f = 1;
+    o->cost_b = 2;
+    o->cost_w = 1;
+}
+
+/* Parse argv[2..] into *o. Returns 0 or CLI_EXIT_USAGE (message printed). Stops at --help. */
+static int parse_args(cli_opts *o, int argc, char **argv) {
+    int i, rc;
+    for (i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "-h") == 0) a = "--help";
+        if (a[0] == '-' && a[1] == '-') {
+            if (strcmp(a, "--help") == 0) {
+                o->help = 1; /* at once: the rest of the line may be what the user needs help with */
+                return 0;
+            }
+            if ((rc = parse_flag(o, argc, argv, &i)) != 0) return rc;
+        } else if (a[0] == '-' && a[1] != '\0') {
+            return cli_error("unknown option '%s' (see 'avgpipe %s --help')", a, argv[1]);
+        } else if (o->cmd == CMD_VALIDATE && !o->file) {
+            o->file = a;
+        } else {
+            return cli_error("unexpected argument '%s' (see 'avgpipe %s --help')", a, argv[1]);
+        }
+    }
+    if (o->cmd == CMD_VALIDATE && !o->file) return cli_error("validate: missing FILE (see 'avgpipe validate --help')");
+    return 0;
+}
+
+/* ---- evaluation ------------------------------------------------------------------------------ */
+
+static avgpipe_sched_desc make_sched_desc(const cli_opts *o, avgpipe_sched_kind kind, int k) {
+    avgpipe_sched_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = kind;
+    d.stages = o->stages;
+    d.micro = o->micro;
+    d.pipes = o->pipes;
+    d.chunks = o->chunks;
+    d.rounds = o->rounds;
+    d.advance = k;
+    d.continuous = o->continuous;
+    if (o->cmd == CMD_COMPARE && kind != AVGPIPE_SCHED_INTERLEAVED) d.chunks = 0; /* --chunks is interleaved's */
+    return d;
+}
+
+/* The --cost-* times are those of one stage's share of the model; a rank holding V chunks of an
+   interleaved schedule runs 1/V of that share per op, so schedules compare at equal work. */
+static avgpipe_sim_desc make_sim_desc(const cli_opts *o, int record, int chunks) {
+    avgpipe_sim_desc d;
+    memset(&d, 0, sizeof d);
+    d.cost[AVGPIPE_OP_F] = o->cost_f / chunks;
+    d.cost[AVGPIPE_OP_B] = o->cost_b / chunks;
+    d.cost[AVGPIPE_OP_I] = o->cost_w / chunks;
+    d.cost[AVGPIPE_OP_W] = o->cost_w / chunks;
+    d.latency = o->latency;
+    d.bytes = o->bytes;
+    d.bandwidth = o->bandwidth;
+    d.blocking_send = o->blocking;
+    d.record_events = record;
+    return d;
+}
+
+static void fill_row_stats(cli_row *row, const avgpipe_sim_result *r) {
+    int i;
+    row->makespan = r->makespan;
+    row->bubble = r->bubble;
+    row->peak0 = r->nranks > 0 ? r->rank[0].peak_stash : 0;
+    row->peak_max = 0;
+    for (i = 0; i < r->nranks; i++)
+        if (r->rank[i].peak_stash > row->peak_max) row->peak_max = r->rank[i].peak_stash;
+}
+
+/* This tool's own size limits (see CLI_MAX_STAGES). Checked in double before the library sees the
+   description too: avgpipe_sched_resolve multiplies the sizes in long long before it bounds them. */
+static int check_size(const avgpipe_sched_desc *d) {
+    double g = (double)d->stages * (d->chunks > 1 ? d->chunks : 1), items = g * d->pipes * d->micro * d->rounds;
+    if (g > CLI_MAX_STAGES) return cli_error("stages x chunks = %.0f: this tool simulates at most %d", g, CLI_MAX_STAGES);
+    if (items > (double)CLI_MAX_ITEMS)
+        return cli_error("stages x chunks x pipes x micro x rounds = %.0f: this tool simulates at most %lld", items,
+                         CLI_MAX_ITEMS);
+    return 0;
+}
+
+/* Generate, validate and simulate one schedule. A schedule that fails validation is a row with
+   valid = 0 (and no numbers when it cannot be simulated either), not an error. On success the caller
+   owns *s and *r. Returns 0, or CLI_EXIT_USAGE after printing the library's message. */
+static int evaluate(avgpipe_context *ctx, const cli_opts *o, avgpipe_sched_kind kind, int k, int record,
+                    avgpipe_schedule *s, avgpipe_sim_result *r, cli_row *row) {
+    avgpipe_sched_desc d = make_sched_desc(o, kind, k);
+    avgpipe_sim_desc sd;
+    avgpipe_validate_report rep;
+    memset(row, 0, sizeof *row);
+    memset(r, 0, sizeof *r);
+    if (check_size(&d) != 0) return CLI_EXIT_USAGE;
+    if (avgpipe_sched_resolve(ctx, &d, &row->d) != AVGPIPE_OK) return lib_error(ctx);
+    if (check_size(&row->d) != 0) return CLI_EXIT_USAGE;
+    sd = make_sim_desc(o, record, row->d.chunks);
+    if (avgpipe_sched_generate(ctx, &d, s) != AVGPIPE_OK) return lib_error(ctx);
+    avgpipe_sched_validate(ctx, s, NULL, &rep);
+    row->valid = rep.result == AVGPIPE_OK;
+    row->makespan = row->bubble = NAN;
+    if (!row->valid && rep.result != AVGPIPE_INVALID_SCHEDULE && rep.result != AVGPIPE_DEADLOCK) {
+        avgpipe_sched_free(ctx, s);
+        return lib_error(ctx);
+    }
+    if (!row->valid) snprintf(row->why, sizeof row->why, "%s", rep.message);
+    if (avgpipe_sim_run(ctx, s, &sd, r) == AVGPIPE_OK) {
+        fill_row_stats(row, r);
+        return 0;
+    }
+    if (!row->valid) return 0; /* already explained by the validator */
+    avgpipe_sched_free(ctx, s);
+    return lib_error(ctx);
+}
+
+/* ---- output ---------------------------------------------------------------------------------- */
+
+static void print_tsv_header(void) {
+    printf("schedule\tstages\tmicro\tpipes\tchunks\tadvance\tmakespan\tbubble\tpeak_act_max\tpeak_act_stage0\tvalid\t"
+           "rounds\tcontinuous\n");
+}
+
+static void print_tsv_row(const cli_row *w) {
+    const avgpipe_sched_desc *d = &w->d;
+    printf("%s\t%d\t%d\t%d\t%d\t%d\t", avgpipe_sched_kind_name(d->kind), d->stages, d->micro, d->pipes, d->chunks, d->advance);
+    if (isnan(w->makespan)) printf("-\t-\t-\t-\t");
+    else printf("%.10g\t%.4f\t%d\t%d\t", w->makespan, w->bubble, w->peak_max, w->peak0);
+    printf("%d\t%d\t%d\n", w->valid, d->rounds, d->continuous);
+}
+
+static void print_shape_line(const cli_opts *o) {
+    printf("S=%d M=%d N=%d R=%d %s rounds, %s sends; costs F=%g B=%g I=W=%g; transfer latency %g", o->stages, o->micro,
+           o->pipes, o->rounds, o->continuous ? "continuous" : "synchronous", o->blocking ? "blocking" : "async", o->cost_f,
+           o->cost_b, o->cost_w, o->latency);
+    if (o->bandwidth > 0) printf(" + %g bytes / %g bytes per unit", o->bytes, o->bandwidth);
+    printf("\n");
+}
+
+static void print_table_header(void) {
+    printf("%-12s %3s %6s %12s %8s %12s %14s %6s\n", "schedule", "V", "K", "makespan", "bubble", "peak_act_max",
+           "peak_act_rank0", "valid");
+}
+
+static void print_table_row(const cli_row *w) {
+    const avgpipe_sched_desc *d = &w->d;
+    printf("%-12s %3d %6d ", avgpipe_sched_kind_name(d->kind), d->chunks, d->advance);
+    if (isnan(w->makespan)) printf("%12s %8s %12s %14s", "-", "-", "-", "-");
+    else printf("%12.10g %7.2f%% %12d %14d", w->makespan, 100 * w->bubble, w->peak_max, w->peak0);
+    printf(" %6s\n", w->valid ? "yes" : "NO");
+}
+
+/* Per-rank statistics of a simulation. */
+static void print_sim_summary(const cli_row *w, const avgpipe_sim_result *r) {
+    int i;
+    const avgpipe_sched_desc *d = &w->d;
+    printf("%s: S=%d M=%d N=%d V=%d R=%d K=%d\n", avgpipe_sched_kind_name(d->kind), d->stages, d->micro, d->pipes, d->chunks,
+           d->rounds, d->advance);
+    printf("makespan %.10g, bubble %.2f%%, %lld ops, %lld transfers\n", r->makespan, 100 * r->bubble, r->ops, r->transfers);
+    printf("%-6s %12s %12s %12s %9s\n", "rank", "busy", "idle", "blocked", "peak_act");
+    for (i = 0; i < r->nranks; i++)
+        printf("%-6d %12.10g %12.10g %12.10g %9d\n", i, r->rank[i].busy, r->rank[i].idle, r->rank[i].blocked,
+               r->rank[i].peak_stash);
+}
+
+static int write_file(const char *path, const avgpipe_buf *b) {
+    FILE *f = fopen(path, "wb");
+    int ok;
+    if (!f) return cli_error("cannot create '%s': %s", path, strerror(errno));
+    ok = fwrite(b->data, 1, b->len, f) == b->len;
+    ok &= fclose(f) == 0;
+    return ok ? 0 : cli_error("cannot write '%s'", path);
+}
+
+typedef avgpipe_result (*cli_render_fn)(avgpipe_context *, const avgpipe_event *, size_t, int, const avgpipe_render_desc *,
+                                        avgpipe_buf *);
+
+/* Render the simulation's events with fn, into path, or onto stdout when path is NULL. */
+static int render(avgpipe_context *ctx, cli_render_fn fn, const avgpipe_sim_result *r, const avgpipe_render_desc *rd,
+                  const char *path) {
+    avgpipe_buf b = {NULL, 0, 0};
+    int rc = 0;
+    if (fn(ctx, r->events, r->nevents, r->nranks, rd, &b) != AVGPIPE_OK) rc = lib_error(ctx);
+    else if (path) rc = write_file(path, &b);
+    else if (b.data) fputs(b.data, stdout);
+    avgpipe_buf_free(ctx, &b);
+    return rc;
+}
+
+/* ---- commands -------------------------------------------------------------------------------- */
+
+/* The files and the timeline of `sim`, after a successful evaluation. */
+static int sim_outputs(avgpipe_context *ctx, const cli_opts *o, const avgpipe_schedule *s, const avgpipe_sim_result *r,
+                       const cli_row *w) {
+    avgpipe_render_desc rd;
+    char title[160];
+    int rc = 0;
+    memset(&rd, 0, sizeof rd);
+    snprintf(title, sizeof title, "%s S=%d M=%d N=%d V=%d R=%d K=%d", avgpipe_sched_kind_name(w->d.kind), w->d.stages,
+             w->d.micro, w->d.pipes, w->d.chunks, w->d.rounds, w->d.advance);
+    rd.title = title;
+    rd.width = o->width;
+    if (o->csv && avgpipe_sched_save(ctx, s, 0, o->csv) != AVGPIPE_OK) return lib_error(ctx);
+    if (o->trace && (rc = render(ctx, avgpipe_render_chrome, r, &rd, o->trace)) != 0) return rc;
+    if (o->svg && (rc = render(ctx, avgpipe_render_svg, r, &rd, o->svg)) != 0) return rc;
+    if (o->tsv) {
+        print_tsv_header();
+        print_tsv_row(w);
+        return 0;
+    }
+    if (!o->quiet) {
+        rd.title = NULL; /* the summary below names the schedule */
+        if ((rc = render(ctx, avgpipe_render_ascii, r, &rd, NULL)) != 0) return rc;
+        printf("\n");
+    }
+    print_sim_summary(w, r);
+    return 0;
+}
+
+static int cmd_sim(avgpipe_context *ctx, const cli_opts *o) {
+    avgpipe_schedule s;
+    avgpipe_sim_result r;
+    cli_row w;
+    int rc;
+    if (o->nkinds != 1) return cli_error("--schedule: sim takes one schedule (compare takes a list)");
+    if ((rc = evaluate(ctx, o, o->kinds[0], o->adv_lo, 1, &s, &r, &w)) != 0) return rc;
+    if (!w.valid) {
+        rc = CLI_EXIT_INVALID;
+        fprintf(stderr, "avgpipe: the generated schedule fails validation: %s\n", w.why);
+    } else {
+        rc = sim_outputs(ctx, o, &s, &r, &w);
+    }
+    avgpipe_sim_result_free(ctx, &r);
+    avgpipe_sched_free(ctx, &s);
+    return rc;
+}
+
+static int cmd_compare(avgpipe_context *ctx, const cli_opts *o) {
+    int i, k, rc = 0, invalid = 0;
+    if (o->tsv) print_tsv_header();
+    else {
+        print_shape_line(o);
+        print_table_header();
+    }
+    for (i = 0; i < o->nkinds && !rc; i++) {
+        int hi = o->kinds[i] == AVGPIPE_SCHED_ADVANCE ? o->adv_hi : o->adv_lo;
+        for (k = o->adv_lo; k <= hi && !rc; k++) {
+            avgpipe_schedule s;
+            avgpipe_sim_result r;
+            cli_row w;
+            if ((rc = evaluate(ctx, o, o->kinds[i], k, 0, &s, &r, &w)) != 0) break;
+            if (o->tsv) print_tsv_row(&w);
+            else print_table_row(&w);
+            if (!w.valid) {
+                invalid = 1;
+                fprintf(stderr, "avgpipe: %s K=%d fails validation: %s\n", avgpipe_sched_kind_name(w.d.kind), w.d.advance,
+                        w.why);
+            }
+            avgpipe_sim_result_free(ctx, &r);
+            avgpipe_sched_free(ctx, &s);
+        }
+    }
+    return rc ? rc : invalid ? CLI_EXIT_INVALID : 0;
+}
+
+/* Read all of a stream (for '-'); NULL on a read error or when out of memory. */
+static char *read_stream(FILE *f, size_t *len) {
+    size_t cap = (size_t)1 << 16, n = 0;
+    char *buf = (char *)malloc(cap), *p;
+    while (buf) {
+        n += fread(buf + n, 1, cap - n, f);
+        if (n < cap) break; /* end of input or an error */
+        if ((p = (char *)realloc(buf, cap * 2)) == NULL) break;
+        buf = p;
+        cap *= 2;
+    }
+    if (!buf || n == cap || ferror(f)) {
+        free(buf);
+        return NULL;
+    }
+    *len = n;
+    return buf;
+}
+
+static int load_schedule(avgpipe_context *ctx, const char *path, avgpipe_schedule *s) {
+    char *text;
+    size_t len = 0;
+    avgpipe_result res;
+    int rc = 0;
+    if (strcmp(path, "-") != 0) {
+        FILE *f = fopen(path, "rb"); /* first, for the system's reason (the library names none) */
+        int bad = !f || (fgetc(f) == EOF && ferror(f));
+        if (bad) rc = cli_error("cannot read '%s': %s", path, strerror(errno));
+        if (f) fclose(f);
+        if (bad) return rc;
+        return avgpipe_sched_load(ctx, path, s) == AVGPIPE_OK ? 0 : lib_error(ctx);
+    }
+    if ((text = read_stream(stdin, &len)) == NULL) return cli_error("cannot read the standard input");
+    res = avgpipe_sched_import(ctx, text, len, s);
+    free(text);
+    return res == AVGPIPE_OK ? 0 : cli_error("<stdin>: %s", avgpipe_last_error(ctx));
+}
+
+static long long count_ops(const avgpipe_schedule *s) {
+    long long n = 0;
+    int r, i;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) n += s->ops[r][i].kind != AVGPIPE_OP_IDLE;
+    return n;
+}
+
+/* The schedule with its SEND/RECV ops (one that already has them is printed as it is). */
+static int print_lowered(avgpipe_context *ctx, const avgpipe_schedule *s) {
+    avgpipe_schedule low;
+    avgpipe_buf b = {NULL, 0, 0};
+    int rc = 0;
+    memset(&low, 0, sizeof low);
+    if (!s->has_comm && avgpipe_sched_lower(ctx, s, &low) != AVGPIPE_OK) return lib_error(ctx);
+    if (avgpipe_sched_export(ctx, s->has_comm ? s : &low, 0, &b) != AVGPIPE_OK) rc = lib_error(ctx);
+    else if (b.data) fputs(b.data, stdout);
+    avgpipe_buf_free(ctx, &b);
+    avgpipe_sched_free(ctx, &low);
+    return rc;
+}
+
+/* The verdict for a schedule that fails validation: the message, then the grid with the op marked. */
+static int print_invalid(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_validate_report *rep) {
+    avgpipe_buf b = {NULL, 0, 0};
+    int mark = rep->pos >= 0 ? rep->rank : -1;
+    printf("invalid: %s\n", rep->message);
+    if (avgpipe_sched_render_grid(ctx, s, mark, rep->pos, &b) != AVGPIPE_OK) return lib_error(ctx);
+    if (b.data) fputs(b.data, stdout);
+    avgpipe_buf_free(ctx, &b);
+    return CLI_EXIT_INVALID;
+}
+
+static int cmd_validate(avgpipe_context *ctx, const cli_opts *o) {
+    avgpipe_schedule s;
+    avgpipe_validate_report rep;
+    const avgpipe_shape *sh = &s.shape;
+    int rc = 0;
+    if ((rc = load_schedule(ctx, o->file, &s)) != 0) return rc;
+    avgpipe_sched_validate(ctx, &s, NULL, &rep);
+    if (rep.result == AVGPIPE_INVALID_SCHEDULE || rep.result == AVGPIPE_DEADLOCK) {
+        if (o->quiet) rc = CLI_EXIT_INVALID;
+        else rc = print_invalid(ctx, &s, &rep);
+    } else if (rep.result != AVGPIPE_OK) {
+        rc = lib_error(ctx);
+    } else {
+        if (!o->quiet)
+            printf("valid: %d ranks, %d stages, %lld ops (%s, N=%d M=%d R=%d, %s)\n", s.nranks,
+                   s.nstages, count_ops(&s), avgpipe_sched_kind_name(sh->kind), sh->pipes, sh->micro, sh->rounds,
+                   s.has_comm ? "with SEND/RECV" : "compute only");
+        if (o->lower) rc = print_lowered(ctx, &s);
+    }
+    avgpipe_sched_free(ctx, &s);
+    return rc;
+}
+
+/* ---- main ------------------------------------------------------------------------------------ */
+
+static int run_command(const cli_command *c, int argc, char **argv) {
+    cli_opts o;
+    avgpipe_context ctx;
+    int rc;
+    default_opts(&o, c->cmd);
+    if ((rc = parse_args(&o, argc, argv)) != 0) return rc;
+    if (o.help) {
+        print_command_help(c);
+        return 0;
+    }
+    if (o.nkinds == 0) {
+        static const avgpipe_sched_kind dflt[] = {AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
+                                                  AVGPIPE_SCHED_ZBH1};
+        o.nkinds = c->cmd == CMD_SIM ? 1 : 4;
+        memcpy(o.kinds, c->cmd == CMD_SIM ? &dflt[2] : dflt, sizeof dflt[0] * (size_t)o.nkinds);
+    }
+    if (avgpipe_context_init(&ctx, NULL) != AVGPIPE_OK) return cli_error("cannot initialise the library context");
+    if (c->cmd == CMD_SIM) return cmd_sim(&ctx, &o);
+    if (c->cmd == CMD_VALIDATE) return cmd_validate(&ctx, &o);
+    return cmd_compare(&ctx, &o);
+}
+
+int main(int argc, char **argv) {
+    size_t i;
+    if (argc < 2) return cli_error("missing command (expected sim, validate or compare; see 'avgpipe --help')");
+    if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
+        print_usage(stdout);
+        return 0;
+    }
+    if (strcmp(argv[1], "--version") == 0) {
+        printf("avgpipe %s\n", AVGPIPE_VERSION_STRING);
+        return 0;
+    }
+    for (i = 0; i < CLI_NCOMMANDS; i++)
+        if (strcmp(argv[1], cli_commands[i].name) == 0) {
+            int rc = run_command(&cli_commands[i], argc, argv);
+            if (fflush(stdout) != 0 || ferror(stdout)) return cli_error("cannot write the standard output");
+            return rc;
+        }
+    return cli_error("unknown command '%s' (expected sim, validate or compare; see 'avgpipe --help')", argv[1]);
+}
