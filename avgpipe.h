@@ -78,7 +78,11 @@
 
 #ifndef AVGPIPE_API
 #ifdef AVGPIPE_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE_API static __attribute__((unused)) /* a private copy need not use every function */
+#else
 #define AVGPIPE_API static
+#endif
 #else
 #define AVGPIPE_API extern
 #endif

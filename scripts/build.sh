@@ -1,0 +1,10 @@
+#!/bin/sh
+# Configure (once) and build into ./build.
+set -eu
+cd "$(dirname "$0")/.."
+if [ -f build/build.ninja ]; then
+    meson setup --reconfigure build >/dev/null
+else
+    meson setup build
+fi
+meson compile -C build
