@@ -654,6 +654,11 @@ static int cmd_validate(avgpipe_context *ctx, const cli_opts *o) {
     const avgpipe_shape *sh = &s.shape;
     int rc = 0;
     if ((rc = load_schedule(ctx, o->file, &s)) != 0) return rc;
+    if (s.nranks > CLI_MAX_STAGES) { /* a few bytes of text can ask the validator for S x S tables */
+        rc = cli_error("%s: %d ranks: this tool validates at most %d", o->file, s.nranks, CLI_MAX_STAGES);
+        avgpipe_sched_free(ctx, &s);
+        return rc;
+    }
     avgpipe_sched_validate(ctx, &s, NULL, &rep);
     if (rep.result == AVGPIPE_INVALID_SCHEDULE || rep.result == AVGPIPE_DEADLOCK) {
         if (o->quiet) rc = CLI_EXIT_INVALID;
