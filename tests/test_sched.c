@@ -1,0 +1,709 @@
+/* Tests of the schedule generators against closed forms (DESIGN §2, §3): bubble fractions, peak
+   stashed activations, AvgPipe's advance forward, the paper's Figure 7 situation, rounds (synchronous
+   and continuous), STEP/AVG placement, and the greedy list scheduler.
+
+   Every expected number here is computed independently of the library (a formula written out in
+   this file, or a number measured once and explained in a comment), never read back from it.
+
+   Build and run from the repository root:
+     gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tests/test_sched.c -o /tmp/test_sched \
+         -lcriterion -lm && /tmp/test_sched */
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---- helpers --------------------------------------------------------------------------------- */
+
+static avgpipe_sched_desc desc_of(avgpipe_sched_kind kind, int S, int M, int N, int V, int R, int K, int cont) {
+    avgpipe_sched_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = kind;
+    d.stages = S;
+    d.micro = M;
+    d.pipes = N;
+    d.chunks = V;
+    d.rounds = R;
+    d.advance = K;
+    d.continuous = cont;
+    return d;
+}
+
+static const char *shape_str(const avgpipe_sched_desc *d) {
+    static char buf[160];
+    snprintf(buf, sizeof buf, "%s S=%d M=%d N=%d V=%d R=%d K=%d continuous=%d", avgpipe_sched_kind_name(d->kind), d->stages,
+             d->micro, d->pipes, d->chunks, d->rounds, d->advance, d->continuous);
+    return buf;
+}
+
+static void gen(const avgpipe_sched_desc *d, avgpipe_schedule *s) {
+    avgpipe_result r = avgpipe_sched_generate(NULL, d, s);
+    cr_assert_eq(r, AVGPIPE_OK, "generate %s: %s (%s)", shape_str(d), avgpipe_result_string(r), avgpipe_last_error(NULL));
+}
+
+/* Simulator costs; a zero means the library default, so every cost used here is set explicitly. */
+static avgpipe_sim_desc costs(double f, double b, double i, double w, double latency) {
+    avgpipe_sim_desc sd;
+    memset(&sd, 0, sizeof sd);
+    sd.cost[AVGPIPE_OP_F] = f;
+    sd.cost[AVGPIPE_OP_B] = b;
+    sd.cost[AVGPIPE_OP_I] = i;
+    sd.cost[AVGPIPE_OP_W] = w;
+    sd.latency = latency;
+    return sd;
+}
+
+static void simulate(const avgpipe_schedule *s, const avgpipe_sim_desc *sd, avgpipe_sim_result *r) {
+    avgpipe_result res = avgpipe_sim_run(NULL, s, sd, r);
+    cr_assert_eq(res, AVGPIPE_OK, "simulate: %s (%s)", avgpipe_result_string(res), avgpipe_last_error(NULL));
+}
+
+/* Generate, simulate, return the makespan (and the rank-0 peak stash if asked). */
+static double makespan_of(const avgpipe_sched_desc *d, const avgpipe_sim_desc *sd, int *stash0) {
+    avgpipe_schedule s;
+    avgpipe_sim_result r;
+    double m;
+    gen(d, &s);
+    simulate(&s, sd, &r);
+    m = r.makespan;
+    if (stash0) *stash0 = r.rank[0].peak_stash;
+    avgpipe_sim_result_free(NULL, &r);
+    avgpipe_sched_free(NULL, &s);
+    return m;
+}
+
+static int imin(int a, int b) { return a < b ? a : b; }
+
+static int is_compute(int k) { return k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_I || k == AVGPIPE_OP_W; }
+
+/* The compute ops of rank r, in order (STEP, AVG and comm ops dropped). Returns the count. */
+static int compute_ops(const avgpipe_schedule *s, int r, avgpipe_op *out, int cap) {
+    int i, n = 0;
+    for (i = 0; i < s->len[r]; i++)
+        if (is_compute(s->ops[r][i].kind)) {
+            cr_assert_lt(n, cap, "compute_ops: more than %d ops on rank %d", cap, r);
+            out[n++] = s->ops[r][i];
+        }
+    return n;
+}
+
+static int same_op(const avgpipe_op *a, const avgpipe_op *b) {
+    return a->kind == b->kind && a->stage == b->stage && a->micro == b->micro && a->pipe == b->pipe && a->flags == b->flags;
+}
+
+/* Op-for-op equality of two schedules' lists (shapes may differ). */
+static void assert_same_ops(const avgpipe_schedule *a, const avgpipe_schedule *b, const char *what) {
+    int r, i;
+    cr_assert_eq(a->nranks, b->nranks, "%s: nranks %d vs %d", what, a->nranks, b->nranks);
+    for (r = 0; r < a->nranks; r++) {
+        cr_assert_eq(a->len[r], b->len[r], "%s: rank %d has %d vs %d ops", what, r, a->len[r], b->len[r]);
+        for (i = 0; i < a->len[r]; i++) {
+            char ta[64], tb[64];
+            avgpipe_op_format(&a->ops[r][i], 1, ta, sizeof ta);
+            avgpipe_op_format(&b->ops[r][i], 1, tb, sizeof tb);
+            cr_assert(same_op(&a->ops[r][i], &b->ops[r][i]), "%s: rank %d position %d: %s vs %s", what, r, i, ta, tb);
+        }
+    }
+}
+
+/* AvgPipe's warm-up (DESIGN §2), computed here in double arithmetic, independently of the library:
+   min(T, (S-s-1) + floor(K(S-s-1)/(S-1) + 1/2)) for s < S-1, 0 on the last stage. */
+static int advance_warmup(int S, int s, int T, int K) {
+    double dist = S - s - 1, w;
+    if (s == S - 1) return 0;
+    w = dist + floor((double)K * dist / (double)(S - 1) + 0.5);
+    return w < T ? (int)w : T;
+}
+
+/* ---- closed forms with unit costs and free communication ------------------------------------- */
+
+/* GPipe (AFAB) and 1F1B with F = B = 1 and free transfers: every rank computes 2M, the pipeline
+   fills in S-1 forward slots and drains in S-1 backward slots, so the makespan is 2(M+S-1) and the
+   bubble (S-1)/(M+S-1) on every rank. */
+Test(closed_form, afab_and_1f1b_bubble) {
+    static const avgpipe_sched_kind kinds[2] = {AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_1F1B};
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int k, S, M, r;
+    for (k = 0; k < 2; k++)
+        for (S = 1; S <= 8; S++)
+            for (M = 1; M <= 32; M++) {
+                avgpipe_sched_desc d = desc_of(kinds[k], S, M, 1, 1, 1, 0, 0);
+                avgpipe_schedule s;
+                avgpipe_sim_result res;
+                double expect = (double)(S - 1) / (double)(M + S - 1);
+                gen(&d, &s);
+                simulate(&s, &sd, &res);
+                cr_assert(fabs(res.bubble - expect) < 1e-12, "%s: bubble %.15f, expected (S-1)/(M+S-1) = %.15f", shape_str(&d),
+                          res.bubble, expect);
+                cr_assert_eq(res.makespan, 2.0 * (M + S - 1), "%s: makespan %g, expected %d", shape_str(&d), res.makespan,
+                             2 * (M + S - 1));
+                for (r = 0; r < S; r++) {
+                    cr_assert_eq(res.rank[r].busy, 2.0 * M, "%s rank %d: busy %g", shape_str(&d), r, res.rank[r].busy);
+                    cr_assert_eq(res.rank[r].idle, 2.0 * (S - 1), "%s rank %d: idle %g", shape_str(&d), r, res.rank[r].idle);
+                }
+                avgpipe_sim_result_free(NULL, &res);
+                avgpipe_sched_free(NULL, &s);
+            }
+}
+
+/* Peak stashed activations, three ways: the simulator, the validator's report and the memory
+   model, against DESIGN §3: 1F1B min(T, S-s), AFAB T, with T = N·M micro-batches per round. */
+Test(closed_form, peak_stash_1f1b_and_afab) {
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int S, M, N, cont, r, afab;
+    for (afab = 0; afab < 2; afab++)
+        for (S = 1; S <= 8; S++)
+            for (M = 1; M <= 16; M++)
+                for (N = 1; N <= 2; N++)
+                    for (cont = 0; cont < 2; cont++) {
+                        avgpipe_sched_desc d =
+                            desc_of(afab ? AVGPIPE_SCHED_AFAB : AVGPIPE_SCHED_1F1B, S, M, N, 1, 1 + cont, 0, cont);
+                        avgpipe_schedule s;
+                        avgpipe_sim_result res;
+                        avgpipe_validate_report rep;
+                        avgpipe_result v;
+                        int T = N * M;
+                        gen(&d, &s);
+                        simulate(&s, &sd, &res);
+                        v = avgpipe_sched_validate(NULL, &s, NULL, &rep);
+                        cr_assert_eq(v, AVGPIPE_OK, "%s: validate: %s", shape_str(&d), rep.message);
+                        for (r = 0; r < S; r++) {
+                            int expect = afab ? T : imin(T, S - r);
+                            cr_assert_eq(res.rank[r].peak_stash, expect, "%s rank %d: simulator peak %d, expected %d", shape_str(&d),
+                                         r, res.rank[r].peak_stash, expect);
+                            cr_assert_eq(rep.peak_stash[r], expect, "%s rank %d: report peak %d, expected %d", shape_str(&d), r,
+                                         rep.peak_stash[r], expect);
+                            cr_assert_eq(avgpipe_sched_peak_stash(&d, r), expect, "%s rank %d: memory model %d, expected %d",
+                                         shape_str(&d), r, avgpipe_sched_peak_stash(&d, r), expect);
+                        }
+                        avgpipe_sim_result_free(NULL, &res);
+                        avgpipe_sched_free(NULL, &s);
+                    }
+}
+
+/* Advance forward: peak stash on stage s = warm-up(s) + 1 (capped at T), computed independently;
+   stage 0 stashes min(T, S + K); the last stage always stashes 1. */
+Test(advance, warmup_and_peak_stash) {
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int S, M, N, K, r;
+    for (S = 1; S <= 8; S++)
+        for (M = 1; M <= 12; M++)
+            for (N = 1; N <= 2; N++)
+                for (K = 0; K <= M + 2; K++) {
+                    avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, N, 1, 1, K, 0);
+                    avgpipe_schedule s;
+                    avgpipe_sim_result res;
+                    avgpipe_validate_report rep;
+                    int T = N * M;
+                    gen(&d, &s);
+                    simulate(&s, &sd, &res);
+                    cr_assert_eq(avgpipe_sched_validate(NULL, &s, NULL, &rep), AVGPIPE_OK, "%s: %s", shape_str(&d), rep.message);
+                    for (r = 0; r < S; r++) {
+                        int w = advance_warmup(S, r, T, K), expect = imin(T, w + 1);
+                        cr_assert_eq(avgpipe_sched_warmup(&d, r), w, "%s rank %d: warm-up %d, expected %d", shape_str(&d), r,
+                                     avgpipe_sched_warmup(&d, r), w);
+                        cr_assert_eq(res.rank[r].peak_stash, expect, "%s rank %d: simulator peak %d, expected %d", shape_str(&d), r,
+                                     res.rank[r].peak_stash, expect);
+                        cr_assert_eq(rep.peak_stash[r], expect, "%s rank %d: report peak %d, expected %d", shape_str(&d), r,
+                                     rep.peak_stash[r], expect);
+                        cr_assert_eq(avgpipe_sched_peak_stash(&d, r), expect, "%s rank %d: memory model %d", shape_str(&d), r,
+                                     avgpipe_sched_peak_stash(&d, r));
+                    }
+                    if (S >= 2)
+                        cr_assert_eq(res.rank[0].peak_stash, imin(T, S + K), "%s: stage 0 stashes %d, expected min(T, S+K) = %d",
+                                     shape_str(&d), res.rank[0].peak_stash, imin(T, S + K));
+                    cr_assert_eq(res.rank[S - 1].peak_stash, 1, "%s: last stage stashes %d", shape_str(&d),
+                                 res.rank[S - 1].peak_stash);
+                    avgpipe_sim_result_free(NULL, &res);
+                    avgpipe_sched_free(NULL, &s);
+                }
+}
+
+/* The last stage always alternates F(m), B(m), whatever K. */
+Test(advance, last_stage_alternates) {
+    static avgpipe_op ops[4096];
+    int S, M, K, j, n;
+    for (S = 1; S <= 8; S++)
+        for (M = 1; M <= 16; M++)
+            for (K = 0; K <= (S - 1) * M + 1; K += (K < M + 1 ? 1 : M)) {
+                avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, 1, 1, 1, K, 0);
+                avgpipe_schedule s;
+                gen(&d, &s);
+                n = compute_ops(&s, S - 1, ops, 4096);
+                cr_assert_eq(n, 2 * M, "%s: last stage has %d compute ops", shape_str(&d), n);
+                for (j = 0; j < M; j++) {
+                    cr_assert(ops[2 * j].kind == AVGPIPE_OP_F && ops[2 * j].micro == j, "%s: last stage op %d is not F%d",
+                              shape_str(&d), 2 * j, j);
+                    cr_assert(ops[2 * j + 1].kind == AVGPIPE_OP_B && ops[2 * j + 1].micro == j, "%s: last stage op %d is not B%d",
+                              shape_str(&d), 2 * j + 1, j);
+                }
+                avgpipe_sched_free(NULL, &s);
+            }
+}
+
+/* K = 0 is 1F1B op for op, for every shape the generators take (pipelines, rounds, both modes). */
+Test(advance, k0_is_1f1b) {
+    int S, M, N, R, cont;
+    for (S = 1; S <= 8; S++)
+        for (M = 1; M <= 16; M++)
+            for (N = 1; N <= 3; N++)
+                for (R = 1; R <= 2; R++)
+                    for (cont = 0; cont < 2; cont++) {
+                        avgpipe_sched_desc da = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, N, 1, R, 0, cont);
+                        avgpipe_sched_desc d1 = desc_of(AVGPIPE_SCHED_1F1B, S, M, N, 1, R, 0, cont);
+                        avgpipe_schedule a, b;
+                        gen(&da, &a);
+                        gen(&d1, &b);
+                        assert_same_ops(&a, &b, shape_str(&da));
+                        avgpipe_sched_free(NULL, &a);
+                        avgpipe_sched_free(NULL, &b);
+                    }
+}
+
+/* K >= (S-1)·M: warm-up(s) = min(M, dist + round(K·dist/(S-1))) = M for every s < S-1 (K·dist/(S-1)
+   >= M·dist >= M), so those stages run all their forwards first: their lists equal AFAB's. */
+Test(advance, large_k_is_all_forwards_first) {
+    static avgpipe_op ops[4096];
+    int S, M, extra, r, j, n;
+    for (S = 2; S <= 8; S++)
+        for (M = 1; M <= 12; M++)
+            for (extra = 0; extra <= 5; extra += 5) {
+                avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, 1, 1, 1, (S - 1) * M + extra, 0);
+                avgpipe_sched_desc da = desc_of(AVGPIPE_SCHED_AFAB, S, M, 1, 1, 1, 0, 0);
+                avgpipe_schedule s, a;
+                gen(&d, &s);
+                gen(&da, &a);
+                for (r = 0; r < S - 1; r++) {
+                    n = compute_ops(&s, r, ops, 4096);
+                    cr_assert_eq(n, 2 * M, "%s rank %d: %d compute ops", shape_str(&d), r, n);
+                    for (j = 0; j < M; j++) {
+                        cr_assert(ops[j].kind == AVGPIPE_OP_F && ops[j].micro == j, "%s rank %d: op %d is not F%d", shape_str(&d), r,
+                                  j, j);
+                        cr_assert(ops[M + j].kind == AVGPIPE_OP_B && ops[M + j].micro == j, "%s rank %d: op %d is not B%d",
+                                  shape_str(&d), r, M + j, j);
+                    }
+                    cr_assert_eq(s.len[r], a.len[r], "%s rank %d: length differs from AFAB's", shape_str(&d), r);
+                    for (j = 0; j < s.len[r]; j++)
+                        cr_assert(same_op(&s.ops[r][j], &a.ops[r][j]), "%s rank %d position %d differs from AFAB", shape_str(&d), r,
+                                  j);
+                    cr_assert_eq(avgpipe_sched_peak_stash(&d, r), M, "%s rank %d: memory model", shape_str(&d), r);
+                }
+                avgpipe_sched_free(NULL, &s);
+                avgpipe_sched_free(NULL, &a);
+            }
+}
+
+/* ---- interleaved and ZB-H1 against 1F1B ------------------------------------------------------- */
+
+/* Interleaved 1F1B, V chunks per rank. For the same work per micro-batch and rank, a chunk op costs
+   1 (F = B = 1) while a 1F1B op (a whole rank's partition) costs V. Measured makespans:
+       interleaved 2VM + 2(S-1)        1F1B V·2(M + S-1)
+   i.e. the idle time per rank (the bubble) is 2(S-1) against 2V(S-1): exactly 1/V, as in
+   Megatron-LM (its fill and drain go through chunks 1/V as long). As a fraction of the makespan
+   that is (S-1)/(VM+S-1) against (S-1)/(M+S-1): a ratio (M+S-1)/(VM+S-1) that tends to 1/V as M
+   grows: 0.56 at S=2 M=4 V=2, 0.54 at S=4 M=16 V=2 (0.0857 vs 0.1579), 0.29 at S=8 M=32 V=4
+   (0.0519 vs 0.1795; 1/V = 0.25). */
+Test(bubble, interleaved_vs_1f1b) {
+    static const int shapes[][3] = {{2, 4, 2}, {4, 8, 2}, {4, 8, 3}, {4, 16, 2}, {3, 6, 3}, {8, 16, 2}, {8, 32, 4}};
+    /* measured bubble fractions (interleaved, 1F1B), = (S-1)/(VM+S-1) and (S-1)/(M+S-1) */
+    static const double measured[][2] = {{1.0 / 9, 1.0 / 5}, {3.0 / 19, 3.0 / 11}, {3.0 / 27, 3.0 / 11}, {3.0 / 35, 3.0 / 19},
+                                         {2.0 / 20, 2.0 / 8},  {7.0 / 39, 7.0 / 23}, {7.0 / 135, 7.0 / 39}};
+    size_t i;
+    for (i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        int S = shapes[i][0], M = shapes[i][1], V = shapes[i][2];
+        avgpipe_sched_desc di = desc_of(AVGPIPE_SCHED_INTERLEAVED, S, M, 1, V, 1, 0, 0);
+        avgpipe_sched_desc d1 = desc_of(AVGPIPE_SCHED_1F1B, S, M, 1, 1, 1, 0, 0);
+        avgpipe_sim_desc ci = costs(1, 1, 1, 1, 0), c1 = costs(V, V, 1, 1, 0);
+        avgpipe_schedule s;
+        avgpipe_sim_result ri, r1;
+        double idle_i, idle_1;
+        gen(&di, &s);
+        simulate(&s, &ci, &ri);
+        avgpipe_sched_free(NULL, &s);
+        gen(&d1, &s);
+        simulate(&s, &c1, &r1);
+        avgpipe_sched_free(NULL, &s);
+        cr_assert_eq(ri.makespan, 2.0 * V * M + 2.0 * (S - 1), "%s: interleaved makespan %g", shape_str(&di), ri.makespan);
+        cr_assert_eq(r1.makespan, 2.0 * V * (M + S - 1), "%s: 1F1B makespan %g", shape_str(&d1), r1.makespan);
+        idle_i = ri.makespan - ri.rank[0].busy;
+        idle_1 = r1.makespan - r1.rank[0].busy;
+        cr_assert(fabs(idle_i * V - idle_1) < 1e-12, "S=%d M=%d V=%d: idle %g vs 1F1B %g, not 1/V", S, M, V, idle_i, idle_1);
+        cr_assert(fabs(ri.bubble - measured[i][0]) < 1e-12, "%s: bubble %.15f, expected %.15f", shape_str(&di), ri.bubble,
+                  measured[i][0]);
+        cr_assert(fabs(r1.bubble - measured[i][1]) < 1e-12, "%s: 1F1B bubble %.15f, expected %.15f", shape_str(&d1), r1.bubble,
+                  measured[i][1]);
+        cr_assert_lt(ri.bubble, r1.bubble, "S=%d M=%d V=%d: interleaved not better", S, M, V);
+        avgpipe_sim_result_free(NULL, &ri);
+        avgpipe_sim_result_free(NULL, &r1);
+    }
+}
+
+/* "INTERLEAVED ... treats chunks == 1 as 1F1B": op for op, any M (no M % S condition then). */
+Test(bubble, interleaved_one_chunk_is_1f1b) {
+    int S, M, N, cont;
+    for (S = 1; S <= 6; S++)
+        for (M = 1; M <= 9; M++)
+            for (N = 1; N <= 2; N++)
+                for (cont = 0; cont < 2; cont++) {
+                    avgpipe_sched_desc di = desc_of(AVGPIPE_SCHED_INTERLEAVED, S, M, N, 1, 1 + cont, 0, cont);
+                    avgpipe_sched_desc d1 = desc_of(AVGPIPE_SCHED_1F1B, S, M, N, 1, 1 + cont, 0, cont);
+                    avgpipe_schedule a, b;
+                    gen(&di, &a);
+                    gen(&d1, &b);
+                    assert_same_ops(&a, &b, shape_str(&di));
+                    cr_assert_eq(a.nstages, S);
+                    avgpipe_sched_free(NULL, &a);
+                    avgpipe_sched_free(NULL, &b);
+                }
+}
+
+/* The interleaved memory model, against Megatron-LM's warm-up 2(S-r-1) + (V-1)S chunk forwards. */
+Test(bubble, interleaved_peak_stash) {
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int S, M, V, r;
+    for (S = 1; S <= 6; S++)
+        for (M = S; M <= 4 * S; M += S)
+            for (V = 2; V <= 3; V++) {
+                avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_INTERLEAVED, S, M, 1, V, 1, 0, 0);
+                avgpipe_schedule s;
+                avgpipe_sim_result res;
+                gen(&d, &s);
+                simulate(&s, &sd, &res);
+                for (r = 0; r < S; r++) {
+                    int expect = imin(V * M, 2 * (S - r - 1) + (V - 1) * S + 1);
+                    cr_assert_eq(res.rank[r].peak_stash, expect, "%s rank %d: peak %d, expected %d", shape_str(&d), r,
+                                 res.rank[r].peak_stash, expect);
+                }
+                avgpipe_sim_result_free(NULL, &res);
+                avgpipe_sched_free(NULL, &s);
+            }
+}
+
+/* ZB-H1 with F = I = W = 1 against 1F1B with F = 1, B = 2 (the same work per micro-batch). 1F1B
+   idles 3(S-1) per rank: (S-1) forward slots to fill, (S-1) backward slots of 2 to drain. ZB-H1
+   (Qi et al.) fills the drain with the held-back W ops, leaving (S-1)(F + I - W) = S-1: exactly 1/3
+   of 1F1B's idle time once M >= S. Measured makespans (zb, 1f1b), = 3M + (S-1) and 3M + 3(S-1): */
+Test(bubble, zbh1_vs_1f1b) {
+    static const int shapes[][4] = {{2, 4, 13, 15},  {2, 8, 25, 27},  {3, 6, 20, 24},  {3, 12, 38, 42}, {4, 4, 15, 21},
+                                    {4, 8, 27, 33},  {4, 16, 51, 57}, {8, 8, 31, 45},  {8, 16, 55, 69}, {8, 32, 103, 117}};
+    size_t i;
+    for (i = 0; i < sizeof shapes / sizeof shapes[0]; i++) {
+        int S = shapes[i][0], M = shapes[i][1];
+        avgpipe_sched_desc dz = desc_of(AVGPIPE_SCHED_ZBH1, S, M, 1, 1, 1, 0, 0);
+        avgpipe_sched_desc d1 = desc_of(AVGPIPE_SCHED_1F1B, S, M, 1, 1, 1, 0, 0);
+        avgpipe_sim_desc cz = costs(1, 2, 1, 1, 0);
+        double mz = makespan_of(&dz, &cz, NULL), m1 = makespan_of(&d1, &cz, NULL);
+        double bz = 1.0 - 3.0 * M / mz, b1 = 1.0 - 3.0 * M / m1;
+        cr_assert_eq(mz, (double)shapes[i][2], "%s: makespan %g, expected %d", shape_str(&dz), mz, shapes[i][2]);
+        cr_assert_eq(m1, (double)shapes[i][3], "%s: makespan %g, expected %d", shape_str(&d1), m1, shapes[i][3]);
+        cr_assert(fabs(3.0 * (mz - 3.0 * M) - (m1 - 3.0 * M)) < 1e-12, "S=%d M=%d: idle %g vs 1F1B %g is not 1/3", S, M, mz - 3.0 * M,
+                  m1 - 3.0 * M);
+        /* the bubble fractions: (S-1)/(3M+S-1) and (S-1)/(M+S-1); their ratio (M+S-1)/(3M+S-1)
+           tends to 1/3 (0.3786 at S=8 M=32, 0.4839 at S=M=8) */
+        cr_assert(fabs(bz - (double)(S - 1) / (3.0 * M + S - 1)) < 1e-12, "S=%d M=%d: ZB-H1 bubble %.15f", S, M, bz);
+        cr_assert(fabs(b1 - (double)(S - 1) / (M + S - 1.0)) < 1e-12, "S=%d M=%d: 1F1B bubble %.15f", S, M, b1);
+    }
+}
+
+/* ZB-H1 over a grid: idle S-1 per rank whenever M >= S, and its memory model min(S, T), exactly
+   what the simulator measures (I keeps the activation, W frees it). */
+Test(bubble, zbh1_grid) {
+    avgpipe_sim_desc cz = costs(1, 2, 1, 1, 0);
+    int S, M, r;
+    for (S = 1; S <= 8; S++)
+        for (M = 1; M <= 3 * S + 1; M++) {
+            avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_ZBH1, S, M, 1, 1, 1, 0, 0);
+            avgpipe_schedule s;
+            avgpipe_sim_result res;
+            gen(&d, &s);
+            simulate(&s, &cz, &res);
+            if (M >= S) cr_assert_eq(res.makespan, 3.0 * M + S - 1, "%s: makespan %g, expected %d", shape_str(&d), res.makespan, 3 * M + S - 1);
+            for (r = 0; r < S; r++)
+                cr_assert_eq(res.rank[r].peak_stash, imin(S, M), "%s rank %d: peak %d, expected min(S, M) = %d", shape_str(&d), r,
+                             res.rank[r].peak_stash, imin(S, M));
+            avgpipe_sim_result_free(NULL, &res);
+            avgpipe_sched_free(NULL, &s);
+        }
+}
+
+/* ---- the paper's Figure 7 situation ------------------------------------------------------------ */
+
+/* F = 1, B = 2, every transfer costs 1 (latency), asynchronous sends (DESIGN §2's hand simulation).
+   Advance with K = S-1 reaches AFAB's makespan while stage 0 stashes 2S-1 of M; 1F1B is strictly
+   slower; the makespan never rises with K. */
+Test(advance, figure7) {
+    static const int sc[][5] = {/* S, M, AFAB, 1F1B, K reaching AFAB */ {2, 8, 29, 35, 1}, {4, 16, 63, 85, 3}, {8, 32, 131, 185, 7}};
+    avgpipe_sim_desc sd = costs(1, 2, 1, 1, 1);
+    size_t i;
+    for (i = 0; i < sizeof sc / sizeof sc[0]; i++) {
+        int S = sc[i][0], M = sc[i][1], K = sc[i][4], st, K2;
+        avgpipe_sched_desc da = desc_of(AVGPIPE_SCHED_AFAB, S, M, 1, 1, 1, 0, 0);
+        avgpipe_sched_desc d1 = desc_of(AVGPIPE_SCHED_1F1B, S, M, 1, 1, 1, 0, 0);
+        avgpipe_sched_desc dk = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, 1, 1, 1, K, 0);
+        double ma = makespan_of(&da, &sd, &st), m1, mk, prev;
+        cr_assert_eq(ma, (double)sc[i][2], "%s: makespan %g, expected %d", shape_str(&da), ma, sc[i][2]);
+        cr_assert_eq(st, M, "%s: stage 0 stashes %d, expected %d", shape_str(&da), st, M);
+        m1 = makespan_of(&d1, &sd, NULL);
+        cr_assert_eq(m1, (double)sc[i][3], "%s: makespan %g, expected %d", shape_str(&d1), m1, sc[i][3]);
+        cr_assert_gt(m1, ma, "S=%d: 1F1B not strictly slower than AFAB", S);
+        mk = makespan_of(&dk, &sd, &st);
+        cr_assert_eq(mk, ma, "%s: makespan %g, expected AFAB's %g", shape_str(&dk), mk, ma);
+        cr_assert_eq(st, 2 * S - 1, "%s: stage 0 stashes %d, expected %d of %d", shape_str(&dk), st, 2 * S - 1, M);
+        prev = HUGE_VAL;
+        for (K2 = 0; K2 <= M; K2++) {
+            avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, 1, 1, 1, K2, 0);
+            double m = makespan_of(&d, &sd, NULL);
+            cr_assert_leq(m, prev, "%s: makespan %g rose from %g at K-1", shape_str(&d), m, prev);
+            cr_assert_geq(m, ma, "%s: makespan %g below AFAB's %g", shape_str(&d), m, ma);
+            prev = m;
+        }
+        dk.advance = 0;
+        cr_assert_eq(makespan_of(&dk, &sd, NULL), m1, "S=%d: advance K=0 differs from 1F1B", S);
+    }
+}
+
+/* ---- rounds -------------------------------------------------------------------------------------- */
+
+/* Continuous rounds, F = B = 1, free transfers. Per stage, batch (i, t+1) waits for STEP(i, t); in
+   1F1B order stage s runs the last backward of batch (i, t) right after the forward S-s-1 stream
+   positions later, and the first forward of (i, t+1) comes (N-1)·M + 1 positions after the last
+   forward of (i, t). So no stage ever waits on a STEP when (N-1)·M >= S-1 (the condition of stage
+   0; DESIGN §2 states the stricter (N-1)·M >= S-s), the stream never drains, and the whole run is
+   one 1F1B over R·N·M micro-batches:
+       makespan = 2·R·N·M + 2(S-1),   idle per rank 2(S-1),
+       bubble   = 2(S-1) / (2RNM + 2(S-1)) = (S-1)/(RNM + S-1)  -> 0 as R grows.
+   Synchronous rounds drain every round: makespan = R·2(NM + S-1), bubble (S-1)/(NM+S-1) for
+   every R. Both verified here against the simulator, for 1F1B and for advance (the same order
+   for the stream when the warm-up is capped at one round). */
+Test(rounds, continuous_closed_form) {
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int S, M, N, R, r;
+    for (S = 1; S <= 6; S++)
+        for (M = 1; M <= 6; M++)
+            for (N = 2; N <= 4; N++) {
+                double prev = 2;
+                if ((N - 1) * M < S - 1) continue;
+                for (R = 1; R <= 5; R++) {
+                    avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_1F1B, S, M, N, 1, R, 0, 1);
+                    avgpipe_schedule s;
+                    avgpipe_sim_result res;
+                    double expect = (double)(S - 1) / (double)(R * N * M + S - 1);
+                    gen(&d, &s);
+                    simulate(&s, &sd, &res);
+                    cr_assert_eq(res.makespan, 2.0 * R * N * M + 2.0 * (S - 1), "%s: makespan %g, expected %d", shape_str(&d),
+                                 res.makespan, 2 * R * N * M + 2 * (S - 1));
+                    cr_assert(fabs(res.bubble - expect) < 1e-12, "%s: bubble %.15f, expected %.15f", shape_str(&d), res.bubble,
+                              expect);
+                    for (r = 0; r < S; r++)
+                        cr_assert_eq(res.rank[r].idle, 2.0 * (S - 1), "%s rank %d: idle %g", shape_str(&d), r, res.rank[r].idle);
+                    if (S > 1) cr_assert_lt(res.bubble, prev, "%s: bubble did not fall with R", shape_str(&d));
+                    prev = res.bubble;
+                    avgpipe_sim_result_free(NULL, &res);
+                    avgpipe_sched_free(NULL, &s);
+                }
+            }
+}
+
+/* The same argument with advance forward: stage s looks warm-up(s) stream positions ahead, the
+   largest on stage 0, so the stream never drains when (N-1)·M >= warm-up(0) = min(NM, S-1+K), and
+   the makespan is again 2RNM + 2(S-1), whatever K. */
+Test(rounds, continuous_advance_closed_form) {
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int S, M, N, R, K, checked = 0;
+    for (S = 1; S <= 7; S++)
+        for (M = 1; M <= 8; M++)
+            for (N = 2; N <= 4; N++)
+                for (K = 0; K <= M + 1; K++) {
+                    if ((N - 1) * M < advance_warmup(S, 0, N * M, K)) continue;
+                    for (R = 1; R <= 3; R++) {
+                        avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_ADVANCE, S, M, N, 1, R, K, 1);
+                        double m = makespan_of(&d, &sd, NULL);
+                        cr_assert_eq(m, 2.0 * R * N * M + 2.0 * (S - 1), "%s: makespan %g, expected %d", shape_str(&d), m,
+                                     2 * R * N * M + 2 * (S - 1));
+                        checked++;
+                    }
+                }
+    cr_assert_gt(checked, 1000, "only %d shapes", checked);
+}
+
+Test(rounds, synchronous_closed_form) {
+    avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0);
+    int S, M, N, R;
+    for (S = 1; S <= 6; S++)
+        for (M = 1; M <= 6; M++)
+            for (N = 1; N <= 4; N++)
+                for (R = 1; R <= 4; R++) {
+                    avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_1F1B, S, M, N, 1, R, 0, 0);
+                    avgpipe_schedule s;
+                    avgpipe_sim_result res;
+                    double expect = (double)(S - 1) / (double)(N * M + S - 1);
+                    gen(&d, &s);
+                    simulate(&s, &sd, &res);
+                    cr_assert_eq(res.makespan, 2.0 * R * (N * M + S - 1), "%s: makespan %g, expected %d", shape_str(&d), res.makespan,
+                                 2 * R * (N * M + S - 1));
+                    cr_assert(fabs(res.bubble - expect) < 1e-12, "%s: bubble %.15f, expected %.15f", shape_str(&d), res.bubble,
+                              expect);
+                    avgpipe_sim_result_free(NULL, &res);
+                    avgpipe_sched_free(NULL, &s);
+                }
+}
+
+/* STEP(i, s, t) sits right after the last backward work (B, or W) of batch (i, t) on stage s, after
+   all of it and before any forward of (i, t+1) on s; AVG(i, s, t) right after the STEP; one of each
+   per (pipeline, stage, round). Walks the op lists of every model. */
+static void check_step_avg(const avgpipe_schedule *s, int M, int R, const char *what) {
+    int r, i, j;
+    for (r = 0; r < s->nranks; r++) {
+        const avgpipe_op *o = s->ops[r];
+        int n = s->len[r], steps = 0, avgs = 0;
+        for (i = 0; i < n; i++) {
+            int p, g, t, done = 0;
+            if (o[i].kind == AVGPIPE_OP_AVG) {
+                avgs++;
+                cr_assert(i > 0 && o[i - 1].kind == AVGPIPE_OP_STEP && o[i - 1].pipe == o[i].pipe && o[i - 1].stage == o[i].stage &&
+                              o[i - 1].micro == o[i].micro,
+                          "%s: rank %d position %d: AVG not right after its STEP", what, r, i);
+            }
+            if (o[i].kind != AVGPIPE_OP_STEP) continue;
+            steps++;
+            p = o[i].pipe, g = o[i].stage, t = o[i].micro;
+            cr_assert(t >= 0 && t < R, "%s: rank %d position %d: STEP of round %d", what, r, i, t);
+            cr_assert(i + 1 < n && o[i + 1].kind == AVGPIPE_OP_AVG, "%s: rank %d position %d: STEP not followed by AVG", what, r, i);
+            cr_assert(i > 0 && (o[i - 1].kind == AVGPIPE_OP_B || o[i - 1].kind == AVGPIPE_OP_W) && o[i - 1].pipe == p &&
+                          o[i - 1].stage == g && o[i - 1].micro / M == t,
+                      "%s: rank %d position %d: STEP not right after a backward of its batch", what, r, i);
+            for (j = 0; j < n; j++) {
+                const avgpipe_op *x = &o[j];
+                if (x->pipe != p || x->stage != g) continue;
+                if ((x->kind == AVGPIPE_OP_B || x->kind == AVGPIPE_OP_W) && x->micro / M == t) {
+                    cr_assert_lt(j, i, "%s: rank %d: backward work at %d of round %d after its STEP at %d", what, r, j, t, i);
+                    done++;
+                }
+                if (x->kind == AVGPIPE_OP_F && x->micro / M == t + 1)
+                    cr_assert_gt(j, i, "%s: rank %d: forward at %d of round %d before STEP of round %d at %d", what, r, j, t + 1, t, i);
+            }
+            cr_assert_eq(done, M, "%s: rank %d: STEP at %d after %d of %d backward works", what, r, i, done, M);
+        }
+        cr_assert_eq(steps, s->shape.pipes * s->shape.chunks * R, "%s: rank %d has %d STEPs", what, r, steps);
+        cr_assert_eq(avgs, steps, "%s: rank %d has %d AVGs for %d STEPs", what, r, avgs, steps);
+    }
+}
+
+Test(rounds, step_avg_order_every_model) {
+    static const int Ms[] = {1, 2, 3, 4, 6, 8};
+    int kind, S, mi, N, R, cont, variant;
+    for (kind = AVGPIPE_SCHED_AFAB; kind <= AVGPIPE_SCHED_KIND_COUNT; kind++) /* KIND_COUNT: the greedy scheduler */
+        for (S = 1; S <= 5; S++)
+            for (mi = 0; mi < 6; mi++)
+                for (N = 1; N <= 3; N++)
+                    for (R = 1; R <= 3; R++)
+                        for (cont = 0; cont < 2; cont++)
+                            for (variant = 0; variant < 2; variant++) {
+                                int M = Ms[mi];
+                                avgpipe_schedule s;
+                                char what[200];
+                                if (kind == AVGPIPE_SCHED_KIND_COUNT) {
+                                    avgpipe_greedy_desc g;
+                                    memset(&g, 0, sizeof g);
+                                    g.stages = S, g.micro = M, g.pipes = N, g.rounds = R, g.continuous = cont;
+                                    g.split_backward = variant;
+                                    cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK, "greedy: %s", avgpipe_last_error(NULL));
+                                    snprintf(what, sizeof what, "greedy S=%d M=%d N=%d R=%d cont=%d split=%d", S, M, N, R, cont, variant);
+                                } else {
+                                    avgpipe_sched_desc d = desc_of((avgpipe_sched_kind)kind, S, M, N, 1, R, 0, cont);
+                                    if (kind == AVGPIPE_SCHED_INTERLEAVED) {
+                                        if (M % S) continue;
+                                        d.chunks = 2 + variant;
+                                    } else if (kind == AVGPIPE_SCHED_ADVANCE) {
+                                        d.advance = variant ? M : 1;
+                                    } else if (variant) {
+                                        continue;
+                                    }
+                                    gen(&d, &s);
+                                    snprintf(what, sizeof what, "%s", shape_str(&d));
+                                }
+                                check_step_avg(&s, M, R, what);
+                                avgpipe_sched_free(NULL, &s);
+                            }
+}
+
+/* ---- greedy list scheduler ---------------------------------------------------------------------- */
+
+/* Default settings (priority B then F, cap S - s, F 1 B 2) on V = 1 reproduce 1F1B op for op:
+   synchronous rounds always, continuous rounds whenever 1F1B's stream does not stall,
+   (N-1)·M >= S-1 (see rounds.continuous_closed_form). */
+Test(greedy, default_is_1f1b) {
+    int S, M, N, R, cont;
+    for (S = 1; S <= 8; S++)
+        for (M = 1; M <= 12; M++)
+            for (N = 1; N <= 3; N++)
+                for (R = 1; R <= 2; R++)
+                    for (cont = 0; cont < 2; cont++) {
+                        avgpipe_greedy_desc g;
+                        avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_1F1B, S, M, N, 1, R, 0, cont);
+                        avgpipe_schedule a, b;
+                        if (cont && (N - 1) * M < S - 1) continue;
+                        memset(&g, 0, sizeof g);
+                        g.stages = S, g.micro = M, g.pipes = N, g.rounds = R, g.continuous = cont;
+                        cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &a), AVGPIPE_OK, "greedy: %s", avgpipe_last_error(NULL));
+                        cr_assert_eq(a.shape.kind, AVGPIPE_SCHED_CUSTOM, "greedy output kind %d", a.shape.kind);
+                        gen(&d, &b);
+                        assert_same_ops(&a, &b, shape_str(&d));
+                        avgpipe_sched_free(NULL, &a);
+                        avgpipe_sched_free(NULL, &b);
+                    }
+}
+
+/* A per-stage in-flight cap is never exceeded (simulator and validator agree), the result validates,
+   and stage 0, whose forwards are always ready, fills its cap: min(cap, T) when cap <= S (before
+   its first gradient can arrive). */
+Test(greedy, inflight_cap_respected) {
+    static const int Ms[] = {1, 3, 8, 16};
+    avgpipe_sim_desc sd = costs(1, 2, 1, 1, 0);
+    int S, mi, N, split, variant, r;
+    for (S = 1; S <= 6; S++)
+        for (mi = 0; mi < 4; mi++)
+            for (N = 1; N <= 2; N++)
+                for (split = 0; split < 2; split++)
+                    for (variant = 0; variant < 4; variant++) {
+                        int M = Ms[mi], caps[8], T = N * M;
+                        avgpipe_greedy_desc g;
+                        avgpipe_schedule s;
+                        avgpipe_sim_result res;
+                        avgpipe_validate_report rep;
+                        for (r = 0; r < S; r++)
+                            caps[r] = variant == 0 ? 1 : variant == 1 ? 2 : variant == 2 ? 1 + (r * 7 + 3) % S : S - r + 2;
+                        memset(&g, 0, sizeof g);
+                        g.stages = S, g.micro = M, g.pipes = N, g.split_backward = split;
+                        if (variant == 1) g.inflight_cap_all = 2;
+                        else g.inflight_cap = caps;
+                        cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK, "greedy S=%d M=%d: %s", S, M, avgpipe_last_error(NULL));
+                        simulate(&s, &sd, &res);
+                        cr_assert_eq(avgpipe_sched_validate(NULL, &s, NULL, &rep), AVGPIPE_OK, "greedy S=%d M=%d variant %d: %s", S, M,
+                                     variant, rep.message);
+                        for (r = 0; r < S; r++) {
+                            cr_assert_leq(res.rank[r].peak_stash, caps[r], "greedy S=%d M=%d N=%d split=%d variant %d rank %d: peak %d > cap %d", S,
+                                          M, N, split, variant, r, res.rank[r].peak_stash, caps[r]);
+                            cr_assert_eq(rep.peak_stash[r], res.rank[r].peak_stash, "rank %d: report %d vs simulator %d", r,
+                                         rep.peak_stash[r], res.rank[r].peak_stash);
+                        }
+                        if (caps[0] <= S)
+                            cr_assert_eq(res.rank[0].peak_stash, imin(caps[0], T), "greedy S=%d M=%d N=%d variant %d: stage 0 peak %d",
+                                         S, M, N, variant, res.rank[0].peak_stash);
+                        avgpipe_sim_result_free(NULL, &res);
+                        avgpipe_sched_free(NULL, &s);
+                    }
+}
+
+Test(greedy, rejects_bad_cap) {
+    int caps[3] = {2, 0, 1};
+    avgpipe_greedy_desc g;
+    avgpipe_schedule s;
+    memset(&g, 0, sizeof g);
+    g.stages = 3, g.micro = 4, g.inflight_cap = caps;
+    cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_INVALID_ARG);
+    cr_assert_not_null(strstr(avgpipe_last_error(NULL), "inflight_cap"), "message: %s", avgpipe_last_error(NULL));
+}
