@@ -15,7 +15,6 @@
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
-#include "avgpipe_ea_wip.h" /* WIP-MERGE */
 
 #include <pthread.h>
 #include <stdio.h>

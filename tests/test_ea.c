@@ -2,7 +2,6 @@
    Numbers are checked against float64 computations written here, independently of the library. */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
-#include "avgpipe_ea_wip.h" /* WIP-MERGE */
 
 #include <criterion/criterion.h>
 #include <math.h>
