@@ -71,6 +71,8 @@
      6. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
      7. Device backend  function-pointer table; the CPU device                      (avgpipe_device_*)
      8. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
+     9. Comm backend    function-pointer table; in-process threads                  (avgpipe_comm_*)
+    10. Runtime         execute schedules on stage threads, profile, adaptive K     (avgpipe_run_*)
 */
 #ifndef AVGPIPE_H
 #define AVGPIPE_H
@@ -781,6 +783,161 @@ AVGPIPE_API const float *avgpipe_ea_reference(avgpipe_ea *ea, uint64_t *version)
 
 /* Number of completed rounds (= the index of the oldest open round); 0 if ea is NULL. Any thread. */
 AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea);
+
+/* ============================================================================================ */
+/* 9. Comm backend   (avgpipe_comm_*)                                                            */
+/* ============================================================================================ */
+/* Point-to-point messages between ranks, matched per peer in posting order without tags (as NCCL
+   does), plus the collectives a trainer needs. A backend is this table plus `user`. `self` is the
+   calling rank: an in-process backend serves several ranks (threads) of one process, MPI and NCCL
+   one rank per process. Every wait takes a timeout; abort() wakes every waiter with AVGPIPE_ABORTED.
+   Thread-safety: different ranks may call concurrently; one rank's calls come from one thread. */
+
+typedef struct avgpipe_comm_request_s *avgpipe_comm_request; /* opaque; finished by wait() or test() */
+
+typedef struct avgpipe_comm {
+    const char *name;
+    int size; /* ranks */
+    /* Post a send of `bytes` from buf to `peer` (buf stays untouched by the caller until the request
+       finishes) / a receive into buf. Matching: the k-th send self->peer meets the k-th receive. */
+    avgpipe_result (*isend)(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req);
+    avgpipe_result (*irecv)(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req);
+    /* *done = 1 and the request is released when it finished (or failed: the result says). */
+    avgpipe_result (*test)(void *user, int self, avgpipe_comm_request req, int *done);
+    /* Wait at most timeout_s seconds; AVGPIPE_TIMEOUT leaves the request pending (wait again or abort). */
+    avgpipe_result (*wait)(void *user, int self, avgpipe_comm_request req, double timeout_s);
+    /* Optional (NULL = no-op): calls between begin and end may be issued together (NCCL groups). */
+    avgpipe_result (*group_begin)(void *user, int self);
+    avgpipe_result (*group_end)(void *user, int self);
+    avgpipe_result (*barrier)(void *user, int self, double timeout_s);
+    /* Sum `count` floats over all ranks in place (replicas across machines average with it). */
+    avgpipe_result (*allreduce_sum)(void *user, int self, float *buf, size_t count, double timeout_s);
+    /* Stop everything: pending and later calls of every rank return AVGPIPE_ABORTED. */
+    void (*abort)(void *user, avgpipe_result why, const char *message);
+    /* The backend's own detail of its last failure on `self` ("" if none). */
+    const char *(*last_error)(void *user, int self);
+    void (*destroy)(void *user);
+    void *user;
+} avgpipe_comm;
+
+/* The embedded default: `ranks` threads of one process, a FIFO mailbox per (src, dst) channel. Sends
+   are zero-copy: a send finishes when its receive has been posted and the bytes copied. A size
+   mismatch between a send and its receive fails both with AVGPIPE_BACKEND_ERROR. Release with
+   out->destroy(out->user) (or avgpipe_comm_destroy). */
+AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out);
+/* Calls comm->destroy if set, then zeroes the table. */
+AVGPIPE_API void avgpipe_comm_destroy(avgpipe_comm *comm);
+/* Check that every required entry (isend, irecv, test, wait, barrier, abort) is set. */
+AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpipe_comm *comm);
+
+/* ============================================================================================ */
+/* 10. Runtime   (avgpipe_run_*)                                                                 */
+/* ============================================================================================ */
+/* Executes a schedule: one host worker thread per local rank walks its (lowered) op list and calls
+   the user's stage callbacks with the buffers of each (pipeline, micro-batch); receives are posted
+   early and waited on just before use, sends are asynchronous; STEP calls the user's optimizer; AVG
+   goes to a per-rank averaging thread (off the critical path) that pulls the parallel model toward
+   the reference and contributes to it (avgpipe_ea, one module per stage partition). A forward of the
+   next batch of a pipeline waits for that pipeline's averaging to finish. Every op's start and end are
+   recorded (the profile the tuner reads, and a Chrome trace through the simulator's renderers).
+
+   Buffers. The runtime owns the boundary buffers: per stage g and in-flight micro-batch, the input
+   activation (act_bytes[g-1]), the output activation (act_bytes[g]), the gradient of the output
+   (act_bytes[g]) and of the input (act_bytes[g-1]). A micro-batch in flight on a stage holds one
+   `slot` (0 .. slots(g)-1) from its forward until its backward (W) finished: key the activations you
+   stash for the backward by (stage, slot). The first stage's forward loads its own input (input is
+   NULL; use pipe/micro/round to pick the samples), the last stage's forward computes the loss (and
+   may report it in op->loss); the last stage's backward starts from its own loss (grad_output NULL). */
+
+typedef struct avgpipe_op_ctx {
+    int rank, pipe, stage, micro, round; /* micro: within the batch; round: global (iteration · R + r) */
+    int slot;                            /* unique among this stage's in-flight micro-batches */
+    int stages;                          /* G */
+    float *params;                       /* parameters of (pipe, stage) */
+    const void *input;                   /* F, B, I, W: the stage's input activation (NULL on stage 0) */
+    void *output;                        /* F: write the output activation here (NULL on the last stage) */
+    const void *grad_output;             /* B, I: gradient of the output (NULL on the last stage) */
+    void *grad_input;                    /* B, I: write the gradient of the input here (NULL on stage 0) */
+    double loss;                         /* F on the last stage: set it to the micro-batch's loss */
+    void *user;
+} avgpipe_op_ctx;
+
+/* Callbacks return 0 on success; any other value stops every rank with AVGPIPE_CALLBACK_ERROR. */
+typedef struct avgpipe_stage_callbacks {
+    int (*forward)(avgpipe_op_ctx *op);
+    int (*backward)(avgpipe_op_ctx *op);        /* B: inputs and weights; required unless I and W are given */
+    int (*backward_input)(avgpipe_op_ctx *op);  /* I (optional, for ZB-H1 and split schedules) */
+    int (*backward_weight)(avgpipe_op_ctx *op); /* W (optional) */
+    /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
+       round's micro-batches. */
+    int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
+    void *user;
+} avgpipe_stage_callbacks;
+
+typedef struct avgpipe_run_desc {
+    avgpipe_sched_desc sched;          /* shape and schedule kind; sched.rounds = rounds per iteration */
+    const avgpipe_schedule *schedule;  /* optional: run this schedule (compute-only or lowered) instead */
+    avgpipe_stage_callbacks cb;
+    const size_t *act_bytes;           /* [G-1]: bytes of one micro-batch's activation at boundary g|g+1 */
+    float *const *params;              /* [pipe * G + stage]: each parallel model's parameters */
+    const size_t *param_count;         /* [G]: floats per stage partition */
+    /* Averaging: mode 0 -> MEAN, alpha 0 -> 0.1 (zero_alpha = 1 for exactly 0), momentum (ELASTIC). */
+    avgpipe_ea_mode ea_mode;
+    float alpha;
+    int zero_alpha;
+    float momentum;
+    int deterministic;    /* 1: each AVG waits for the previous round's reference (reproducible) */
+    double timeout_s;     /* every wait; 0 -> 60 s */
+    const avgpipe_comm *comm; /* NULL: in-process threads (avgpipe_comm_local_create) */
+    int profile;          /* 1: record per-op events (avgpipe_run_events / trace / profile file) */
+    /* Adaptive advance forward (Algorithm 1): only with sched.kind == ADVANCE. Starts at K = 0 (1F1B),
+       raises K by one after `window` iterations whose median time improved on the previous K's, while
+       the predicted activation memory of every stage stays under mem_limit; then holds. */
+    int adaptive;
+    int window;           /* 0 -> 3 */
+    double mem_limit;     /* bytes of stashed activations per rank; 0 -> no limit */
+} avgpipe_run_desc;
+
+typedef struct avgpipe_run avgpipe_run; /* opaque */
+
+typedef struct avgpipe_run_stats {
+    double seconds;       /* wall time of the iteration */
+    double loss;          /* mean of op->loss over the iteration's last-stage forwards */
+    long long micro_batches; /* last-stage forwards in the iteration */
+    double bubble;        /* 1 - (time in callbacks) / (ranks · seconds) */
+    int advance;          /* K the iteration ran with */
+    long long ops;
+} avgpipe_run_stats;
+
+/* Validate desc, build (or take) the schedule, lower it, allocate buffers, start the workers.
+   Errors name the field. ctx must outlive the run. */
+AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpipe_run_desc *desc, avgpipe_run **out);
+/* Run the schedule once (R rounds of N batches). On a failure every rank stops and the run is dead
+   (destroy it); the error names rank, op and peer. Driven by one thread. */
+AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats);
+/* Stop the workers and free everything. */
+AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
+/* The reference model's partition of stage g (newest complete); count floats. Valid until the next
+   iteration. */
+AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count);
+/* The schedule being run (lowered), and K for advance. */
+AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
+/* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. */
+AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
+/* Bytes the runtime allocated for boundary buffers and averaging, per rank (memory model check). */
+AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
+/* Events of the last iteration (desc.profile = 1): times in seconds from its start. */
+AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count);
+#ifndef AVGPIPE_NO_STDIO
+/* Write the last iteration's profile as text / its Chrome trace. Profile format, one record a line:
+     # avgpipe profile v1
+     shape kind=<name> stages=S chunks=V micro=M pipes=N rounds=R advance=K continuous=0|1
+     stage g param_floats=P act_bytes=B slots=Q            (one line per stage)
+     op rank=r kind=F pipe=i stage=g micro=u start=<s> end=<s> bytes=<n>
+   Times in seconds from the iteration's start; bytes = bytes the op moved (transfers). */
+AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const char *path);
+AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char *path);
+#endif
 
 /*@@SECTIONS_DECL@@*/
 
