@@ -866,8 +866,10 @@ typedef struct avgpipe_op_ctx {
 typedef struct avgpipe_stage_callbacks {
     int (*forward)(avgpipe_op_ctx *op);
     int (*backward)(avgpipe_op_ctx *op);        /* B: inputs and weights; required unless I and W are given */
-    int (*backward_input)(avgpipe_op_ctx *op);  /* I (optional, for ZB-H1 and split schedules) */
-    int (*backward_weight)(avgpipe_op_ctx *op); /* W (optional) */
+    /* I and W (optional, both or neither): without them an I op runs backward() and W does nothing, so
+       split schedules (ZB-H1) run with a plain backward; without backward(), B runs I then W. */
+    int (*backward_input)(avgpipe_op_ctx *op);
+    int (*backward_weight)(avgpipe_op_ctx *op);
     /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
        round's micro-batches. */
     int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
@@ -4115,6 +4117,1397 @@ AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea) {
     pthread_mutex_unlock(&ea->lock);
     return c;
 }
+
+/* --- 9. Comm backend: in-process threads ------------------------------------------------------ */
+
+/* Absolute deadline `seconds` from now (CLOCK_REALTIME, as pthread_cond_timedwait wants). */
+static struct timespec avgpipe__deadline(double seconds) {
+    struct timespec ts;
+    double whole;
+    timespec_get(&ts, TIME_UTC); /* the clock pthread_cond_timedwait measures by default */
+    if (seconds < 0) seconds = 0;
+    if (seconds > 1e7) seconds = 1e7;
+    whole = floor(seconds);
+    ts.tv_sec += (time_t)whole;
+    ts.tv_nsec += (long)((seconds - whole) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
+/* Seconds, for durations. C11's timespec_get (clock_gettime needs POSIX feature macros that a
+   header included after the user's own cannot set). */
+static double avgpipe__now(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+struct avgpipe_comm_request_s {
+    struct avgpipe_comm_request_s *next; /* in a channel queue, or in the free list */
+    const void *sbuf;
+    void *rbuf;
+    size_t bytes;
+    int done;
+    avgpipe_result res;
+};
+
+typedef struct avgpipe__lqueue {
+    struct avgpipe_comm_request_s *head, *tail;
+} avgpipe__lqueue;
+
+typedef struct avgpipe__local {
+    avgpipe_context *ctx;
+    int n;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    avgpipe__lqueue *sends, *recvs; /* [src * n + dst] */
+    struct avgpipe_comm_request_s *free_list;
+    void **chunks; /* request storage, freed at destroy */
+    int nchunks, chunk_cap;
+    int aborted;
+    avgpipe_result abort_res;
+    char abort_msg[256];
+    char (*err)[256]; /* per rank */
+    int bar_count;
+    long bar_gen;
+    float *ar_buf;
+    size_t ar_count, ar_cap;
+    int ar_in, ar_out;
+    long ar_gen;
+} avgpipe__local;
+
+static void avgpipe__lq_push(avgpipe__lqueue *q, struct avgpipe_comm_request_s *r) {
+    r->next = NULL;
+    if (q->tail) q->tail->next = r;
+    else q->head = r;
+    q->tail = r;
+}
+static struct avgpipe_comm_request_s *avgpipe__lq_pop(avgpipe__lqueue *q) {
+    struct avgpipe_comm_request_s *r = q->head;
+    if (r) {
+        q->head = r->next;
+        if (!q->head) q->tail = NULL;
+        r->next = NULL;
+    }
+    return r;
+}
+
+/* A request from the free list (grown by chunks of 256). Called with the mutex held. */
+static struct avgpipe_comm_request_s *avgpipe__lreq_new(avgpipe__local *L) {
+    struct avgpipe_comm_request_s *r;
+    if (!L->free_list) {
+        int i;
+        struct avgpipe_comm_request_s *chunk;
+        if (L->nchunks == L->chunk_cap) {
+            int cap = L->chunk_cap ? 2 * L->chunk_cap : 16;
+            void **p = (void **)avgpipe__realloc(L->ctx, L->chunks, (size_t)L->chunk_cap * sizeof(void *), (size_t)cap * sizeof(void *));
+            if (!p) return NULL;
+            L->chunks = p;
+            L->chunk_cap = cap;
+        }
+        chunk = (struct avgpipe_comm_request_s *)avgpipe__calloc(L->ctx, 256, sizeof *chunk);
+        if (!chunk) return NULL;
+        L->chunks[L->nchunks++] = chunk;
+        for (i = 0; i < 256; i++) {
+            chunk[i].next = L->free_list;
+            L->free_list = &chunk[i];
+        }
+    }
+    r = L->free_list;
+    L->free_list = r->next;
+    memset(r, 0, sizeof *r);
+    return r;
+}
+static void avgpipe__lreq_release(avgpipe__local *L, struct avgpipe_comm_request_s *r) {
+    r->next = L->free_list;
+    L->free_list = r;
+}
+
+/* Pair a send with a receive: copy, finish both. Called with the mutex held. */
+static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s, struct avgpipe_comm_request_s *r, int src,
+                            int dst) {
+    if (s->bytes != r->bytes) {
+        s->res = r->res = AVGPIPE_BACKEND_ERROR;
+        snprintf(L->err[src], sizeof L->err[src], "send of %zu bytes to rank %d met a receive of %zu bytes", s->bytes, dst, r->bytes);
+        snprintf(L->err[dst], sizeof L->err[dst], "receive of %zu bytes from rank %d met a send of %zu bytes", r->bytes, src, s->bytes);
+    } else if (s->bytes) {
+        memcpy(r->rbuf, s->sbuf, s->bytes);
+    }
+    s->done = r->done = 1;
+    pthread_cond_broadcast(&L->cv);
+}
+
+static avgpipe_result avgpipe__lpost(avgpipe__local *L, int send, int self, int peer, const void *sbuf, void *rbuf, size_t bytes,
+                                     avgpipe_comm_request *req) {
+    struct avgpipe_comm_request_s *r, *m;
+    int src = send ? self : peer, dst = send ? peer : self;
+    if (!req || self < 0 || self >= L->n || peer < 0 || peer >= L->n || peer == self)
+        return AVGPIPE_INVALID_ARG;
+    pthread_mutex_lock(&L->mu);
+    if (L->aborted) {
+        pthread_mutex_unlock(&L->mu);
+        return AVGPIPE_ABORTED;
+    }
+    r = avgpipe__lreq_new(L);
+    if (!r) {
+        pthread_mutex_unlock(&L->mu);
+        return AVGPIPE_OUT_OF_MEMORY;
+    }
+    r->sbuf = sbuf;
+    r->rbuf = rbuf;
+    r->bytes = bytes;
+    m = avgpipe__lq_pop(send ? &L->recvs[src * L->n + dst] : &L->sends[src * L->n + dst]);
+    if (m) avgpipe__lmatch(L, send ? r : m, send ? m : r, src, dst);
+    else avgpipe__lq_push(send ? &L->sends[src * L->n + dst] : &L->recvs[src * L->n + dst], r);
+    *req = r;
+    pthread_mutex_unlock(&L->mu);
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__local_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req) {
+    static const char empty = 0;
+    return avgpipe__lpost((avgpipe__local *)user, 1, self, peer, buf ? buf : &empty, NULL, bytes, req);
+}
+static avgpipe_result avgpipe__local_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req) {
+    static char sink;
+    return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf ? buf : &sink, bytes, req);
+}
+
+static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_request req, int *done) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    avgpipe_result res = AVGPIPE_OK;
+    (void)self;
+    if (!req || !done) return AVGPIPE_INVALID_ARG;
+    pthread_mutex_lock(&L->mu);
+    *done = req->done;
+    if (req->done) {
+        res = req->res;
+        avgpipe__lreq_release(L, req);
+    } else if (L->aborted) {
+        res = AVGPIPE_ABORTED;
+    }
+    pthread_mutex_unlock(&L->mu);
+    return res;
+}
+
+static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    struct timespec dl = avgpipe__deadline(timeout_s);
+    avgpipe_result res = AVGPIPE_OK;
+    (void)self;
+    if (!req) return AVGPIPE_INVALID_ARG;
+    pthread_mutex_lock(&L->mu);
+    while (!req->done && !L->aborted)
+        if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && !req->done) break; /* timed out */
+    if (req->done) {
+        res = req->res;
+        avgpipe__lreq_release(L, req);
+    } else {
+        res = L->aborted ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
+    }
+    pthread_mutex_unlock(&L->mu);
+    return res;
+}
+
+static avgpipe_result avgpipe__local_barrier(void *user, int self, double timeout_s) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    struct timespec dl = avgpipe__deadline(timeout_s);
+    avgpipe_result res = AVGPIPE_OK;
+    long gen;
+    (void)self;
+    pthread_mutex_lock(&L->mu);
+    gen = L->bar_gen;
+    if (++L->bar_count == L->n) {
+        L->bar_count = 0;
+        L->bar_gen++;
+        pthread_cond_broadcast(&L->cv);
+    }
+    while (L->bar_gen == gen && !L->aborted)
+        if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && L->bar_gen == gen) {
+            res = AVGPIPE_TIMEOUT;
+            break;
+        }
+    if (L->bar_gen == gen && L->aborted) res = AVGPIPE_ABORTED;
+    pthread_mutex_unlock(&L->mu);
+    return res;
+}
+
+/* Sum into a shared buffer, then everyone copies it out; the last one out opens the next round. */
+static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf, size_t count, double timeout_s) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    struct timespec dl = avgpipe__deadline(timeout_s);
+    avgpipe_result res = AVGPIPE_OK;
+    size_t i;
+    long gen;
+    if (!buf && count) return AVGPIPE_INVALID_ARG;
+    pthread_mutex_lock(&L->mu);
+    while (L->ar_out > 0 && !L->aborted) /* the previous allreduce is still being read */
+        if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && L->ar_out > 0) {
+            pthread_mutex_unlock(&L->mu);
+            return AVGPIPE_TIMEOUT;
+        }
+    if (L->ar_in == 0) {
+        if (count > L->ar_cap) {
+            float *p = (float *)avgpipe__realloc(L->ctx, L->ar_buf, 0, count * sizeof(float));
+            if (!p) {
+                pthread_mutex_unlock(&L->mu);
+                return AVGPIPE_OUT_OF_MEMORY;
+            }
+            L->ar_buf = p;
+            L->ar_cap = count;
+        }
+        L->ar_count = count;
+        memset(L->ar_buf, 0, count * sizeof(float));
+    } else if (count != L->ar_count) {
+        snprintf(L->err[self], sizeof L->err[self], "allreduce of %zu floats met one of %zu", count, L->ar_count);
+        pthread_mutex_unlock(&L->mu);
+        return AVGPIPE_INVALID_ARG;
+    }
+    for (i = 0; i < count; i++) L->ar_buf[i] += buf[i];
+    gen = L->ar_gen;
+    if (++L->ar_in == L->n) {
+        L->ar_in = 0;
+        L->ar_out = L->n;
+        L->ar_gen++;
+        pthread_cond_broadcast(&L->cv);
+    }
+    while (L->ar_gen == gen && !L->aborted)
+        if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && L->ar_gen == gen) {
+            res = AVGPIPE_TIMEOUT;
+            break;
+        }
+    if (L->ar_gen != gen) {
+        memcpy(buf, L->ar_buf, count * sizeof(float));
+        if (--L->ar_out == 0) pthread_cond_broadcast(&L->cv);
+    } else if (!res) {
+        res = AVGPIPE_ABORTED;
+    }
+    (void)self;
+    pthread_mutex_unlock(&L->mu);
+    return res;
+}
+
+static void avgpipe__local_abort(void *user, avgpipe_result why, const char *message) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    pthread_mutex_lock(&L->mu);
+    if (!L->aborted) {
+        L->aborted = 1;
+        L->abort_res = why;
+        snprintf(L->abort_msg, sizeof L->abort_msg, "%s", message ? message : "");
+    }
+    pthread_cond_broadcast(&L->cv);
+    pthread_mutex_unlock(&L->mu);
+}
+
+static const char *avgpipe__local_last_error(void *user, int self) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    if (self < 0 || self >= L->n) return "";
+    return L->aborted && !L->err[self][0] ? L->abort_msg : L->err[self];
+}
+
+static void avgpipe__local_destroy(void *user) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    int i;
+    if (!L) return;
+    for (i = 0; i < L->nchunks; i++) avgpipe_free(L->ctx, L->chunks[i]);
+    avgpipe_free(L->ctx, L->chunks);
+    avgpipe_free(L->ctx, L->sends);
+    avgpipe_free(L->ctx, L->recvs);
+    avgpipe_free(L->ctx, L->err);
+    avgpipe_free(L->ctx, L->ar_buf);
+    pthread_mutex_destroy(&L->mu);
+    pthread_cond_destroy(&L->cv);
+    avgpipe_free(L->ctx, L);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out) {
+    avgpipe__local *L;
+    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_comm_local_create: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (ranks < 1 || ranks > 4096) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ranks: must be in 1..4096 (got %d)", ranks);
+    L = (avgpipe__local *)avgpipe__calloc(ctx, 1, sizeof *L);
+    if (!L) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
+    L->ctx = ctx;
+    L->n = ranks;
+    L->sends = (avgpipe__lqueue *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe__lqueue));
+    L->recvs = (avgpipe__lqueue *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe__lqueue));
+    L->err = (char(*)[256])avgpipe__calloc(ctx, (size_t)ranks, 256);
+    if (!L->sends || !L->recvs || !L->err) {
+        avgpipe_free(ctx, L->sends);
+        avgpipe_free(ctx, L->recvs);
+        avgpipe_free(ctx, L->err);
+        avgpipe_free(ctx, L);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
+    }
+    pthread_mutex_init(&L->mu, NULL);
+    pthread_cond_init(&L->cv, NULL);
+    out->name = "local-threads";
+    out->size = ranks;
+    out->isend = avgpipe__local_isend;
+    out->irecv = avgpipe__local_irecv;
+    out->test = avgpipe__local_test;
+    out->wait = avgpipe__local_wait;
+    out->barrier = avgpipe__local_barrier;
+    out->allreduce_sum = avgpipe__local_allreduce;
+    out->abort = avgpipe__local_abort;
+    out->last_error = avgpipe__local_last_error;
+    out->destroy = avgpipe__local_destroy;
+    out->user = L;
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API void avgpipe_comm_destroy(avgpipe_comm *comm) {
+    if (!comm) return;
+    if (comm->destroy) comm->destroy(comm->user);
+    memset(comm, 0, sizeof *comm);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpipe_comm *comm) {
+    if (!comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm: NULL table");
+    if (!comm->isend || !comm->irecv || !comm->test || !comm->wait || !comm->barrier || !comm->abort)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': isend, irecv, test, wait, barrier and abort are required",
+                             comm->name ? comm->name : "?");
+    if (comm->size < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': size must be >= 1", comm->name ? comm->name : "?");
+    return AVGPIPE_OK;
+}
+
+/* --- 10. Runtime --------------------------------------------------------------------------------- */
+
+typedef struct avgpipe__slot {
+    unsigned char *in_act, *out_act, *grad_out, *grad_in;
+    avgpipe_comm_request recv_f, recv_b; /* pending receives into in_act / grad_out */
+    avgpipe_comm_request send[2];        /* sends still reading out_act / grad_in */
+    int nsend;
+    int flow_f, flow_b;                  /* trace flow ids of the pending receives */
+} avgpipe__slot;
+
+typedef struct avgpipe__stage {
+    int nslots;
+    size_t in_bytes, out_bytes, slot_bytes;
+    unsigned char *mem;
+    avgpipe__slot *slot;
+    int *freeq, fq_head, fq_len; /* free slots, FIFO so a freed slot's sends get time to finish */
+    avgpipe_ea *ea;
+    int *avg_done; /* [pipe]: rounds whose AVG finished (global count) */
+} avgpipe__stage;
+
+typedef struct avgpipe__job {
+    int g, pipe, round;
+} avgpipe__job;
+
+typedef struct avgpipe__worker {
+    struct avgpipe_run *run;
+    int rank, started, avg_started, avg_busy;
+    pthread_t thread, avg_thread;
+    avgpipe_context ctx, avg_ctx;
+    avgpipe__job *jobs;
+    int jcap, jhead, jlen;
+    double busy, loss;
+    long long nloss, ops;
+    avgpipe_event *ev;
+    double *evbytes;
+    size_t nev, evcap;
+    int *seq; /* [S]: messages sent to / received from each peer, for trace flow ids */
+    int *rseq;
+} avgpipe__worker;
+
+struct avgpipe_run {
+    avgpipe_context *ctx;
+    avgpipe_run_desc d;
+    avgpipe_sched_desc sd;
+    avgpipe_schedule base, low;
+    int **free_a, **free_b; /* per rank and lowered position: stage whose slot (of this op's micro) to free, or -1 */
+    int S, G, N, M, R, U, K;
+    size_t *act; /* [G]: act[g] = bytes at boundary g|g+1 (0 for the last stage) */
+    avgpipe_comm comm;
+    int own_comm;
+    avgpipe_device dev;
+    int own_dev;
+    avgpipe__stage *st;
+    int *slot_of; /* [(g * N + pipe) * U + micro] */
+    avgpipe__worker *w;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    long go, done;
+    int quit, aborted, dead;
+    avgpipe_result abort_res;
+    char abort_msg[AVGPIPE_ERROR_MAX];
+    long long iter;
+    double t0, seconds;
+    /* adaptive advance */
+    double *win, best;
+    int win_n, best_k, adapt_done;
+    /* events of all ranks, gathered on request */
+    avgpipe_event *mev;
+    double *mbytes;
+    size_t mcap;
+};
+
+static int avgpipe__run_rank(const avgpipe_run *run, int g) { return avgpipe__rank_of(g, run->S); }
+
+/* First failure wins: it is recorded, every waiter wakes, the comm backend aborts the other ranks. */
+static avgpipe_result avgpipe__run_fail(avgpipe_run *run, avgpipe_result res, const char *fmt, ...) {
+    va_list ap;
+    char msg[AVGPIPE_ERROR_MAX];
+    int first;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&run->mu);
+    first = !run->aborted;
+    if (first) {
+        run->aborted = 1;
+        run->abort_res = res;
+        snprintf(run->abort_msg, sizeof run->abort_msg, "%s", msg);
+    }
+    pthread_cond_broadcast(&run->cv);
+    pthread_mutex_unlock(&run->mu);
+    if (first && run->comm.abort) run->comm.abort(run->comm.user, res, msg);
+    return res;
+}
+
+/* ---- schedule preparation ---- */
+
+/* A schedule without STEP ops (e.g. an imported PyTorch file) gets STEP and AVG after the last
+   backward work of each (pipeline, stage, round). */
+static avgpipe_result avgpipe__add_steps(avgpipe_context *ctx, avgpipe_schedule *s) {
+    int r, i, M = s->shape.micro, R = s->shape.rounds, N = s->shape.pipes, G = s->nstages;
+    int *last = NULL;
+    avgpipe_result res = AVGPIPE_OK;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++)
+            if (s->ops[r][i].kind == AVGPIPE_OP_STEP) return AVGPIPE_OK;
+    last = (int *)avgpipe__calloc(ctx, (size_t)N * G * R, sizeof(int));
+    if (!last) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    for (r = 0; r < s->nranks && !res; r++) {
+        avgpipe_op *old = s->ops[r];
+        int n = s->len[r], k;
+        for (k = 0; k < N * G * R; k++) last[k] = -1;
+        for (i = 0; i < n; i++) {
+            const avgpipe_op *op = &old[i];
+            if ((op->kind == AVGPIPE_OP_B || op->kind == AVGPIPE_OP_W) && op->micro >= 0 && op->micro < M * R && op->pipe < N)
+                last[(op->pipe * G + op->stage) * R + op->micro / M] = i;
+        }
+        s->ops[r] = NULL;
+        s->len[r] = 0;
+        res = avgpipe__sched_reserve(ctx, s, r, (size_t)n + 2 * (size_t)N * G * R);
+        for (i = 0; i < n && !res; i++) {
+            const avgpipe_op *op = &old[i];
+            s->ops[r][s->len[r]++] = *op;
+            if ((op->kind == AVGPIPE_OP_B || op->kind == AVGPIPE_OP_W) && op->micro >= 0 && op->micro < M * R && op->pipe < N &&
+                last[(op->pipe * G + op->stage) * R + op->micro / M] == i) {
+                s->ops[r][s->len[r]++] = avgpipe__op(AVGPIPE_OP_STEP, op->pipe, op->stage, op->micro / M);
+                s->ops[r][s->len[r]++] = avgpipe__op(AVGPIPE_OP_AVG, op->pipe, op->stage, op->micro / M);
+            }
+        }
+        avgpipe_free(ctx, old);
+    }
+    avgpipe_free(ctx, last);
+    return res;
+}
+
+/* Slots: a micro-batch takes one on a stage at its first op there (a receive, its forward, or the
+   forward of the stage before it on the same rank) and frees it after its last op there. */
+static avgpipe_result avgpipe__plan_slots(avgpipe_run *run, int *nslots) {
+    const avgpipe_schedule *s = &run->low;
+    int r, i, N = run->N, G = run->G, U = run->U;
+    int *lastpos = (int *)avgpipe_alloc(run->ctx, (size_t)G * N * U * sizeof(int)), *live;
+    if (!lastpos) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    live = (int *)avgpipe__calloc(run->ctx, (size_t)G, sizeof(int));
+    if (!live) {
+        avgpipe_free(run->ctx, lastpos);
+        return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    }
+    for (i = 0; i < G * N * U; i++) lastpos[i] = -1;
+#define AVGPIPE__KEY(g, p, u) (((g) * N + (p)) * U + (u))
+    for (r = 0; r < s->nranks; r++) {
+        for (i = 0; i < s->len[r]; i++) { /* last touch of each key */
+            const avgpipe_op *op = &s->ops[r][i];
+            int k = op->kind, g = op->stage;
+            if (!avgpipe__has_micro(k) || k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) continue;
+            lastpos[AVGPIPE__KEY(g, op->pipe, op->micro)] = i;
+            if (k == AVGPIPE_OP_F && g + 1 < G && avgpipe__run_rank(run, g + 1) == r) lastpos[AVGPIPE__KEY(g + 1, op->pipe, op->micro)] = i;
+            if (avgpipe__is_backward(k) && g > 0 && avgpipe__run_rank(run, g - 1) == r)
+                lastpos[AVGPIPE__KEY(g - 1, op->pipe, op->micro)] = i;
+        }
+        for (i = 0; i < s->len[r]; i++) { /* count live slots; mark where they end */
+            const avgpipe_op *op = &s->ops[r][i];
+            int k = op->kind, g = op->stage, j, keys[2], nk = 0;
+            run->free_a[r][i] = run->free_b[r][i] = -1;
+            if (!avgpipe__has_micro(k) || k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) continue;
+            keys[nk++] = g;
+            if (k == AVGPIPE_OP_F && g + 1 < G && avgpipe__run_rank(run, g + 1) == r) keys[nk++] = g + 1;
+            if (avgpipe__is_backward(k) && g > 0 && avgpipe__run_rank(run, g - 1) == r) keys[nk++] = g - 1;
+            for (j = 0; j < nk; j++) {
+                int *slotkey = &run->slot_of[AVGPIPE__KEY(keys[j], op->pipe, op->micro)];
+                if (*slotkey < 0) { /* first touch: allocate */
+                    *slotkey = 1;
+                    if (++live[keys[j]] > nslots[keys[j]]) nslots[keys[j]] = live[keys[j]];
+                }
+                if (lastpos[AVGPIPE__KEY(keys[j], op->pipe, op->micro)] == i) {
+                    live[keys[j]]--;
+                    if (run->free_a[r][i] < 0) run->free_a[r][i] = keys[j];
+                    else run->free_b[r][i] = keys[j];
+                }
+            }
+        }
+    }
+#undef AVGPIPE__KEY
+    avgpipe_free(run->ctx, lastpos);
+    avgpipe_free(run->ctx, live);
+    return AVGPIPE_OK;
+}
+
+static void avgpipe__free_plan(avgpipe_run *run) {
+    int r, g;
+    if (run->free_a)
+        for (r = 0; r < run->S; r++) {
+            avgpipe_free(run->ctx, run->free_a[r]);
+            avgpipe_free(run->ctx, run->free_b[r]);
+        }
+    avgpipe_free(run->ctx, run->free_a);
+    avgpipe_free(run->ctx, run->free_b);
+    run->free_a = run->free_b = NULL;
+    if (run->st)
+        for (g = 0; g < run->G; g++) {
+            avgpipe_free(run->ctx, run->st[g].mem);
+            avgpipe_free(run->ctx, run->st[g].slot);
+            avgpipe_free(run->ctx, run->st[g].freeq);
+            run->st[g].mem = NULL;
+            run->st[g].slot = NULL;
+            run->st[g].freeq = NULL;
+        }
+    avgpipe_free(run->ctx, run->slot_of);
+    run->slot_of = NULL;
+    avgpipe_sched_free(run->ctx, &run->low);
+    avgpipe_sched_free(run->ctx, &run->base);
+}
+
+/* Give stage g its slot buffers: input and output activation and their gradients per slot. */
+static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int g, int nslots) {
+    avgpipe__stage *st = &run->st[g];
+    int i, r = avgpipe__run_rank(run, g);
+    size_t in = g > 0 ? run->act[g - 1] : 0, out = run->act[g];
+    int remote_next = g + 1 < run->G && avgpipe__run_rank(run, g + 1) != r, remote_prev = g > 0 && avgpipe__run_rank(run, g - 1) != r;
+    size_t sz = in + (remote_next ? out : 0) + out + (remote_prev ? in : 0);
+    st->nslots = nslots > 0 ? nslots : 1;
+    st->in_bytes = in;
+    st->out_bytes = out;
+    st->slot_bytes = sz;
+    st->mem = (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots + 1);
+    st->slot = (avgpipe__slot *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(avgpipe__slot));
+    st->freeq = (int *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(int));
+    if (!st->mem || !st->slot || !st->freeq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
+    for (i = 0; i < st->nslots; i++) {
+        unsigned char *p = st->mem + (size_t)i * sz;
+        avgpipe__slot *sl = &st->slot[i];
+        sl->in_act = in ? p : NULL;
+        p += in;
+        sl->out_act = remote_next && out ? p : NULL;
+        p += remote_next ? out : 0;
+        sl->grad_out = out ? p : NULL;
+        p += out;
+        sl->grad_in = remote_prev && in ? p : NULL;
+    }
+    return AVGPIPE_OK;
+}
+
+/* Build (or rebuild, when K changes) everything that depends on the schedule. */
+static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
+    avgpipe_context *ctx = run->ctx;
+    avgpipe_result res;
+    avgpipe_validate_report rep;
+    int r, g, *nslots = NULL;
+    avgpipe__free_plan(run);
+    if (run->d.schedule) res = avgpipe_sched_copy(ctx, run->d.schedule, &run->base);
+    else {
+        run->sd.advance = run->K;
+        res = avgpipe_sched_generate(ctx, &run->sd, &run->base);
+    }
+    if (res) return res;
+    res = avgpipe__add_steps(ctx, &run->base);
+    if (res) return res;
+    res = avgpipe_sched_validate(ctx, &run->base, NULL, &rep);
+    if (res) return avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
+    if (run->base.has_comm) res = avgpipe_sched_copy(ctx, &run->base, &run->low);
+    else res = avgpipe_sched_lower(ctx, &run->base, &run->low);
+    if (res) return res;
+    run->M = run->base.shape.micro;
+    run->R = run->base.shape.rounds;
+    run->U = run->M * run->R;
+    run->free_a = (int **)avgpipe__calloc(ctx, (size_t)run->S, sizeof(int *));
+    run->free_b = (int **)avgpipe__calloc(ctx, (size_t)run->S, sizeof(int *));
+    run->slot_of = (int *)avgpipe_alloc(ctx, (size_t)run->G * run->N * run->U * sizeof(int));
+    nslots = (int *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(int));
+    if (!run->free_a || !run->free_b || !run->slot_of || !nslots) goto oom;
+    for (r = 0; r < run->S; r++) {
+        run->free_a[r] = (int *)avgpipe_alloc(ctx, ((size_t)run->low.len[r] + 1) * sizeof(int));
+        run->free_b[r] = (int *)avgpipe_alloc(ctx, ((size_t)run->low.len[r] + 1) * sizeof(int));
+        if (!run->free_a[r] || !run->free_b[r]) goto oom;
+    }
+    for (g = 0; g < run->G * run->N * run->U; g++) run->slot_of[g] = -1;
+    res = avgpipe__plan_slots(run, nslots);
+    for (g = 0; g < run->G && !res; g++) res = avgpipe__alloc_stage(run, g, nslots[g]);
+    avgpipe_free(ctx, nslots);
+    return res;
+oom:
+    avgpipe_free(ctx, nslots);
+    return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+}
+
+/* ---- execution ---- */
+
+static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, int peer, int flow, double a, double b, double bytes) {
+    avgpipe_run *run = w->run;
+    if (!run->d.profile) return 1;
+    if (w->nev == w->evcap) {
+        size_t cap = w->evcap ? 2 * w->evcap : 1024;
+        avgpipe_event *e = (avgpipe_event *)avgpipe__realloc(run->ctx, w->ev, w->nev * sizeof *e, cap * sizeof *e);
+        double *bb;
+        if (!e) return 0;
+        w->ev = e;
+        bb = (double *)avgpipe__realloc(run->ctx, w->evbytes, w->nev * sizeof *bb, cap * sizeof *bb);
+        if (!bb) return 0;
+        w->evbytes = bb;
+        w->evcap = cap;
+    }
+    w->ev[w->nev].op = *op;
+    w->ev[w->nev].rank = w->rank;
+    w->ev[w->nev].track = track;
+    w->ev[w->nev].peer = peer;
+    w->ev[w->nev].flow = flow;
+    w->ev[w->nev].start = a - run->t0;
+    w->ev[w->nev].end = b - run->t0;
+    w->evbytes[w->nev] = bytes;
+    w->nev++;
+    return 1;
+}
+
+static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_request req, const avgpipe_op *op, int peer,
+                                         const char *what) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res = run->comm.wait(run->comm.user, w->rank, req, run->d.timeout_s);
+    char txt[64];
+    if (!res) return AVGPIPE_OK;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    if (res == AVGPIPE_ABORTED) return res;
+    return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d %s (%s)", w->rank, txt, what, peer,
+                             res == AVGPIPE_TIMEOUT ? "timed out" : "failed",
+                             res == AVGPIPE_TIMEOUT ? "no data within the timeout" : (run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : ""));
+}
+
+/* The slot of (g, pipe, micro), taking a free one at the first touch. */
+static avgpipe_result avgpipe__slot_get(avgpipe__worker *w, int g, const avgpipe_op *op, avgpipe__slot **out) {
+    avgpipe_run *run = w->run;
+    avgpipe__stage *st = &run->st[g];
+    int *k = &run->slot_of[(g * run->N + op->pipe) * run->U + op->micro], j;
+    avgpipe_result res;
+    if (*k < 0) {
+        avgpipe__slot *sl;
+        if (st->fq_len == 0) /* the plan counted the slots: cannot happen */
+            return avgpipe__run_fail(run, AVGPIPE_STATE_ERROR, "rank %d: stage %d has no free slot", w->rank, g);
+        *k = st->freeq[st->fq_head];
+        st->fq_head = (st->fq_head + 1) % st->nslots;
+        st->fq_len--;
+        sl = &st->slot[*k];
+        for (j = 0; j < sl->nsend; j++) { /* an earlier owner's sends still read these buffers */
+            res = avgpipe__comm_wait(w, sl->send[j], op, -1, "an earlier send to");
+            if (res) return res;
+        }
+        sl->nsend = 0;
+        sl->recv_f = sl->recv_b = NULL;
+    }
+    *out = &st->slot[*k];
+    return AVGPIPE_OK;
+}
+
+static void avgpipe__slot_put(avgpipe_run *run, int g, const avgpipe_op *op) {
+    avgpipe__stage *st = &run->st[g];
+    st->freeq[(st->fq_head + st->fq_len) % st->nslots] = run->slot_of[(g * run->N + op->pipe) * run->U + op->micro];
+    st->fq_len++;
+}
+
+/* A forward of pipeline p's round t on stage g waits until AVG(p, g, t-1) has been applied. */
+static avgpipe_result avgpipe__wait_avg(avgpipe__worker *w, int g, int pipe, int round, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    struct timespec dl = avgpipe__deadline(run->d.timeout_s);
+    avgpipe_result res = AVGPIPE_OK;
+    char txt[64];
+    pthread_mutex_lock(&run->mu);
+    while (run->st[g].avg_done[pipe] < round && !run->aborted)
+        if (pthread_cond_timedwait(&run->cv, &run->mu, &dl) != 0 && run->st[g].avg_done[pipe] < round) {
+            res = AVGPIPE_TIMEOUT;
+            break;
+        }
+    if (!res && run->aborted) res = AVGPIPE_ABORTED;
+    pthread_mutex_unlock(&run->mu);
+    if (res == AVGPIPE_TIMEOUT) {
+        avgpipe_op_format(op, 1, txt, sizeof txt);
+        return avgpipe__run_fail(run, res, "rank %d, op %s: timed out waiting for the averaging of round %d", w->rank, txt, round - 1);
+    }
+    return res;
+}
+
+static avgpipe_result avgpipe__callback(avgpipe__worker *w, int (*fn)(avgpipe_op_ctx *), avgpipe_op_ctx *oc, const avgpipe_op *op) {
+    int rc;
+    char txt[64];
+    if (!fn) return AVGPIPE_OK;
+    rc = fn(oc);
+    if (rc == 0) return AVGPIPE_OK;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(w->run, AVGPIPE_CALLBACK_ERROR, "rank %d, op %s: the %s callback returned %d", w->rank, txt,
+                             avgpipe_op_kind_name((avgpipe_op_kind)op->kind), rc);
+}
+
+/* B, I, W with whatever the user gave: B = I then W when only the split pair exists; without the
+   split pair, I runs the full backward and W has nothing left to do. */
+static avgpipe_result avgpipe__backward(avgpipe__worker *w, avgpipe_op_ctx *oc, const avgpipe_op *op) {
+    const avgpipe_stage_callbacks *cb = &w->run->d.cb;
+    int split = cb->backward_input && cb->backward_weight;
+    avgpipe_result res;
+    switch (op->kind) {
+    case AVGPIPE_OP_B:
+        if (cb->backward) return avgpipe__callback(w, cb->backward, oc, op);
+        res = avgpipe__callback(w, cb->backward_input, oc, op);
+        return res ? res : avgpipe__callback(w, cb->backward_weight, oc, op);
+    case AVGPIPE_OP_I: return avgpipe__callback(w, split ? cb->backward_input : cb->backward, oc, op);
+    default: return split ? avgpipe__callback(w, cb->backward_weight, oc, op) : AVGPIPE_OK;
+    }
+}
+
+
+static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpipe_op_ctx *oc) {
+    avgpipe_run *run = w->run;
+    memset(oc, 0, sizeof *oc);
+    oc->rank = w->rank;
+    oc->pipe = op->pipe;
+    oc->stage = op->stage;
+    oc->micro = op->micro % run->M;
+    oc->round = (int)(run->iter * run->R + op->micro / run->M);
+    oc->stages = run->G;
+    oc->params = run->d.params[op->pipe * run->G + op->stage];
+    oc->user = run->d.cb.user;
+}
+
+/* F, B, I, W: wait for the inputs, call the user, hand results to local neighbours. */
+static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    int g = op->stage, k = op->kind, r = w->rank;
+    avgpipe__slot *sl, *nb;
+    avgpipe_op_ctx oc;
+    avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
+    double t;
+    if (res) return res;
+    avgpipe__op_ctx_init(w, op, &oc);
+    oc.slot = run->slot_of[(g * run->N + op->pipe) * run->U + op->micro];
+    oc.input = g > 0 ? sl->in_act : NULL;
+    if (k == AVGPIPE_OP_F) {
+        if (sl->recv_f) {
+            t = avgpipe__now();
+            res = avgpipe__comm_wait(w, sl->recv_f, op, avgpipe__run_rank(run, g - 1), "receiving the activation from");
+            sl->recv_f = NULL;
+            if (res || !avgpipe__record(w, op, 2, avgpipe__run_rank(run, g - 1), sl->flow_f, t, avgpipe__now(), (double)run->act[g - 1]))
+                return res ? res : avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", r);
+        }
+        if (oc.round > 0) {
+            res = avgpipe__wait_avg(w, g, op->pipe, oc.round, op);
+            if (res) return res;
+        }
+        if (g + 1 < run->G) {
+            if (avgpipe__run_rank(run, g + 1) == r) {
+                res = avgpipe__slot_get(w, g + 1, op, &nb);
+                if (res) return res;
+                oc.output = nb->in_act;
+            } else {
+                oc.output = sl->out_act;
+            }
+        }
+        t = avgpipe__now();
+        res = avgpipe__callback(w, run->d.cb.forward, &oc, op);
+        if (g == run->G - 1) {
+            w->loss += oc.loss;
+            w->nloss++;
+        }
+    } else {
+        if (avgpipe__is_backward(k) && sl->recv_b) {
+            t = avgpipe__now();
+            res = avgpipe__comm_wait(w, sl->recv_b, op, avgpipe__run_rank(run, g + 1), "receiving the gradient from");
+            sl->recv_b = NULL;
+            if (res || !avgpipe__record(w, op, 2, avgpipe__run_rank(run, g + 1), sl->flow_b, t, avgpipe__now(), (double)run->act[g]))
+                return res ? res : avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", r);
+        }
+        oc.grad_output = g + 1 < run->G ? sl->grad_out : NULL;
+        if (g > 0 && k != AVGPIPE_OP_W) {
+            if (avgpipe__run_rank(run, g - 1) == r) {
+                res = avgpipe__slot_get(w, g - 1, op, &nb);
+                if (res) return res;
+                oc.grad_input = nb->grad_out;
+            } else {
+                oc.grad_input = sl->grad_in;
+            }
+        }
+        t = avgpipe__now();
+        res = avgpipe__backward(w, &oc, op);
+    }
+    {
+        double e = avgpipe__now();
+        w->busy += e - t;
+        if (!res && !avgpipe__record(w, op, 0, -1, -1, t, e, 0))
+            return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", r);
+    }
+    return res;
+}
+
+/* SEND/RECV: post on the comm backend; waits happen where the data is used (or the slot reused). */
+static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    int g = op->stage, k = op->kind, fwd = k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_RECV_F;
+    int send = k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B;
+    int peer = avgpipe__run_rank(run, fwd == send ? g + 1 : g - 1);
+    size_t bytes = fwd ? (send ? run->act[g] : run->act[g - 1]) : (send ? run->act[g - 1] : run->act[g]);
+    avgpipe__slot *sl;
+    avgpipe_comm_request req = NULL;
+    avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
+    double t = avgpipe__now();
+    char txt[64];
+    int flow;
+    if (res) return res;
+    if (send) {
+        void *buf = fwd ? sl->out_act : sl->grad_in;
+        flow = (w->rank * run->S + peer) * 1048576 + (w->seq[peer]++ & 1048575);
+        res = run->comm.isend(run->comm.user, w->rank, peer, buf, bytes, &req);
+        if (!res) sl->send[sl->nsend++] = req;
+    } else {
+        flow = (peer * run->S + w->rank) * 1048576 + (w->rseq[peer]++ & 1048575);
+        res = run->comm.irecv(run->comm.user, w->rank, peer, fwd ? sl->in_act : sl->grad_out, bytes, &req);
+        if (!res) {
+            if (fwd) sl->recv_f = req, sl->flow_f = flow;
+            else sl->recv_b = req, sl->flow_b = flow;
+        }
+    }
+    if (res && res != AVGPIPE_ABORTED) {
+        avgpipe_op_format(op, 1, txt, sizeof txt);
+        return avgpipe__run_fail(run, res, "rank %d, op %s: posting the %s with rank %d failed: %s", w->rank, txt, send ? "send" : "receive",
+                                 peer, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+    }
+    if (!res && send && !avgpipe__record(w, op, 1, peer, flow, t, avgpipe__now(), (double)bytes))
+        return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
+    return res;
+}
+
+static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    int round = (int)(run->iter * run->R + op->micro), rc = 0;
+    double t = avgpipe__now(), e;
+    char txt[64];
+    if (op->kind == AVGPIPE_OP_AVG) { /* to this rank's averaging thread */
+        avgpipe__job *j;
+        pthread_mutex_lock(&run->mu);
+        if (w->jlen == w->jcap) {
+            pthread_mutex_unlock(&run->mu);
+            return avgpipe__run_fail(run, AVGPIPE_STATE_ERROR, "rank %d: averaging queue full", w->rank);
+        }
+        j = &w->jobs[(w->jhead + w->jlen) % w->jcap];
+        j->g = op->stage;
+        j->pipe = op->pipe;
+        j->round = round;
+        w->jlen++;
+        pthread_cond_broadcast(&run->cv);
+        pthread_mutex_unlock(&run->mu);
+        return AVGPIPE_OK;
+    }
+    if (run->d.cb.step) rc = run->d.cb.step(w->rank, op->pipe, op->stage, round, run->d.params[op->pipe * run->G + op->stage], run->d.cb.user);
+    e = avgpipe__now();
+    w->busy += e - t;
+    if (rc) {
+        avgpipe_op_format(op, 1, txt, sizeof txt);
+        return avgpipe__run_fail(run, AVGPIPE_CALLBACK_ERROR, "rank %d, op %s: the step callback returned %d", w->rank, txt, rc);
+    }
+    if (!avgpipe__record(w, op, 0, -1, -1, t, e, 0))
+        return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
+    return AVGPIPE_OK;
+}
+
+/* One iteration of rank w->rank: walk the lowered list. */
+static void avgpipe__worker_iteration(avgpipe__worker *w) {
+    avgpipe_run *run = w->run;
+    const avgpipe_schedule *s = &run->low;
+    int r = w->rank, i, g;
+    avgpipe_result res = AVGPIPE_OK;
+    for (i = 0; i < s->len[r] && !res; i++) {
+        const avgpipe_op *op = &s->ops[r][i];
+        int k = op->kind;
+        if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
+        else if (avgpipe__is_comm(k)) res = avgpipe__exec_comm(w, op);
+        else if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) res = avgpipe__exec_step(w, op);
+        else continue;
+        w->ops++;
+        if (!res && run->free_a[r][i] >= 0) avgpipe__slot_put(run, run->free_a[r][i], op);
+        if (!res && run->free_b[r][i] >= 0) avgpipe__slot_put(run, run->free_b[r][i], op);
+    }
+    for (g = r; g < run->G && !res; g += run->S) { /* sends still in flight must finish inside the iteration */
+        avgpipe__stage *st = &run->st[g];
+        int q, j;
+        for (q = 0; q < st->nslots && !res; q++) {
+            for (j = 0; j < st->slot[q].nsend && !res; j++) {
+                avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
+                res = avgpipe__comm_wait(w, st->slot[q].send[j], &none, -1, "a send to");
+            }
+            st->slot[q].nsend = 0;
+        }
+    }
+}
+
+static void *avgpipe__worker_main(void *arg) {
+    avgpipe__worker *w = (avgpipe__worker *)arg;
+    avgpipe_run *run = w->run;
+    long seen = 0;
+    for (;;) {
+        pthread_mutex_lock(&run->mu);
+        while (run->go == seen && !run->quit) pthread_cond_wait(&run->cv, &run->mu);
+        if (run->quit) {
+            pthread_mutex_unlock(&run->mu);
+            return NULL;
+        }
+        seen = run->go;
+        pthread_mutex_unlock(&run->mu);
+        avgpipe__worker_iteration(w);
+        pthread_mutex_lock(&run->mu);
+        run->done++;
+        pthread_cond_broadcast(&run->cv);
+        pthread_mutex_unlock(&run->mu);
+    }
+}
+
+/* The averaging thread of a rank: pull + contribute, in the order the AVG ops came. */
+static void *avgpipe__avg_main(void *arg) {
+    avgpipe__worker *w = (avgpipe__worker *)arg;
+    avgpipe_run *run = w->run;
+    for (;;) {
+        avgpipe__job j;
+        avgpipe_result res = AVGPIPE_OK;
+        avgpipe__stage *st;
+        pthread_mutex_lock(&run->mu);
+        while (w->jlen == 0 && !run->quit) pthread_cond_wait(&run->cv, &run->mu);
+        if (run->quit) {
+            pthread_mutex_unlock(&run->mu);
+            return NULL;
+        }
+        j = w->jobs[w->jhead];
+        w->avg_busy = 1;
+        pthread_mutex_unlock(&run->mu);
+        st = &run->st[j.g];
+        if (!run->aborted) {
+            if (run->d.deterministic && j.round > 0)
+                res = avgpipe_ea_wait(&w->avg_ctx, st->ea, (uint64_t)j.round - 1, (int64_t)(run->d.timeout_s * 1000));
+            if (!res) res = avgpipe_ea_contribute(&w->avg_ctx, st->ea, j.pipe, (uint64_t)j.round, run->d.params[j.pipe * run->G + j.g], NULL);
+            if (res) avgpipe__run_fail(run, res, "rank %d, averaging of pipeline %d stage %d round %d: %s", w->rank, j.pipe, j.g, j.round,
+                                       avgpipe_last_error(&w->avg_ctx));
+        }
+        pthread_mutex_lock(&run->mu);
+        w->jhead = (w->jhead + 1) % w->jcap;
+        w->jlen--;
+        w->avg_busy = 0;
+        if (!res) st->avg_done[j.pipe] = j.round + 1;
+        pthread_cond_broadcast(&run->cv);
+        pthread_mutex_unlock(&run->mu);
+    }
+}
+
+/* ---- create, iterate, destroy ---- */
+
+static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run_desc *d, int G, int N) {
+    int g, p;
+    if (!d->cb.forward) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.forward: required");
+    if (!d->cb.backward && !(d->cb.backward_input && d->cb.backward_weight))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward: required (or both backward_input and backward_weight)");
+    if (!d->cb.backward_input != !d->cb.backward_weight)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward_input, cb.backward_weight: give both or neither");
+    if (G > 1 && !d->act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "act_bytes: required for %d stages (one entry per boundary)", G);
+    if (!d->params || !d->param_count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params, param_count: required");
+    for (g = 0; g < G; g++) {
+        if (d->param_count[g] < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "param_count[%d]: must be >= 1", g);
+        for (p = 0; p < N; p++)
+            if (!d->params[p * G + g]) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (pipeline %d, stage %d)", p * G + g, p, g);
+    }
+    if (d->timeout_s < 0 || d->mem_limit < 0 || d->window < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "timeout_s, mem_limit and window must be >= 0");
+    if (d->adaptive && (d->schedule || d->sched.kind != AVGPIPE_SCHED_ADVANCE))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "adaptive: needs sched.kind = AVGPIPE_SCHED_ADVANCE and no custom schedule");
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
+    int g, r;
+    avgpipe_result res;
+    for (g = 0; g < run->G; g++) { /* averaging: one module per stage partition, z0 = pipeline 0's weights */
+        avgpipe_ea_desc ed;
+        memset(&ed, 0, sizeof ed);
+        ed.count = run->d.param_count[g];
+        ed.pipes = run->N;
+        ed.mode = run->d.ea_mode;
+        ed.alpha = run->d.alpha;
+        ed.zero_alpha = run->d.zero_alpha;
+        ed.momentum = run->d.momentum;
+        ed.initial = run->d.params[g];
+        ed.device = &run->dev;
+        ed.stage = g;
+        res = avgpipe_ea_create(run->ctx, &ed, &run->st[g].ea);
+        if (res) return res;
+        run->st[g].avg_done = (int *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof(int));
+        if (!run->st[g].avg_done) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    }
+    for (r = 0; r < run->S; r++) {
+        avgpipe__worker *w = &run->w[r];
+        w->run = run;
+        w->rank = r;
+        avgpipe_context_init(&w->ctx, &run->ctx->desc);
+        avgpipe_context_init(&w->avg_ctx, &run->ctx->desc);
+        w->jcap = 2 * run->N * run->G * run->R + 16; /* AVG jobs of one iteration fit */
+        w->jobs = (avgpipe__job *)avgpipe__calloc(run->ctx, (size_t)w->jcap, sizeof(avgpipe__job));
+        w->seq = (int *)avgpipe__calloc(run->ctx, (size_t)run->S, sizeof(int));
+        w->rseq = (int *)avgpipe__calloc(run->ctx, (size_t)run->S, sizeof(int));
+        if (!w->jobs || !w->seq || !w->rseq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+        if (pthread_create(&w->thread, NULL, avgpipe__worker_main, w) != 0)
+            return avgpipe__fail(run->ctx, AVGPIPE_BACKEND_ERROR, "runtime: cannot start the worker thread of rank %d", r);
+        w->started = 1;
+        if (pthread_create(&w->avg_thread, NULL, avgpipe__avg_main, w) != 0)
+            return avgpipe__fail(run->ctx, AVGPIPE_BACKEND_ERROR, "runtime: cannot start the averaging thread of rank %d", r);
+        w->avg_started = 1;
+    }
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpipe_run_desc *desc, avgpipe_run **out) {
+    avgpipe_run *run;
+    avgpipe_result res;
+    int G, N, g;
+    if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_create: NULL argument");
+    *out = NULL;
+    ctx = avgpipe__ctx(ctx);
+    run = (avgpipe_run *)avgpipe__calloc(ctx, 1, sizeof *run);
+    if (!run) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    run->ctx = ctx;
+    run->d = *desc;
+    pthread_mutex_init(&run->mu, NULL);
+    pthread_cond_init(&run->cv, NULL);
+    if (run->d.timeout_s == 0) run->d.timeout_s = 60;
+    if (run->d.window == 0) run->d.window = 3;
+    if (desc->schedule) {
+        run->S = desc->schedule->nranks;
+        run->G = desc->schedule->nstages;
+        run->N = desc->schedule->shape.pipes;
+    } else {
+        res = avgpipe_sched_resolve(ctx, &desc->sched, &run->sd);
+        if (res) goto fail;
+        run->S = run->sd.stages;
+        run->G = run->sd.stages * run->sd.chunks;
+        run->N = run->sd.pipes;
+        run->K = desc->adaptive ? 0 : run->sd.advance;
+    }
+    G = run->G;
+    N = run->N;
+    res = avgpipe__run_check(ctx, desc, G, N);
+    if (res) goto fail;
+    run->act = (size_t *)avgpipe__calloc(ctx, (size_t)G, sizeof(size_t));
+    run->st = (avgpipe__stage *)avgpipe__calloc(ctx, (size_t)G, sizeof(avgpipe__stage));
+    run->w = (avgpipe__worker *)avgpipe__calloc(ctx, (size_t)run->S, sizeof(avgpipe__worker));
+    run->win = (double *)avgpipe__calloc(ctx, (size_t)run->d.window, sizeof(double));
+    if (!run->act || !run->st || !run->w || !run->win) {
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+        goto fail;
+    }
+    for (g = 0; g + 1 < G; g++) run->act[g] = desc->act_bytes[g];
+    run->best = -1;
+    run->best_k = run->K;
+    if (desc->comm) {
+        run->comm = *desc->comm;
+        res = avgpipe_comm_check(ctx, &run->comm);
+        if (!res && run->comm.size != run->S)
+            res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm: size %d but the schedule has %d ranks", run->comm.size, run->S);
+    } else {
+        res = avgpipe_comm_local_create(ctx, run->S, &run->comm);
+        run->own_comm = !res;
+    }
+    if (res) goto fail;
+    res = avgpipe_device_cpu_create(ctx, NULL, &run->dev);
+    if (res) goto fail;
+    run->own_dev = 1;
+    res = avgpipe__run_prepare(run);
+    if (!res) res = avgpipe__run_start(run);
+    if (res) goto fail;
+    *out = run;
+    return AVGPIPE_OK;
+fail:
+    {
+        char msg[AVGPIPE_ERROR_MAX];
+        snprintf(msg, sizeof msg, "%s", ctx->error);
+        avgpipe_run_destroy(run);
+        return avgpipe__fail(ctx, res, "%s", msg);
+    }
+}
+
+AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
+    int r, g;
+    avgpipe_context *ctx;
+    if (!run) return;
+    ctx = run->ctx;
+    pthread_mutex_lock(&run->mu);
+    run->quit = 1;
+    pthread_cond_broadcast(&run->cv);
+    pthread_mutex_unlock(&run->mu);
+    if (run->comm.abort && run->w) run->comm.abort(run->comm.user, AVGPIPE_ABORTED, "the run is being destroyed");
+    if (run->w)
+        for (r = 0; r < run->S; r++) {
+            avgpipe__worker *w = &run->w[r];
+            if (w->started) pthread_join(w->thread, NULL);
+            if (w->avg_started) pthread_join(w->avg_thread, NULL);
+            avgpipe_free(ctx, w->jobs);
+            avgpipe_free(ctx, w->seq);
+            avgpipe_free(ctx, w->rseq);
+            avgpipe_free(ctx, w->ev);
+            avgpipe_free(ctx, w->evbytes);
+        }
+    avgpipe__free_plan(run);
+    if (run->st)
+        for (g = 0; g < run->G; g++) {
+            avgpipe_ea_destroy(run->st[g].ea);
+            avgpipe_free(ctx, run->st[g].avg_done);
+        }
+    if (run->own_comm) avgpipe_comm_destroy(&run->comm);
+    if (run->own_dev) avgpipe_device_destroy(&run->dev);
+    avgpipe_free(ctx, run->st);
+    avgpipe_free(ctx, run->w);
+    avgpipe_free(ctx, run->act);
+    avgpipe_free(ctx, run->win);
+    avgpipe_free(ctx, run->mev);
+    avgpipe_free(ctx, run->mbytes);
+    pthread_mutex_destroy(&run->mu);
+    pthread_cond_destroy(&run->cv);
+    avgpipe_free(ctx, run);
+}
+
+static int avgpipe__cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+/* Stashed boundary-buffer bytes per rank the memory model predicts for advance with K. */
+static double avgpipe__predicted_stash(const avgpipe_run *run, int K, int rank) {
+    avgpipe_sched_desc d = run->sd;
+    double bytes = 0;
+    int g;
+    d.advance = K;
+    for (g = rank; g < run->G; g += run->S)
+        bytes += (double)avgpipe_sched_peak_stash(&d, rank) * (double)((g > 0 ? run->act[g - 1] : 0) + run->act[g]);
+    return bytes;
+}
+
+/* Algorithm 1: after `window` iterations at K, keep raising K while the median time improves and
+   the predicted memory fits; otherwise go back to the best K and hold. */
+static avgpipe_result avgpipe__adapt(avgpipe_run *run, double seconds) {
+    double med;
+    int next, r, fits = 1;
+    if (!run->d.adaptive || run->adapt_done) return AVGPIPE_OK;
+    if (run->iter == 1) return AVGPIPE_OK; /* the first iteration warms caches and pages up */
+    run->win[run->win_n++] = seconds;
+    if (run->win_n < run->d.window) return AVGPIPE_OK;
+    qsort(run->win, (size_t)run->win_n, sizeof(double), avgpipe__cmp_double);
+    med = run->win[run->win_n / 2];
+    run->win_n = 0;
+    if (run->best < 0 || med < run->best) {
+        run->best = med;
+        run->best_k = run->K;
+        next = run->K + 1;
+    } else {
+        next = run->best_k;
+        run->adapt_done = 1;
+    }
+    if (!run->adapt_done) {
+        if (next > (run->S - 1) * run->sd.micro * run->sd.pipes) fits = 0; /* all forwards first already */
+        for (r = 0; r < run->S && fits && run->d.mem_limit > 0; r++)
+            if (avgpipe__predicted_stash(run, next, r) > run->d.mem_limit) fits = 0;
+        if (!fits) {
+            next = run->best_k;
+            run->adapt_done = 1;
+        }
+    }
+    if (next == run->K) return AVGPIPE_OK;
+    run->K = next;
+    avgpipe__log(run->ctx, AVGPIPE_LOG_INFO, "adaptive advance: K = %d (best median %.6g s at K = %d)", run->K, run->best, run->best_k);
+    return avgpipe__run_prepare(run);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats) {
+    int r, g, i;
+    double busy = 0, loss = 0, t1;
+    long long nloss = 0, ops = 0;
+    avgpipe_result res;
+    if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_iteration: run is NULL");
+    if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_iteration: an earlier iteration failed (%s)", run->abort_msg);
+    for (i = 0; i < run->G * run->N * run->U; i++) run->slot_of[i] = -1;
+    for (g = 0; g < run->G; g++) {
+        avgpipe__stage *st = &run->st[g];
+        st->fq_head = 0;
+        st->fq_len = st->nslots;
+        for (i = 0; i < st->nslots; i++) st->freeq[i] = i;
+    }
+    for (r = 0; r < run->S; r++) {
+        avgpipe__worker *w = &run->w[r];
+        w->busy = w->loss = 0;
+        w->nloss = w->ops = 0;
+        w->nev = 0;
+    }
+    run->t0 = avgpipe__now();
+    pthread_mutex_lock(&run->mu);
+    run->done = 0;
+    run->go++;
+    pthread_cond_broadcast(&run->cv);
+    while (run->done < run->S) pthread_cond_wait(&run->cv, &run->mu); /* every worker wait has its own timeout */
+    for (r = 0; r < run->S; r++) /* and the averaging of this iteration */
+        while ((run->w[r].jlen > 0 || run->w[r].avg_busy) && !run->aborted) pthread_cond_wait(&run->cv, &run->mu);
+    pthread_mutex_unlock(&run->mu);
+    t1 = avgpipe__now();
+    run->iter++;
+    if (run->aborted) {
+        run->dead = 1;
+        return avgpipe__fail(run->ctx, run->abort_res, "%s", run->abort_msg);
+    }
+    for (r = 0; r < run->S; r++) {
+        busy += run->w[r].busy;
+        loss += run->w[r].loss;
+        nloss += run->w[r].nloss;
+        ops += run->w[r].ops;
+    }
+    run->seconds = t1 - run->t0;
+    if (stats) {
+        memset(stats, 0, sizeof *stats);
+        stats->seconds = run->seconds;
+        stats->loss = nloss ? loss / (double)nloss : 0;
+        stats->micro_batches = nloss;
+        stats->bubble = run->seconds > 0 ? 1 - busy / (run->S * run->seconds) : 0;
+        stats->advance = run->K;
+        stats->ops = ops;
+    }
+    res = avgpipe__adapt(run, run->seconds);
+    if (res) run->dead = 1;
+    return res;
+}
+
+AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count) {
+    if (!run || stage < 0 || stage >= run->G) return NULL;
+    if (count) *count = run->d.param_count[stage];
+    return avgpipe_ea_reference(run->st[stage].ea, NULL);
+}
+
+AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run) { return run ? &run->low : NULL; }
+
+AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
+    return run && stage >= 0 && stage < run->G ? run->st[stage].nslots : -1;
+}
+
+AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
+    double bytes = 0;
+    int g;
+    if (!run || rank < 0 || rank >= run->S) return -1;
+    for (g = rank; g < run->G; g += run->S) {
+        avgpipe_ea_desc ed = avgpipe_ea_query_desc(run->st[g].ea);
+        avgpipe_ea_memory_info mi;
+        avgpipe_context quiet;
+        avgpipe_context_init(&quiet, NULL);
+        bytes += (double)run->st[g].slot_bytes * run->st[g].nslots;
+        if (!avgpipe_ea_memory_bytes(&quiet, &ed, &mi)) bytes += (double)mi.device_bytes;
+    }
+    return bytes;
+}
+
+/* All ranks' events of the last iteration, gathered into one array (run->mev). */
+static size_t avgpipe__gather_events(avgpipe_run *run) {
+    size_t n = 0, k = 0;
+    int r;
+    for (r = 0; r < run->S; r++) n += run->w[r].nev;
+    if (n > run->mcap) {
+        avgpipe_event *e = (avgpipe_event *)avgpipe__realloc(run->ctx, run->mev, 0, n * sizeof *e);
+        double *b;
+        if (!e) return 0;
+        run->mev = e;
+        b = (double *)avgpipe__realloc(run->ctx, run->mbytes, 0, n * sizeof *b);
+        if (!b) return 0;
+        run->mbytes = b;
+        run->mcap = n;
+    }
+    for (r = 0; r < run->S; r++) {
+        if (run->w[r].nev == 0) continue;
+        memcpy(run->mev + k, run->w[r].ev, run->w[r].nev * sizeof(avgpipe_event));
+        memcpy(run->mbytes + k, run->w[r].evbytes, run->w[r].nev * sizeof(double));
+        k += run->w[r].nev;
+    }
+    return k;
+}
+
+AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count) {
+    size_t n;
+    if (count) *count = 0;
+    if (!run || !run->d.profile) return NULL;
+    n = avgpipe__gather_events((avgpipe_run *)run); /* a cache: logically const */
+    if (count) *count = n;
+    return n ? run->mev : NULL;
+}
+
+#ifndef AVGPIPE_NO_STDIO
+AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const char *path) {
+    FILE *f;
+    size_t n, i;
+    int g, bad;
+    const avgpipe_shape *sh;
+    if (!run || !path) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_write_profile: NULL argument");
+    if (!run->d.profile) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_write_profile: create the run with profile = 1");
+    n = avgpipe__gather_events(run);
+    f = fopen(path, "w");
+    if (!f) return avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot create '%s'", path);
+    sh = &run->base.shape;
+    fprintf(f, "# avgpipe profile v1\n");
+    fprintf(f, "shape kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d\n",
+            avgpipe_sched_kind_name(sh->kind), run->S, sh->chunks, sh->micro, run->N, sh->rounds, run->K, sh->continuous);
+    for (g = 0; g < run->G; g++)
+        fprintf(f, "stage %d param_floats=%zu act_bytes=%zu slots=%d\n", g, run->d.param_count[g], run->act[g], run->st[g].nslots);
+    for (i = 0; i < n; i++) {
+        const avgpipe_event *e = &run->mev[i];
+        fprintf(f, "op rank=%d kind=%s pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=%.0f\n", (int)e->rank,
+                e->track == 2 ? (e->op.kind == AVGPIPE_OP_F ? "RECV_F" : "RECV_B") : avgpipe_op_kind_name((avgpipe_op_kind)e->op.kind),
+                e->op.pipe, e->op.stage, e->op.micro, e->start, e->end, run->mbytes[i]);
+    }
+    bad = ferror(f);
+    if (fclose(f) != 0 || bad) return avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot write '%s'", path);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char *path) {
+    avgpipe_buf b = {NULL, 0, 0};
+    avgpipe_render_desc rd;
+    avgpipe_result res;
+    size_t n;
+    FILE *f;
+    if (!run || !path) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_write_trace: NULL argument");
+    if (!run->d.profile) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_write_trace: create the run with profile = 1");
+    n = avgpipe__gather_events(run);
+    memset(&rd, 0, sizeof rd);
+    rd.us_per_unit = 1e6; /* event times are seconds */
+    res = avgpipe_render_chrome(run->ctx, run->mev, n, run->S, &rd, &b);
+    if (res) return res;
+    f = fopen(path, "w");
+    if (!f) res = avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot create '%s'", path);
+    else {
+        if (fwrite(b.data, 1, b.len, f) != b.len) res = avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot write '%s'", path);
+        if (fclose(f) != 0 && !res) res = avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot write '%s'", path);
+    }
+    avgpipe_buf_free(run->ctx, &b);
+    return res;
+}
+#endif
 
 /*@@SECTIONS_IMPL@@*/
 
