@@ -793,7 +793,7 @@ AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea);
    one rank per process. Every wait takes a timeout; abort() wakes every waiter with AVGPIPE_ABORTED.
    Thread-safety: different ranks may call concurrently; one rank's calls come from one thread. */
 
-typedef struct avgpipe_comm_request_s *avgpipe_comm_request; /* opaque; finished by wait() or test() */
+typedef void *avgpipe_comm_request; /* a backend's own handle; finished by wait() or test() */
 
 typedef struct avgpipe_comm {
     const char *name;
@@ -4276,8 +4276,9 @@ static avgpipe_result avgpipe__local_irecv(void *user, int self, int peer, void 
     return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf ? buf : &sink, bytes, req);
 }
 
-static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_request req, int *done) {
+static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_request handle, int *done) {
     avgpipe__local *L = (avgpipe__local *)user;
+    struct avgpipe_comm_request_s *req = (struct avgpipe_comm_request_s *)handle;
     avgpipe_result res = AVGPIPE_OK;
     (void)self;
     if (!req || !done) return AVGPIPE_INVALID_ARG;
@@ -4293,8 +4294,9 @@ static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_req
     return res;
 }
 
-static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
+static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_request handle, double timeout_s) {
     avgpipe__local *L = (avgpipe__local *)user;
+    struct avgpipe_comm_request_s *req = (struct avgpipe_comm_request_s *)handle;
     struct timespec dl = avgpipe__deadline(timeout_s);
     avgpipe_result res = AVGPIPE_OK;
     (void)self;
@@ -4480,6 +4482,7 @@ typedef struct avgpipe__slot {
     unsigned char *in_act, *out_act, *grad_out, *grad_in;
     avgpipe_comm_request recv_f, recv_b; /* pending receives into in_act / grad_out */
     avgpipe_comm_request send[2];        /* sends still reading out_act / grad_in */
+    int send_peer[2];
     int nsend;
     int flow_f, flow_b;                  /* trace flow ids of the pending receives */
 } avgpipe__slot;
@@ -4814,7 +4817,7 @@ static avgpipe_result avgpipe__slot_get(avgpipe__worker *w, int g, const avgpipe
         st->fq_len--;
         sl = &st->slot[*k];
         for (j = 0; j < sl->nsend; j++) { /* an earlier owner's sends still read these buffers */
-            res = avgpipe__comm_wait(w, sl->send[j], op, -1, "an earlier send to");
+            res = avgpipe__comm_wait(w, sl->send[j], op, sl->send_peer[j], "an earlier send to");
             if (res) return res;
         }
         sl->nsend = 0;
@@ -4979,7 +4982,10 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
         void *buf = fwd ? sl->out_act : sl->grad_in;
         flow = (w->rank * run->S + peer) * 1048576 + (w->seq[peer]++ & 1048575);
         res = run->comm.isend(run->comm.user, w->rank, peer, buf, bytes, &req);
-        if (!res) sl->send[sl->nsend++] = req;
+        if (!res) {
+            sl->send_peer[sl->nsend] = peer;
+            sl->send[sl->nsend++] = req;
+        }
     } else {
         flow = (peer * run->S + w->rank) * 1048576 + (w->rseq[peer]++ & 1048575);
         res = run->comm.irecv(run->comm.user, w->rank, peer, fwd ? sl->in_act : sl->grad_out, bytes, &req);
@@ -5047,6 +5053,11 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
         w->ops++;
         if (!res && run->free_a[r][i] >= 0) avgpipe__slot_put(run, run->free_a[r][i], op);
         if (!res && run->free_b[r][i] >= 0) avgpipe__slot_put(run, run->free_b[r][i], op);
+        if (res && !run->aborted) { /* e.g. ABORTED from a comm backend that was stopped from outside */
+            char txt[64];
+            avgpipe_op_format(op, 1, txt, sizeof txt);
+            avgpipe__run_fail(run, res, "rank %d stopped at position %d (%s): %s", r, i, txt, avgpipe_result_string(res));
+        }
     }
     for (g = r; g < run->G && !res; g += run->S) { /* sends still in flight must finish inside the iteration */
         avgpipe__stage *st = &run->st[g];
@@ -5054,8 +5065,9 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
         for (q = 0; q < st->nslots && !res; q++) {
             for (j = 0; j < st->slot[q].nsend && !res; j++) {
                 avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
-                res = avgpipe__comm_wait(w, st->slot[q].send[j], &none, -1, "a send to");
+                res = avgpipe__comm_wait(w, st->slot[q].send[j], &none, st->slot[q].send_peer[j], "a send to");
             }
+            if (res && !run->aborted) avgpipe__run_fail(run, res, "rank %d: finishing its sends: %s", r, avgpipe_result_string(res));
             st->slot[q].nsend = 0;
         }
     }
@@ -5259,7 +5271,6 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
     run->quit = 1;
     pthread_cond_broadcast(&run->cv);
     pthread_mutex_unlock(&run->mu);
-    if (run->comm.abort && run->w) run->comm.abort(run->comm.user, AVGPIPE_ABORTED, "the run is being destroyed");
     if (run->w)
         for (r = 0; r < run->S; r++) {
             avgpipe__worker *w = &run->w[r];
