@@ -1,0 +1,385 @@
+/* Tests of the in-process comm backend (section 9) on its own: per-peer FIFO matching, size
+   mismatches, timeouts, abort, barrier and allreduce across threads, table checks.
+   Posting never blocks on this backend, so one thread may post for several ranks in turn (one rank's
+   calls still come from one thread at a time); waits that must block run on their own threads. */
+#define _POSIX_C_SOURCE 200809L
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+
+#include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+#include <time.h>
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+static void nap_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+/* The backend keeps the context it was created with (for its allocations): give it one that
+   outlives it (NULL: the defaults). */
+static avgpipe_comm make(int ranks) {
+    avgpipe_comm c;
+    avgpipe_context ctx;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_comm_local_create(NULL, ranks, &c), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    cr_assert_eq(c.size, ranks);
+    cr_assert_eq(avgpipe_comm_check(&ctx, &c), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    return c;
+}
+
+TestSuite(comm, .timeout = 30);
+
+/* Messages from one peer arrive in the order they were sent, whether the receive or the send is
+   posted first; messages from another peer on the same receiver do not mix in. */
+Test(comm, fifo_per_peer) {
+    avgpipe_comm c = make(3);
+    avgpipe_comm_request s0[6], s2[3], r0[6], r2[3];
+    int out0[6][4], out2[3][4], in0[6][4], in2[3][4], k, j;
+    memset(in0, 0xff, sizeof in0);
+    memset(in2, 0xff, sizeof in2);
+    for (k = 0; k < 6; k++)
+        for (j = 0; j < 4; j++) out0[k][j] = 100 * k + j;
+    for (k = 0; k < 3; k++)
+        for (j = 0; j < 4; j++) out2[k][j] = -(100 * k + j) - 1;
+    /* rank 1 posts two receives from 0 and one from 2 before anything is sent */
+    cr_assert_eq(c.irecv(c.user, 1, 0, in0[0], sizeof in0[0], &r0[0]), AVGPIPE_OK);
+    cr_assert_eq(c.irecv(c.user, 1, 2, in2[0], sizeof in2[0], &r2[0]), AVGPIPE_OK);
+    cr_assert_eq(c.irecv(c.user, 1, 0, in0[1], sizeof in0[1], &r0[1]), AVGPIPE_OK);
+    /* interleaved sends from 0 and 2 */
+    for (k = 0; k < 6; k++) {
+        cr_assert_eq(c.isend(c.user, 0, 1, out0[k], sizeof out0[k], &s0[k]), AVGPIPE_OK);
+        if (k < 3) cr_assert_eq(c.isend(c.user, 2, 1, out2[k], sizeof out2[k], &s2[k]), AVGPIPE_OK);
+    }
+    /* the rest of the receives, after the sends */
+    for (k = 2; k < 6; k++) cr_assert_eq(c.irecv(c.user, 1, 0, in0[k], sizeof in0[k], &r0[k]), AVGPIPE_OK);
+    for (k = 1; k < 3; k++) cr_assert_eq(c.irecv(c.user, 1, 2, in2[k], sizeof in2[k], &r2[k]), AVGPIPE_OK);
+    for (k = 0; k < 6; k++) {
+        cr_assert_eq(c.wait(c.user, 1, r0[k], 1.0), AVGPIPE_OK);
+        cr_assert_eq(c.wait(c.user, 0, s0[k], 1.0), AVGPIPE_OK);
+    }
+    for (k = 0; k < 3; k++) {
+        cr_assert_eq(c.wait(c.user, 1, r2[k], 1.0), AVGPIPE_OK);
+        cr_assert_eq(c.wait(c.user, 2, s2[k], 1.0), AVGPIPE_OK);
+    }
+    for (k = 0; k < 6; k++)
+        for (j = 0; j < 4; j++) cr_assert_eq(in0[k][j], 100 * k + j, "message %d from rank 0, word %d: %d", k, j, in0[k][j]);
+    for (k = 0; k < 3; k++)
+        for (j = 0; j < 4; j++) cr_assert_eq(in2[k][j], -(100 * k + j) - 1, "message %d from rank 2, word %d: %d", k, j, in2[k][j]);
+    avgpipe_comm_destroy(&c);
+    cr_assert(c.isend == NULL && c.user == NULL, "avgpipe_comm_destroy must zero the table");
+}
+
+/* Both directions of a pair are independent channels; test() reports progress without blocking. */
+Test(comm, test_and_both_directions) {
+    avgpipe_comm c = make(2);
+    avgpipe_comm_request ra, rb, sa, sb;
+    double a = 1.5, b = -2.25, ga = 0, gb = 0;
+    int done = 7;
+    cr_assert_eq(c.irecv(c.user, 0, 1, &gb, sizeof gb, &rb), AVGPIPE_OK);
+    cr_assert_eq(c.irecv(c.user, 1, 0, &ga, sizeof ga, &ra), AVGPIPE_OK);
+    cr_assert_eq(c.test(c.user, 0, rb, &done), AVGPIPE_OK);
+    cr_assert_eq(done, 0, "a receive without a send reported done");
+    cr_assert_eq(c.isend(c.user, 0, 1, &a, sizeof a, &sa), AVGPIPE_OK);
+    cr_assert_eq(c.test(c.user, 0, rb, &done), AVGPIPE_OK);
+    cr_assert_eq(done, 0, "rank 0's send to 1 completed rank 0's receive from 1");
+    cr_assert_eq(c.isend(c.user, 1, 0, &b, sizeof b, &sb), AVGPIPE_OK);
+    cr_assert_eq(c.test(c.user, 0, rb, &done), AVGPIPE_OK);
+    cr_assert_eq(done, 1);
+    cr_assert_eq(c.test(c.user, 1, ra, &done), AVGPIPE_OK);
+    cr_assert_eq(done, 1);
+    cr_assert_eq(c.wait(c.user, 0, sa, 1.0), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 1, sb, 1.0), AVGPIPE_OK);
+    cr_assert(ga == a && gb == b, "got %g and %g", ga, gb);
+    avgpipe_comm_destroy(&c);
+}
+
+Test(comm, size_mismatch_fails_both_ends) {
+    avgpipe_comm c = make(2);
+    avgpipe_comm_request s, r;
+    char out[8] = "abcdefg", in[4] = {0};
+    cr_assert_eq(c.isend(c.user, 0, 1, out, 8, &s), AVGPIPE_OK);
+    cr_assert_eq(c.irecv(c.user, 1, 0, in, 4, &r), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 1, r, 1.0), AVGPIPE_BACKEND_ERROR);
+    cr_assert_eq(c.wait(c.user, 0, s, 1.0), AVGPIPE_BACKEND_ERROR);
+    cr_assert(c.last_error != NULL);
+    cr_assert(strstr(c.last_error(c.user, 0), "8") != NULL && strstr(c.last_error(c.user, 0), "4") != NULL,
+              "sender's error: '%s'", c.last_error(c.user, 0));
+    cr_assert(strstr(c.last_error(c.user, 1), "8") != NULL && strstr(c.last_error(c.user, 1), "4") != NULL,
+              "receiver's error: '%s'", c.last_error(c.user, 1));
+    cr_assert(in[0] == 0, "a mismatched receive wrote into its buffer");
+    /* the channel still works for the next, well-sized message */
+    cr_assert_eq(c.isend(c.user, 0, 1, out, 4, &s), AVGPIPE_OK);
+    cr_assert_eq(c.irecv(c.user, 1, 0, in, 4, &r), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 1, r, 1.0), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 0, s, 1.0), AVGPIPE_OK);
+    cr_assert(!memcmp(in, "abcd", 4));
+    avgpipe_comm_destroy(&c);
+}
+
+/* A wait that times out leaves the request pending: a later send completes it. */
+Test(comm, wait_timeout_then_complete) {
+    avgpipe_comm c = make(2);
+    avgpipe_comm_request s, r;
+    int v = 42, got = 0;
+    double t0, dt;
+    cr_assert_eq(c.irecv(c.user, 1, 0, &got, sizeof got, &r), AVGPIPE_OK);
+    t0 = now_s();
+    cr_assert_eq(c.wait(c.user, 1, r, 0.1), AVGPIPE_TIMEOUT);
+    dt = now_s() - t0;
+    cr_assert(dt >= 0.09 && dt < 1.0, "a 0.1 s wait took %.3f s", dt);
+    cr_assert_eq(c.isend(c.user, 0, 1, &v, sizeof v, &s), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 1, r, 1.0), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 0, s, 1.0), AVGPIPE_OK);
+    cr_assert_eq(got, 42);
+    /* an unmatched send times out too */
+    cr_assert_eq(c.isend(c.user, 0, 1, &v, sizeof v, &s), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 0, s, 0.05), AVGPIPE_TIMEOUT);
+    avgpipe_comm_destroy(&c);
+}
+
+typedef struct waiter {
+    avgpipe_comm *c;
+    avgpipe_comm_request req;
+    int rank;
+    avgpipe_result res;
+    double seconds;
+} waiter;
+
+static void *wait_thread(void *arg) {
+    waiter *w = (waiter *)arg;
+    double t0 = now_s();
+    w->res = w->c->wait(w->c->user, w->rank, w->req, 10.0);
+    w->seconds = now_s() - t0;
+    return NULL;
+}
+static void *barrier_wait_thread(void *arg) {
+    waiter *w = (waiter *)arg;
+    double t0 = now_s();
+    w->res = w->c->barrier(w->c->user, w->rank, 10.0);
+    w->seconds = now_s() - t0;
+    return NULL;
+}
+
+Test(comm, abort_wakes_waiters) {
+    avgpipe_comm c = make(3);
+    avgpipe_comm_request r, s;
+    pthread_t th[2];
+    waiter w[2];
+    int buf = 0;
+    float x = 1;
+    cr_assert_eq(c.irecv(c.user, 1, 0, &buf, sizeof buf, &r), AVGPIPE_OK);
+    memset(w, 0, sizeof w);
+    w[0].c = &c, w[0].req = r, w[0].rank = 1;
+    w[1].c = &c, w[1].rank = 2; /* rank 2 in a barrier nobody else joins */
+    cr_assert_eq(pthread_create(&th[0], NULL, wait_thread, &w[0]), 0);
+    cr_assert_eq(pthread_create(&th[1], NULL, barrier_wait_thread, &w[1]), 0);
+    nap_ms(100);
+    c.abort(c.user, AVGPIPE_CALLBACK_ERROR, "stop: test abort");
+    pthread_join(th[0], NULL);
+    pthread_join(th[1], NULL);
+    cr_assert_eq(w[0].res, AVGPIPE_ABORTED, "the waiting receive returned %s", avgpipe_result_string(w[0].res));
+    cr_assert_eq(w[1].res, AVGPIPE_ABORTED, "the waiting barrier returned %s", avgpipe_result_string(w[1].res));
+    cr_assert(w[0].seconds < 2.0 && w[1].seconds < 2.0, "waiters woke after %.3f / %.3f s (timeout 10 s)", w[0].seconds,
+              w[1].seconds);
+    /* everything afterwards is refused */
+    cr_assert_eq(c.isend(c.user, 0, 1, &buf, sizeof buf, &s), AVGPIPE_ABORTED);
+    cr_assert_eq(c.irecv(c.user, 2, 0, &buf, sizeof buf, &s), AVGPIPE_ABORTED);
+    cr_assert_eq(c.barrier(c.user, 0, 1.0), AVGPIPE_ABORTED);
+    cr_assert_eq(c.allreduce_sum(c.user, 0, &x, 1, 1.0), AVGPIPE_ABORTED);
+    avgpipe_comm_destroy(&c);
+}
+
+#define NT 4
+#define NROUNDS 25
+typedef struct team {
+    avgpipe_comm *c;
+    int rank;
+    int *arrived; /* [NROUNDS], under mu */
+    pthread_mutex_t *mu;
+    int bad;
+    char msg[256];
+} team;
+
+static void *barrier_thread(void *arg) {
+    team *t = (team *)arg;
+    int k, a;
+    for (k = 0; k < NROUNDS && !t->bad; k++) {
+        avgpipe_result res;
+        if ((k + t->rank) % 3 == 0) nap_ms(1); /* arrive in varying order */
+        pthread_mutex_lock(t->mu);
+        t->arrived[k]++;
+        pthread_mutex_unlock(t->mu);
+        res = t->c->barrier(t->c->user, t->rank, 5.0);
+        pthread_mutex_lock(t->mu);
+        a = t->arrived[k];
+        pthread_mutex_unlock(t->mu);
+        if (res) t->bad = 1, snprintf(t->msg, sizeof t->msg, "rank %d, barrier %d: %s", t->rank, k, avgpipe_result_string(res));
+        else if (a != NT) t->bad = 1, snprintf(t->msg, sizeof t->msg, "rank %d left barrier %d with %d of %d arrived", t->rank, k, a, NT);
+    }
+    return NULL;
+}
+
+Test(comm, barrier_four_threads) {
+    avgpipe_comm c = make(NT);
+    pthread_t th[NT];
+    team t[NT];
+    int arrived[NROUNDS] = {0}, r;
+    pthread_mutex_t mu;
+    pthread_mutex_init(&mu, NULL);
+    for (r = 0; r < NT; r++) {
+        memset(&t[r], 0, sizeof t[r]);
+        t[r].c = &c, t[r].rank = r, t[r].arrived = arrived, t[r].mu = &mu;
+        cr_assert_eq(pthread_create(&th[r], NULL, barrier_thread, &t[r]), 0);
+    }
+    for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
+    for (r = 0; r < NT; r++) cr_assert(!t[r].bad, "%s", t[r].msg);
+    for (r = 0; r < NROUNDS; r++) cr_assert_eq(arrived[r], NT);
+    pthread_mutex_destroy(&mu);
+    avgpipe_comm_destroy(&c);
+}
+
+Test(comm, barrier_timeout) {
+    avgpipe_comm c = make(NT);
+    double t0 = now_s(), dt;
+    cr_assert_eq(c.barrier(c.user, 0, 0.1), AVGPIPE_TIMEOUT);
+    dt = now_s() - t0;
+    cr_assert(dt >= 0.09 && dt < 1.0, "a 0.1 s barrier took %.3f s", dt);
+    avgpipe_comm_destroy(&c);
+}
+
+/* Allreduce: several back-to-back rounds of different lengths; values are small integers and
+   halves so every sum is exact in float whatever the order. */
+static const size_t ar_counts[] = {1, 7, 1000, 3, 4096, 1};
+#define NAR (sizeof ar_counts / sizeof ar_counts[0])
+
+static void *allreduce_thread(void *arg) {
+    team *t = (team *)arg;
+    size_t k, i;
+    float *buf = (float *)malloc(4096 * sizeof(float));
+    if (!buf) {
+        t->bad = 1;
+        return NULL;
+    }
+    for (k = 0; k < NAR && !t->bad; k++) {
+        size_t n = ar_counts[k];
+        avgpipe_result res;
+        for (i = 0; i < n; i++) buf[i] = (float)(t->rank + 1) + 0.5f * (float)(i % 64) + (float)k;
+        if ((k + (size_t)t->rank) % 2) nap_ms(1);
+        res = t->c->allreduce_sum(t->c->user, t->rank, buf, n, 5.0);
+        if (res) {
+            t->bad = 1, snprintf(t->msg, sizeof t->msg, "rank %d, allreduce %zu: %s", t->rank, k, avgpipe_result_string(res));
+            break;
+        }
+        for (i = 0; i < n; i++) {
+            float want = 10.0f + 4 * (0.5f * (float)(i % 64) + (float)k); /* (1+2+3+4) + 4 * the rest */
+            if (buf[i] != want) {
+                t->bad = 1;
+                snprintf(t->msg, sizeof t->msg, "rank %d, allreduce %zu of %zu floats, element %zu: %g, want %g", t->rank, k, n, i,
+                         (double)buf[i], (double)want);
+                break;
+            }
+        }
+    }
+    free(buf);
+    return NULL;
+}
+
+Test(comm, allreduce_sum_four_threads) {
+    avgpipe_comm c = make(NT);
+    pthread_t th[NT];
+    team t[NT];
+    int r;
+    for (r = 0; r < NT; r++) {
+        memset(&t[r], 0, sizeof t[r]);
+        t[r].c = &c, t[r].rank = r;
+        cr_assert_eq(pthread_create(&th[r], NULL, allreduce_thread, &t[r]), 0);
+    }
+    for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
+    for (r = 0; r < NT; r++) cr_assert(!t[r].bad, "%s", t[r].msg);
+    avgpipe_comm_destroy(&c);
+}
+
+/* Sends and receives posted from different threads at once: each of 4 ranks sends a numbered
+   stream to every other rank; every stream arrives in order. */
+#define NMSG 200
+static void *stream_thread(void *arg) {
+    team *t = (team *)arg;
+    avgpipe_comm *c = t->c;
+    static int in[NT][NT][NMSG];
+    avgpipe_comm_request sreq[NT][NMSG], rreq[NT][NMSG];
+    int out[NMSG], p, k;
+    for (k = 0; k < NMSG; k++) out[k] = t->rank * 100000 + k;
+    for (k = 0; k < NMSG; k++)
+        for (p = 0; p < NT; p++) {
+            if (p == t->rank) continue;
+            if (c->irecv(c->user, t->rank, p, &in[t->rank][p][k], sizeof(int), &rreq[p][k]) ||
+                c->isend(c->user, t->rank, p, &out[k], sizeof(int), &sreq[p][k])) {
+                t->bad = 1, snprintf(t->msg, sizeof t->msg, "rank %d: posting failed", t->rank);
+                return NULL;
+            }
+        }
+    for (p = 0; p < NT; p++) {
+        if (p == t->rank) continue;
+        for (k = 0; k < NMSG; k++) {
+            avgpipe_result a = c->wait(c->user, t->rank, rreq[p][k], 5.0), b = c->wait(c->user, t->rank, sreq[p][k], 5.0);
+            if (a || b) {
+                t->bad = 1, snprintf(t->msg, sizeof t->msg, "rank %d, peer %d, message %d: %s / %s", t->rank, p, k,
+                                     avgpipe_result_string(a), avgpipe_result_string(b));
+                return NULL;
+            }
+            if (in[t->rank][p][k] != p * 100000 + k) {
+                t->bad = 1, snprintf(t->msg, sizeof t->msg, "rank %d got %d from %d as message %d", t->rank, in[t->rank][p][k], p, k);
+                return NULL;
+            }
+        }
+    }
+    return NULL;
+}
+
+Test(comm, concurrent_streams_stay_in_order) {
+    avgpipe_comm c = make(NT);
+    pthread_t th[NT];
+    team t[NT];
+    int r;
+    for (r = 0; r < NT; r++) {
+        memset(&t[r], 0, sizeof t[r]);
+        t[r].c = &c, t[r].rank = r;
+        cr_assert_eq(pthread_create(&th[r], NULL, stream_thread, &t[r]), 0);
+    }
+    for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
+    for (r = 0; r < NT; r++) cr_assert(!t[r].bad, "%s", t[r].msg);
+    avgpipe_comm_destroy(&c);
+}
+
+Test(comm, bad_arguments) {
+    avgpipe_context ctx;
+    avgpipe_comm c, broken;
+    avgpipe_comm_request r;
+    int x = 0;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_comm_local_create(&ctx, 0, &c), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "ranks") != NULL, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_comm_local_create(&ctx, 2, NULL), AVGPIPE_INVALID_ARG);
+    c = make(2);
+    cr_assert_eq(c.isend(c.user, 0, 0, &x, sizeof x, &r), AVGPIPE_INVALID_ARG, "a send to oneself must be refused");
+    cr_assert_eq(c.isend(c.user, 0, 2, &x, sizeof x, &r), AVGPIPE_INVALID_ARG, "a send to rank 2 of 2 must be refused");
+    cr_assert_eq(c.irecv(c.user, -1, 1, &x, sizeof x, &r), AVGPIPE_INVALID_ARG);
+    broken = c;
+    broken.wait = NULL;
+    cr_assert_eq(avgpipe_comm_check(&ctx, &broken), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "wait") != NULL, "%s", avgpipe_last_error(&ctx));
+    broken = c;
+    broken.size = 0;
+    cr_assert_eq(avgpipe_comm_check(&ctx, &broken), AVGPIPE_INVALID_ARG);
+    cr_assert_eq(avgpipe_comm_check(&ctx, NULL), AVGPIPE_INVALID_ARG);
+    avgpipe_comm_destroy(&c);
+    avgpipe_comm_destroy(NULL); /* harmless */
+}

@@ -1,0 +1,1351 @@
+/* Tests of the runtime (section 10): a small real model (an MLP, one Linear layer per stage partition,
+   tanh between stages, softmax cross-entropy on the last one) trained by the runtime on stage threads,
+   checked against a non-pipelined single-thread run (N = 1, alpha = 0: bit for bit) and against an
+   independent float64 computation of the elastic-averaging math (N = 2, deterministic mode);
+   failure propagation (callback errors, a peer that never sends), bad descriptions, profiling and the
+   adaptive advance controller.
+
+   The model code is written once as a macro and instantiated for float (what the callbacks and the
+   single-thread reference run) and double (the independent float64 computation).
+   Weight gradients are kept per (pipeline, stage, micro-batch) and summed in micro-batch order by the
+   step callback, as the reference does, so every schedule must reproduce the reference's bits.
+
+   Tests run with the repository root as working directory; the PyTorch golden schedule is read from
+   ../shared/golden/ (override the directory with AVGPIPE_GOLDEN_DIR). */
+#define _POSIX_C_SOURCE 200809L
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- the model -------------------------------------------------------------------------------- */
+
+#define BS 4                /* samples per micro-batch */
+#define MAXW 9              /* widest layer */
+#define PMAX (MAXW * MAXW + MAXW)
+#define ACT (BS * MAXW)     /* floats of the largest activation of one micro-batch */
+#define MAXG 8
+#define MAXN 2
+#define MAXM 8
+#define MAXSLOT 64
+#define LR 0.2
+
+/* Widths differ from boundary to boundary, so that a buffer of the wrong boundary is caught:
+   stage g maps wid(g) features to wid(g + 1); the last stage's output width is the class count. */
+static int wid(int g) { return 5 + (3 * g) % 5; } /* 5 8 6 9 7 5 8 6 9 */
+static int pcount(int g) { return wid(g + 1) * wid(g) + wid(g + 1); }
+static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * sizeof(float); } /* boundary g|g+1 */
+
+/* Stage forward: h = W x + b per sample (W: dout rows of din, then b); y = tanh(h) unless this is
+   the last stage (h are the logits). Stage backward: gh = gy * (1 - tanh(h)^2), or on the last stage
+   (softmax(h) - onehot(target)) / BS; gx = W^T gh; gW += gh x^T, gb += gh. */
+#define MODEL_FUNCS(T, PFX, TANH, EXP, LOG)                                                  \
+    static void PFX##_fwd(int last, int din, int dout, const T *p, const T *x, T *h, T *y) { \
+        int b, i, j;                                                                         \
+        for (b = 0; b < BS; b++)                                                             \
+            for (i = 0; i < dout; i++) {                                                     \
+                T a = p[dout * din + i];                                                     \
+                for (j = 0; j < din; j++) a += p[i * din + j] * x[b * din + j];              \
+                h[b * dout + i] = a;                                                         \
+                if (!last) y[b * dout + i] = TANH(a);                                        \
+            }                                                                                \
+    }                                                                                        \
+    static void PFX##_softmax(int n, const T *h, T *out) {                                   \
+        int i;                                                                               \
+        T mx = h[0], s = 0;                                                                  \
+        for (i = 1; i < n; i++) mx = h[i] > mx ? h[i] : mx;                                  \
+        for (i = 0; i < n; i++) s += (out[i] = EXP(h[i] - mx));                              \
+        for (i = 0; i < n; i++) out[i] /= s;                                                 \
+    }                                                                                        \
+    static T PFX##_loss(int n, const T *h, const int *tgt) {                                 \
+        int b;                                                                               \
+        T l = 0, pr[MAXW];                                                                   \
+        for (b = 0; b < BS; b++) {                                                           \
+            PFX##_softmax(n, h + b * n, pr);                                                 \
+            l -= LOG(pr[tgt[b]]);                                                            \
+        }                                                                                    \
+        return l / (T)BS;                                                                    \
+    }                                                                                        \
+    static void PFX##_gh(int last, int n, const T *h, const T *gy, const int *tgt, T *gh) {  \
+        int b, i;                                                                            \
+        for (b = 0; b < BS; b++) {                                                           \
+            if (last) {                                                                      \
+                PFX##_softmax(n, h + b * n, gh + b * n);                                     \
+                gh[b * n + tgt[b]] -= 1;                                                     \
+                for (i = 0; i < n; i++) gh[b * n + i] /= (T)BS;                              \
+            } else {                                                                         \
+                for (i = 0; i < n; i++) {                                                    \
+                    T t = TANH(h[b * n + i]);                                                \
+                    gh[b * n + i] = gy[b * n + i] * (1 - t * t);                             \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+    }                                                                                        \
+    static void PFX##_gx(int din, int dout, const T *p, const T *gh, T *gx) {                \
+        int b, i, j;                                                                         \
+        for (b = 0; b < BS; b++)                                                             \
+            for (j = 0; j < din; j++) {                                                      \
+                T a = 0;                                                                     \
+                for (i = 0; i < dout; i++) a += p[i * din + j] * gh[b * dout + i];           \
+                gx[b * din + j] = a;                                                         \
+            }                                                                                \
+    }                                                                                        \
+    static void PFX##_gw(int din, int dout, const T *x, const T *gh, T *gw) {                \
+        int b, i, j;                                                                         \
+        for (b = 0; b < BS; b++)                                                             \
+            for (i = 0; i < dout; i++) {                                                     \
+                for (j = 0; j < din; j++) gw[i * din + j] += gh[b * dout + i] * x[b * din + j]; \
+                gw[dout * din + i] += gh[b * dout + i];                                      \
+            }                                                                                \
+    }
+
+MODEL_FUNCS(float, mf, tanhf, expf, logf)
+MODEL_FUNCS(double, md, tanh, exp, log)
+
+/* Deterministic data: stage 0's input and the last stage's targets of (pipeline, round, micro-batch). */
+static void gen_input(int pipe, int round, int micro, float *x) {
+    int b, j, n = wid(0);
+    for (b = 0; b < BS; b++)
+        for (j = 0; j < n; j++)
+            x[b * n + j] = (float)sin(1.3 * pipe + 0.71 * round + 0.37 * micro + 0.53 * b + 0.29 * j * (j + 1) + 0.1);
+}
+static void gen_target(int classes, int pipe, int round, int micro, int *t) {
+    int b;
+    for (b = 0; b < BS; b++) t[b] = (pipe * 5 + round * 3 + micro * 7 + b * 3) % classes;
+}
+static void init_params(int g, float *p) { /* in [-0.6, 0.6], exactly representable as float */
+    int j;
+    for (j = 0; j < pcount(g); j++) p[j] = (float)(0.6 * sin(12.9898 * (g * PMAX + j + 1) + 78.233 * g));
+}
+
+/* ---- what the callbacks share ----------------------------------------------------------------- */
+
+typedef struct stash {
+    int valid, pipe, round, micro, has_gy;
+    float h[ACT];
+    float gy[ACT];
+} stash;
+
+static struct {
+    int G, M, N, nslots[MAXG];
+    float w[MAXN][MAXG][PMAX];
+    float gacc[MAXN][MAXG][MAXM][PMAX]; /* weight gradient of each micro-batch, summed in order by step */
+    stash st[MAXG][MAXSLOT];
+    /* calls per (pipe, stage): forward, backward (B or I), weight (B or W), step */
+    long nf[MAXN][MAXG], nbi[MAXN][MAXG], nw[MAXN][MAXG], nstep[MAXN][MAXG];
+    char err[MAXG][256]; /* the first problem a callback saw, per stage (the stage's own thread writes it) */
+    /* fault injection */
+    int fail_stage, fail_micro, fail_round;
+    int sleep_stage, sleep_micro, sleep_ms; /* a slow backward */
+    int op_sleep_us;                         /* every op sleeps this long (adaptive test) */
+} T;
+
+static void reset_state(int G, int M, int N) {
+    int i, g;
+    memset(&T, 0, sizeof T);
+    T.G = G, T.M = M, T.N = N;
+    T.fail_stage = T.sleep_stage = -1;
+    for (i = 0; i < N; i++)
+        for (g = 0; g < G; g++) init_params(g, T.w[i][g]);
+}
+
+static int bad(int g, int code, const char *what) {
+    if (!T.err[g][0]) snprintf(T.err[g], sizeof T.err[g], "%s", what);
+    return code;
+}
+
+static void nap_us(long us) {
+    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+/* Checks every callback makes on the context the runtime passes. */
+static int check_ctx(const avgpipe_op_ctx *op, int is_fwd, int is_weight) {
+    int g = op->stage;
+    if (g < 0 || g >= T.G || op->pipe < 0 || op->pipe >= T.N || op->micro < 0 || op->micro >= T.M) return bad(0, 90, "bad indices");
+    if (op->stages != T.G) return bad(g, 91, "op->stages != G");
+    if (op->params != T.w[op->pipe][g]) return bad(g, 92, "op->params is not the pipeline's partition");
+    if (op->slot < 0 || op->slot >= T.nslots[g] || op->slot >= MAXSLOT) return bad(g, 93, "slot out of range");
+    if ((g == 0) != (op->input == NULL)) return bad(g, 94, "input must be NULL exactly on stage 0");
+    if (is_fwd && (g == T.G - 1) != (op->output == NULL)) return bad(g, 95, "output must be NULL exactly on the last stage");
+    if (!is_fwd && !is_weight && (g == T.G - 1) != (op->grad_output == NULL))
+        return bad(g, 96, "grad_output must be NULL exactly on the last stage");
+    if (!is_fwd && !is_weight && (g == 0) != (op->grad_input == NULL)) return bad(g, 97, "grad_input must be NULL exactly on stage 0");
+    return 0;
+}
+
+static const float *stage_input(const avgpipe_op_ctx *op, float *buf) {
+    if (op->stage > 0) return (const float *)op->input;
+    gen_input(op->pipe, op->round, op->micro, buf);
+    return buf;
+}
+
+/* The stash of this op's slot, which must hold this micro-batch's forward. */
+static stash *own_stash(const avgpipe_op_ctx *op) {
+    stash *s = &T.st[op->stage][op->slot];
+    if (!s->valid || s->pipe != op->pipe || s->round != op->round || s->micro != op->micro) {
+        bad(op->stage, 0, "a backward found another micro-batch's forward in its slot");
+        return NULL;
+    }
+    return s;
+}
+
+static int cb_forward(avgpipe_op_ctx *op) {
+    float xb[ACT];
+    const float *x;
+    stash *s;
+    int g = op->stage, rc = check_ctx(op, 1, 0);
+    if (rc) return rc;
+    if (g == T.fail_stage && op->micro == T.fail_micro && op->round == T.fail_round) return 7;
+    if (T.op_sleep_us) nap_us(T.op_sleep_us);
+    s = &T.st[g][op->slot];
+    if (s->valid) return bad(g, 98, "forward into a slot still in use");
+    s->valid = 1, s->pipe = op->pipe, s->round = op->round, s->micro = op->micro, s->has_gy = 0;
+    x = stage_input(op, xb);
+    mf_fwd(g == T.G - 1, wid(g), wid(g + 1), op->params, x, s->h, (float *)op->output);
+    if (g == T.G - 1) {
+        int t[BS];
+        gen_target(wid(T.G), op->pipe, op->round, op->micro, t);
+        op->loss = mf_loss(wid(T.G), s->h, t);
+    }
+    T.nf[op->pipe][g]++;
+    return 0;
+}
+
+/* gh of this micro-batch from the stashed pre-activations and the output gradient gy. */
+static void grad_h(const avgpipe_op_ctx *op, const stash *s, const float *gy, float *gh) {
+    int t[BS];
+    gen_target(wid(T.G), op->pipe, op->round, op->micro, t);
+    mf_gh(op->stage == T.G - 1, wid(op->stage + 1), s->h, gy, t, gh);
+}
+
+static int cb_backward(avgpipe_op_ctx *op) {
+    float xb[ACT], gh[ACT];
+    stash *s;
+    int g = op->stage, rc = check_ctx(op, 0, 0);
+    if (rc) return rc;
+    if (T.op_sleep_us) nap_us(T.op_sleep_us);
+    if (g == T.sleep_stage && op->micro == T.sleep_micro) nap_us(1000L * T.sleep_ms);
+    if (!(s = own_stash(op))) return 99;
+    grad_h(op, s, (const float *)op->grad_output, gh);
+    if (g > 0) mf_gx(wid(g), wid(g + 1), op->params, gh, (float *)op->grad_input);
+    mf_gw(wid(g), wid(g + 1), stage_input(op, xb), gh, T.gacc[op->pipe][g][op->micro]);
+    s->valid = 0;
+    T.nbi[op->pipe][g]++;
+    T.nw[op->pipe][g]++;
+    return 0;
+}
+
+/* I: the input gradient; keeps the output gradient for W (the runtime's buffer is not promised to W). */
+static int cb_backward_input(avgpipe_op_ctx *op) {
+    float gh[ACT];
+    stash *s;
+    int g = op->stage, rc = check_ctx(op, 0, 0);
+    if (rc) return rc;
+    if (!(s = own_stash(op))) return 99;
+    if (s->has_gy) return bad(g, 100, "I ran twice for one micro-batch");
+    grad_h(op, s, (const float *)op->grad_output, gh);
+    if (g > 0) mf_gx(wid(g), wid(g + 1), op->params, gh, (float *)op->grad_input);
+    if (op->grad_output) memcpy(s->gy, op->grad_output, act_bytes_of(g));
+    s->has_gy = 1;
+    T.nbi[op->pipe][g]++;
+    return 0;
+}
+
+static int cb_backward_weight(avgpipe_op_ctx *op) {
+    float xb[ACT], gh[ACT];
+    stash *s;
+    int g = op->stage, rc = check_ctx(op, 0, 1);
+    if (rc) return rc;
+    if (!(s = own_stash(op))) return 99;
+    if (!s->has_gy) return bad(g, 101, "W before its I");
+    grad_h(op, s, s->gy, gh);
+    mf_gw(wid(g), wid(g + 1), stage_input(op, xb), gh, T.gacc[op->pipe][g][op->micro]);
+    s->valid = 0;
+    T.nw[op->pipe][g]++;
+    return 0;
+}
+
+/* SGD on the mean gradient of the batch; gradients summed in micro-batch order. */
+static void sgd_f(float *p, float (*gacc)[PMAX], int M, int n) {
+    float gsum[PMAX];
+    const float lr = (float)(LR / M);
+    int m, j;
+    memset(gsum, 0, sizeof gsum);
+    for (m = 0; m < M; m++)
+        for (j = 0; j < n; j++) {
+            gsum[j] += gacc[m][j];
+            gacc[m][j] = 0;
+        }
+    for (j = 0; j < n; j++) p[j] -= lr * gsum[j];
+}
+
+static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
+    (void)rank, (void)round, (void)user;
+    if (params != T.w[pipe][stage]) return bad(stage, 102, "step got another partition");
+    sgd_f(params, T.gacc[pipe][stage], T.M, pcount(stage));
+    T.nstep[pipe][stage]++;
+    return 0;
+}
+
+/* ---- the non-pipelined single-thread reference (float, same layer code) ------------------------ */
+
+/* Train one model of G stages on batches (pipe, rounds[0..nr-1]); returns the mean loss. */
+static double reference_train(float (*w)[PMAX], int G, int M, int pipe, int round) {
+    static float gacc[MAXG][MAXM][PMAX];
+    float a[MAXG + 1][ACT], h[MAXG][ACT], gy[ACT], gx[ACT], gh[ACT];
+    double loss = 0;
+    int m, g, t[BS];
+    memset(gacc, 0, sizeof gacc);
+    for (m = 0; m < M; m++) {
+        gen_input(pipe, round, m, a[0]);
+        gen_target(wid(G), pipe, round, m, t);
+        for (g = 0; g < G; g++) mf_fwd(g == G - 1, wid(g), wid(g + 1), w[g], a[g], h[g], a[g + 1]);
+        loss += mf_loss(wid(G), h[G - 1], t);
+        for (g = G - 1; g >= 0; g--) {
+            mf_gh(g == G - 1, wid(g + 1), h[g], gy, t, gh);
+            if (g > 0) mf_gx(wid(g), wid(g + 1), w[g], gh, gx);
+            mf_gw(wid(g), wid(g + 1), a[g], gh, gacc[g][m]);
+            memcpy(gy, gx, sizeof gy);
+        }
+    }
+    for (g = 0; g < G; g++) sgd_f(w[g], gacc[g], M, pcount(g));
+    return loss / M;
+}
+
+/* ---- running ---------------------------------------------------------------------------------- */
+
+typedef struct setup {
+    avgpipe_run_desc d;
+    size_t act[MAXG], pc[MAXG];
+    float *params[MAXN * MAXG];
+} setup;
+
+/* A run description over T's parameters for G stages and N pipelines, full backward callbacks. */
+static void setup_init(setup *s, int G, int N) {
+    int i, g;
+    memset(s, 0, sizeof *s);
+    for (g = 0; g < G; g++) {
+        s->act[g] = act_bytes_of(g);
+        s->pc[g] = (size_t)pcount(g);
+        for (i = 0; i < N; i++) s->params[i * G + g] = T.w[i][g];
+    }
+    s->d.cb.forward = cb_forward;
+    s->d.cb.backward = cb_backward;
+    s->d.cb.step = cb_step;
+    s->d.act_bytes = s->act;
+    s->d.params = s->params;
+    s->d.param_count = s->pc;
+    s->d.timeout_s = 20;
+}
+
+static void use_split(setup *s, int keep_full) {
+    s->d.cb.backward_input = cb_backward_input;
+    s->d.cb.backward_weight = cb_backward_weight;
+    if (!keep_full) s->d.cb.backward = NULL;
+}
+
+static avgpipe_run *create_run(avgpipe_context *ctx, const setup *s) {
+    avgpipe_run *run = NULL;
+    avgpipe_result res;
+    int g;
+    res = avgpipe_run_create(ctx, &s->d, &run);
+    cr_assert_eq(res, AVGPIPE_OK, "avgpipe_run_create: %s: %s", avgpipe_result_string(res), avgpipe_last_error(ctx));
+    cr_assert(run != NULL);
+    for (g = 0; g < T.G; g++) {
+        T.nslots[g] = avgpipe_run_slots(run, g);
+        cr_assert(T.nslots[g] >= 1 && T.nslots[g] <= MAXSLOT, "stage %d: %d slots", g, T.nslots[g]);
+    }
+    return run;
+}
+
+static void first_callback_error(void) {
+    int g;
+    for (g = 0; g < T.G; g++) cr_assert(!T.err[g][0], "stage %d callback: %s", g, T.err[g]);
+}
+
+static void iterate(avgpipe_context *ctx, avgpipe_run *run, avgpipe_run_stats *st) {
+    avgpipe_result res = avgpipe_run_iteration(run, st);
+    first_callback_error();
+    cr_assert_eq(res, AVGPIPE_OK, "avgpipe_run_iteration: %s: %s", avgpipe_result_string(res), avgpipe_last_error(ctx));
+}
+
+/* N = 1, alpha = 0: ITERS iterations of one round each must give the reference's parameters bit for
+   bit, the reference's loss, and M forwards, backwards and weight updates per stage and round. */
+#define ITERS 3
+static void check_equivalence(setup *s, const char *name) {
+    static float ref[MAXG][PMAX];
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    int it, g, j, G = T.G, M = T.M;
+    double refloss;
+    avgpipe_context_init(&ctx, NULL);
+    s->d.zero_alpha = 1;
+    for (g = 0; g < G; g++) init_params(g, ref[g]);
+    run = create_run(&ctx, s);
+    for (it = 0; it < ITERS; it++) {
+        iterate(&ctx, run, &st);
+        refloss = reference_train(ref, G, M, 0, it);
+        cr_assert_eq(st.micro_batches, M, "%s: %lld last-stage forwards, want %d", name, st.micro_batches, M);
+        cr_assert(fabs(st.loss - refloss) <= 1e-12 * fabs(refloss), "%s, iteration %d: loss %.17g, reference %.17g", name, it,
+                  st.loss, refloss);
+        for (g = 0; g < G; g++) {
+            cr_assert_eq(T.nf[0][g], (long)M * (it + 1), "%s: stage %d ran %ld forwards", name, g, T.nf[0][g]);
+            cr_assert_eq(T.nbi[0][g], (long)M * (it + 1), "%s: stage %d ran %ld backwards", name, g, T.nbi[0][g]);
+            cr_assert_eq(T.nw[0][g], (long)M * (it + 1), "%s: stage %d ran %ld weight gradients", name, g, T.nw[0][g]);
+            cr_assert_eq(T.nstep[0][g], it + 1, "%s: stage %d ran %ld steps", name, g, T.nstep[0][g]);
+            for (j = 0; j < pcount(g); j++)
+                cr_assert(memcmp(&T.w[0][g][j], &ref[g][j], sizeof(float)) == 0,
+                          "%s, iteration %d, stage %d, param %d: pipelined %.9g, reference %.9g (not bitwise equal)", name, it, g,
+                          j, (double)T.w[0][g][j], (double)ref[g][j]);
+        }
+    }
+    /* the run really trained: the parameters moved */
+    {
+        float p0[PMAX];
+        init_params(0, p0);
+        cr_assert(memcmp(p0, T.w[0][0], (size_t)pcount(0) * sizeof(float)) != 0, "%s: stage 0's parameters never changed", name);
+    }
+    avgpipe_run_destroy(run);
+}
+
+static void equivalence(avgpipe_sched_kind kind, int S, int M, int V, int K, int split, int keep_full, const char *name) {
+    setup s;
+    int G = S * (V > 0 ? V : 1);
+    reset_state(G, M, 1);
+    setup_init(&s, G, 1);
+    s.d.sched.kind = kind;
+    s.d.sched.stages = S;
+    s.d.sched.micro = M;
+    s.d.sched.chunks = V;
+    s.d.sched.advance = K;
+    if (split) use_split(&s, keep_full);
+    check_equivalence(&s, name);
+}
+
+TestSuite(runtime, .timeout = 60);
+
+Test(runtime, equivalence_afab) { equivalence(AVGPIPE_SCHED_AFAB, 4, 8, 0, 0, 0, 0, "afab"); }
+Test(runtime, equivalence_1f1b) { equivalence(AVGPIPE_SCHED_1F1B, 4, 8, 0, 0, 0, 0, "1f1b"); }
+Test(runtime, equivalence_1f1b_two_stages_many_micro) { equivalence(AVGPIPE_SCHED_1F1B, 2, 7, 0, 0, 0, 0, "1f1b S=2 M=7"); }
+Test(runtime, equivalence_advance_k1) { equivalence(AVGPIPE_SCHED_ADVANCE, 4, 8, 0, 1, 0, 0, "advance K=1"); }
+Test(runtime, equivalence_advance_k3) { equivalence(AVGPIPE_SCHED_ADVANCE, 4, 8, 0, 3, 0, 0, "advance K=3"); }
+Test(runtime, equivalence_interleaved_v2) { equivalence(AVGPIPE_SCHED_INTERLEAVED, 4, 8, 2, 0, 0, 0, "interleaved V=2"); }
+Test(runtime, equivalence_zbh1_split) { equivalence(AVGPIPE_SCHED_ZBH1, 4, 8, 0, 0, 1, 0, "zbh1 I/W"); }
+Test(runtime, equivalence_zbh1_full_backward_only) { equivalence(AVGPIPE_SCHED_ZBH1, 4, 8, 0, 0, 0, 0, "zbh1 B only"); }
+/* "without backward(), B runs I then W" */
+Test(runtime, equivalence_1f1b_split_callbacks_only) { equivalence(AVGPIPE_SCHED_1F1B, 4, 8, 0, 0, 1, 0, "1f1b I/W only"); }
+/* With all three given, B runs backward() and I/W run the split pair. */
+Test(runtime, equivalence_zbh1_all_three_callbacks) { equivalence(AVGPIPE_SCHED_ZBH1, 4, 8, 0, 0, 1, 1, "zbh1 B+I+W"); }
+
+static void golden_path(char *out, size_t cap) {
+    const char *dir = getenv("AVGPIPE_GOLDEN_DIR");
+    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && dir[0] ? dir : "../shared/golden");
+}
+
+Test(runtime, equivalence_golden_torch_zb1p) {
+    avgpipe_schedule golden;
+    avgpipe_context ctx;
+    avgpipe_result res;
+    char path[1024];
+    setup s;
+    avgpipe_context_init(&ctx, NULL);
+    golden_path(path, sizeof path);
+    memset(&golden, 0, sizeof golden);
+    res = avgpipe_sched_load(&ctx, path, &golden);
+    cr_assert_eq(res, AVGPIPE_OK, "loading %s: %s", path, avgpipe_last_error(&ctx));
+    cr_assert_eq(golden.nranks, 2);
+    cr_assert_eq(golden.nstages, 4);
+    cr_assert_eq(golden.shape.micro, 8);
+    reset_state(4, 8, 1);
+    setup_init(&s, 4, 1);
+    s.d.schedule = &golden;
+    use_split(&s, 0);
+    check_equivalence(&s, "torch zb1p golden");
+    avgpipe_sched_free(&ctx, &golden);
+}
+
+/* ---- N = 2, deterministic: the elastic-averaging math in float64 ------------------------------- */
+
+/* Double-precision training of N models of G stages for `rounds` rounds with MEAN averaging:
+   local SGD step of each model, then w_i <- w_i - alpha (w_i - z_prev), z <- mean_i w_i. */
+static void averaging_f64(int G, int M, int N, int rounds, double alpha, double (*w)[MAXG][PMAX], double (*z)[PMAX],
+                          double *loss) {
+    static double gsum[MAXG][PMAX];
+    double a[MAXG + 1][ACT], h[MAXG][ACT], gy[ACT], gx[ACT], gh[ACT];
+    int t, i, m, g, j, tg[BS];
+    float xf[ACT] = {0};
+    for (i = 0; i < N; i++)
+        for (g = 0; g < G; g++) {
+            float p[PMAX];
+            init_params(g, p);
+            for (j = 0; j < pcount(g); j++) w[i][g][j] = p[j];
+        }
+    for (g = 0; g < G; g++) memcpy(z[g], w[0][g], sizeof z[g]);
+    for (t = 0; t < rounds; t++) {
+        loss[t] = 0;
+        for (i = 0; i < N; i++) {
+            memset(gsum, 0, sizeof gsum);
+            for (m = 0; m < M; m++) {
+                gen_input(i, t, m, xf);
+                for (j = 0; j < ACT; j++) a[0][j] = xf[j];
+                gen_target(wid(G), i, t, m, tg);
+                for (g = 0; g < G; g++) md_fwd(g == G - 1, wid(g), wid(g + 1), w[i][g], a[g], h[g], a[g + 1]);
+                loss[t] += md_loss(wid(G), h[G - 1], tg) / (N * M);
+                for (g = G - 1; g >= 0; g--) {
+                    md_gh(g == G - 1, wid(g + 1), h[g], gy, tg, gh);
+                    if (g > 0) md_gx(wid(g), wid(g + 1), w[i][g], gh, gx);
+                    md_gw(wid(g), wid(g + 1), a[g], gh, gsum[g]);
+                    memcpy(gy, gx, sizeof gy);
+                }
+            }
+            for (g = 0; g < G; g++)
+                for (j = 0; j < pcount(g); j++) w[i][g][j] -= LR / M * gsum[g][j];
+        }
+        for (g = 0; g < G; g++)
+            for (j = 0; j < pcount(g); j++) {
+                double acc = 0;
+                for (i = 0; i < N; i++) {
+                    w[i][g][j] -= alpha * (w[i][g][j] - z[g][j]);
+                    acc += w[i][g][j];
+                }
+                z[g][j] = acc / N;
+            }
+    }
+}
+
+/* |got - want| <= tol * max(|want|, rms(want)) elementwise. */
+static void expect_close(const char *what, const float *got, const double *want, int n, double tol) {
+    double rms = 0;
+    int j;
+    for (j = 0; j < n; j++) rms += want[j] * want[j];
+    rms = sqrt(rms / n);
+    for (j = 0; j < n; j++) {
+        double s = fabs(want[j]) > rms ? fabs(want[j]) : rms, err = fabs((double)got[j] - want[j]);
+        cr_assert(err <= tol * s, "%s, element %d: got %.9g, float64 %.17g (relative error %.3g > %.1g)", what, j, (double)got[j],
+                  want[j], err / s, tol);
+    }
+}
+
+typedef struct avg_case {
+    avgpipe_sched_kind kind;
+    int S, V, M, continuous, rounds_per_iter, iters, split;
+} avg_case;
+
+/* N = 2, alpha = 0.5, MEAN, deterministic: run c and return the last iteration's mean loss, the
+   models' parameters and the reference. */
+static double averaging_run(const avg_case *c, float out[MAXN][MAXG][PMAX], float zout[MAXG][PMAX]) {
+    const int N = 2, G = c->S * (c->V > 0 ? c->V : 1);
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    setup s;
+    int it, g, i;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(G, c->M, N);
+    setup_init(&s, G, N);
+    s.d.sched.kind = c->kind;
+    s.d.sched.stages = c->S;
+    s.d.sched.chunks = c->V;
+    s.d.sched.micro = c->M;
+    s.d.sched.pipes = N;
+    s.d.sched.rounds = c->rounds_per_iter;
+    s.d.sched.continuous = c->continuous;
+    s.d.deterministic = 1;
+    s.d.alpha = 0.5f;
+    s.d.ea_mode = AVGPIPE_EA_MEAN;
+    if (c->split) use_split(&s, 0);
+    run = create_run(&ctx, &s);
+    for (it = 0; it < c->iters; it++) {
+        iterate(&ctx, run, &st);
+        cr_assert_eq(st.micro_batches, (long long)N * c->M * c->rounds_per_iter);
+    }
+    for (i = 0; i < N; i++)
+        for (g = 0; g < G; g++) {
+            cr_assert_eq(T.nstep[i][g], (long)c->iters * c->rounds_per_iter);
+            memcpy(out[i][g], T.w[i][g], sizeof out[i][g]);
+        }
+    for (g = 0; g < G; g++) {
+        size_t count = 0;
+        const float *z = avgpipe_run_reference(run, g, &count);
+        cr_assert(z != NULL, "avgpipe_run_reference(%d) is NULL", g);
+        cr_assert_eq(count, (size_t)pcount(g));
+        memset(zout[g], 0, sizeof zout[g]);
+        memcpy(zout[g], z, count * sizeof(float));
+    }
+    avgpipe_run_destroy(run);
+    return st.loss;
+}
+
+static void check_averaging(const avg_case *c) {
+    static double w[MAXN][MAXG][PMAX], z[MAXG][PMAX], loss[64];
+    static float got[MAXN][MAXG][PMAX], zgot[MAXG][PMAX], got2[MAXN][MAXG][PMAX], zgot2[MAXG][PMAX];
+    double got_loss, want_loss = 0;
+    char what[128];
+    int i, g, G = c->S * (c->V > 0 ? c->V : 1), R = c->rounds_per_iter;
+    got_loss = averaging_run(c, got, zgot);
+    averaging_f64(G, c->M, 2, R * c->iters, 0.5, w, z, loss);
+    for (i = 0; i < R; i++) want_loss += loss[R * (c->iters - 1) + i] / R;
+    cr_assert(fabs(got_loss - want_loss) <= 1e-5 * want_loss, "last iteration's loss %.9g, float64 %.9g", got_loss, want_loss);
+    for (i = 0; i < 2; i++)
+        for (g = 0; g < G; g++) {
+            snprintf(what, sizeof what, "pipeline %d, stage %d", i, g);
+            expect_close(what, got[i][g], w[i][g], pcount(g), 1e-5);
+        }
+    for (g = 0; g < G; g++) {
+        snprintf(what, sizeof what, "reference, stage %d", g);
+        expect_close(what, zgot[g], z[g], pcount(g), 1e-5);
+    }
+    /* the two models saw different data: they differ */
+    cr_assert(memcmp(got[0][1], got[1][1], sizeof got[0][1]) != 0, "the parallel models are identical");
+    /* deterministic mode is reproducible to the bit */
+    averaging_run(c, got2, zgot2);
+    cr_assert(memcmp(got, got2, sizeof got) == 0, "deterministic mode: two runs differ (models)");
+    cr_assert(memcmp(zgot, zgot2, sizeof zgot) == 0, "deterministic mode: two runs differ (reference)");
+}
+
+Test(runtime, averaging_n2_deterministic_matches_f64) {
+    avg_case c = {AVGPIPE_SCHED_1F1B, 3, 0, 4, 0, 1, 4, 0};
+    check_averaging(&c);
+}
+Test(runtime, averaging_n2_deterministic_two_rounds_per_iteration) {
+    avg_case c = {AVGPIPE_SCHED_1F1B, 3, 0, 4, 0, 2, 2, 0};
+    check_averaging(&c);
+}
+Test(runtime, averaging_n2_deterministic_continuous_rounds) {
+    avg_case c = {AVGPIPE_SCHED_1F1B, 3, 0, 4, 1, 2, 2, 0};
+    check_averaging(&c);
+}
+Test(runtime, averaging_n2_deterministic_advance_continuous) {
+    avg_case c = {AVGPIPE_SCHED_ADVANCE, 4, 0, 4, 1, 3, 1, 0};
+    check_averaging(&c);
+}
+Test(runtime, averaging_n2_deterministic_interleaved) {
+    avg_case c = {AVGPIPE_SCHED_INTERLEAVED, 2, 2, 4, 0, 2, 2, 0};
+    check_averaging(&c);
+}
+Test(runtime, averaging_n2_deterministic_zbh1_split) {
+    avg_case c = {AVGPIPE_SCHED_ZBH1, 3, 0, 4, 1, 2, 2, 1};
+    check_averaging(&c);
+}
+
+/* alpha = 0 with N = 2, not deterministic: no pull, so each model trains alone (bit for bit as the
+   single-thread reference on its own data) and the reference is the fp32 mean (w0 + w1) * 0.5. */
+Test(runtime, zero_alpha_n2_models_train_independently) {
+    static float ref[MAXN][MAXG][PMAX];
+    const int S = 3, M = 4, N = 2, G = 3, R = 2, ITER = 2;
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    setup s;
+    int it, r, i, g, j;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(G, M, N);
+    setup_init(&s, G, N);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s.d.sched.stages = S;
+    s.d.sched.micro = M;
+    s.d.sched.pipes = N;
+    s.d.sched.rounds = R;
+    s.d.sched.continuous = 1;
+    s.d.zero_alpha = 1;
+    run = create_run(&ctx, &s);
+    for (i = 0; i < N; i++)
+        for (g = 0; g < G; g++) init_params(g, ref[i][g]);
+    for (it = 0; it < ITER; it++) {
+        iterate(&ctx, run, NULL);
+        for (r = 0; r < R; r++)
+            for (i = 0; i < N; i++) reference_train(ref[i], G, M, i, it * R + r);
+    }
+    for (i = 0; i < N; i++)
+        for (g = 0; g < G; g++)
+            cr_assert(memcmp(T.w[i][g], ref[i][g], (size_t)pcount(g) * sizeof(float)) == 0,
+                      "pipeline %d, stage %d: not the single-thread reference's bits", i, g);
+    for (g = 0; g < G; g++) {
+        const float *z = avgpipe_run_reference(run, g, NULL);
+        cr_assert(z != NULL);
+        for (j = 0; j < pcount(g); j++) {
+            float want = (T.w[0][g][j] + T.w[1][g][j]) * 0.5f;
+            cr_assert(memcmp(&z[j], &want, sizeof want) == 0, "reference, stage %d, element %d: %.9g, want %.9g", g, j, (double)z[j],
+                      (double)want);
+        }
+    }
+    avgpipe_run_destroy(run);
+}
+
+/* ---- failures --------------------------------------------------------------------------------- */
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+Test(runtime, callback_error_stops_every_rank) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    avgpipe_result res;
+    setup s;
+    double t0, dt;
+    const char *msg;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(4, 8, 1);
+    setup_init(&s, 4, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s.d.sched.stages = 4;
+    s.d.sched.micro = 8;
+    s.d.zero_alpha = 1;
+    s.d.timeout_s = 10;
+    run = create_run(&ctx, &s);
+    iterate(&ctx, run, &st); /* a good iteration first */
+    T.fail_stage = 2, T.fail_micro = 3, T.fail_round = 1;
+    t0 = now_s();
+    res = avgpipe_run_iteration(run, &st);
+    dt = now_s() - t0;
+    msg = avgpipe_last_error(&ctx);
+    cr_assert_eq(res, AVGPIPE_CALLBACK_ERROR, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "rank 2") != NULL, "the message does not name rank 2: %s", msg);
+    cr_assert(strstr(msg, "2F3") != NULL, "the message does not name the op 2F3: %s", msg);
+    cr_assert(strstr(msg, "7") != NULL, "the message does not give the callback's value: %s", msg);
+    cr_assert(dt < 2.0, "the failing iteration took %.3f s (timeout 10 s): the other ranks were not woken", dt);
+    res = avgpipe_run_iteration(run, &st);
+    cr_assert_eq(res, AVGPIPE_STATE_ERROR, "an iteration after a failure returned %s", avgpipe_result_string(res));
+    avgpipe_run_destroy(run);
+}
+
+static int cb_step_fails(int rank, int pipe, int stage, int round, float *params, void *user) {
+    (void)params, (void)user, (void)pipe;
+    return rank == 1 && stage == 1 && round == 0 ? -3 : 0;
+}
+
+Test(runtime, step_error_is_a_callback_error) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_result res;
+    setup s;
+    double t0;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(2, 4, 1);
+    setup_init(&s, 2, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s.d.sched.stages = 2;
+    s.d.sched.micro = 4;
+    s.d.zero_alpha = 1;
+    s.d.cb.step = cb_step_fails;
+    s.d.timeout_s = 10;
+    run = create_run(&ctx, &s);
+    t0 = now_s();
+    res = avgpipe_run_iteration(run, NULL);
+    cr_assert_eq(res, AVGPIPE_CALLBACK_ERROR, "got %s: %s", avgpipe_result_string(res), avgpipe_last_error(&ctx));
+    cr_assert(strstr(avgpipe_last_error(&ctx), "rank 1") != NULL, "%s", avgpipe_last_error(&ctx));
+    cr_assert(strstr(avgpipe_last_error(&ctx), "STEP") != NULL, "%s", avgpipe_last_error(&ctx));
+    cr_assert(now_s() - t0 < 2.0);
+    avgpipe_run_destroy(run);
+}
+
+static int cb_step_nan(int rank, int pipe, int stage, int round, float *params, void *user) {
+    int rc = cb_step(rank, pipe, stage, round, params, user);
+    if (pipe == 1 && stage == 1 && round == 1) params[3] = NAN;
+    return rc;
+}
+
+/* A model that goes non-finite is refused by the averaging (AVGPIPE_NON_FINITE): the iteration
+   fails with that result, names pipeline, stage and round, and every rank stops. */
+Test(runtime, non_finite_model_fails_the_iteration) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_result res;
+    setup s;
+    double t0, dt;
+    const char *msg;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(3, 4, 2);
+    setup_init(&s, 3, 2);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s.d.sched.stages = 3;
+    s.d.sched.micro = 4;
+    s.d.sched.pipes = 2;
+    s.d.alpha = 0.25f;
+    s.d.cb.step = cb_step_nan;
+    s.d.timeout_s = 10;
+    run = create_run(&ctx, &s);
+    iterate(&ctx, run, NULL); /* round 0 is fine */
+    t0 = now_s();
+    res = avgpipe_run_iteration(run, NULL);
+    dt = now_s() - t0;
+    msg = avgpipe_last_error(&ctx);
+    cr_assert_eq(res, AVGPIPE_NON_FINITE, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "pipeline 1") != NULL && strstr(msg, "stage 1") != NULL && strstr(msg, "round 1") != NULL,
+              "the message does not name pipeline 1, stage 1, round 1: %s", msg);
+    cr_assert(dt < 2.0, "the failing iteration took %.3f s (timeout 10 s)", dt);
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
+    avgpipe_run_destroy(run);
+}
+
+/* A comm table around the in-process one that drops one message: the `drop_index`-th send from
+   `drop_src` to `drop_dst` is never delivered, and its request never completes (wait honours
+   the timeout and abort). */
+typedef struct dropcomm {
+    avgpipe_comm inner;
+    int drop_src, drop_dst, drop_index;
+    int sent[16]; /* sends by drop_src to each peer (only drop_src's thread touches it) */
+    int aborted;  /* read with the lock below */
+    pthread_mutex_t mu;
+} dropcomm;
+static char drop_sentinel;
+
+static avgpipe_result dc_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req) {
+    dropcomm *c = (dropcomm *)user;
+    if (self == c->drop_src && peer == c->drop_dst && c->sent[peer]++ == c->drop_index) {
+        *req = (avgpipe_comm_request)(void *)&drop_sentinel;
+        return AVGPIPE_OK;
+    }
+    return c->inner.isend(c->inner.user, self, peer, buf, bytes, req);
+}
+static avgpipe_result dc_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req) {
+    dropcomm *c = (dropcomm *)user;
+    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, req);
+}
+static int dc_is_aborted(dropcomm *c) {
+    int a;
+    pthread_mutex_lock(&c->mu);
+    a = c->aborted;
+    pthread_mutex_unlock(&c->mu);
+    return a;
+}
+static avgpipe_result dc_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
+    dropcomm *c = (dropcomm *)user;
+    if (req == (avgpipe_comm_request)(void *)&drop_sentinel) {
+        double t0 = now_s();
+        while (!dc_is_aborted(c) && now_s() - t0 < timeout_s) nap_us(1000);
+        return dc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
+    }
+    return c->inner.wait(c->inner.user, self, req, timeout_s);
+}
+static avgpipe_result dc_test(void *user, int self, avgpipe_comm_request req, int *done) {
+    dropcomm *c = (dropcomm *)user;
+    if (req == (avgpipe_comm_request)(void *)&drop_sentinel) {
+        *done = 0;
+        return dc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_OK;
+    }
+    return c->inner.test(c->inner.user, self, req, done);
+}
+static avgpipe_result dc_barrier(void *user, int self, double timeout_s) {
+    dropcomm *c = (dropcomm *)user;
+    return c->inner.barrier(c->inner.user, self, timeout_s);
+}
+static void dc_abort(void *user, avgpipe_result why, const char *message) {
+    dropcomm *c = (dropcomm *)user;
+    pthread_mutex_lock(&c->mu);
+    c->aborted = 1;
+    pthread_mutex_unlock(&c->mu);
+    c->inner.abort(c->inner.user, why, message);
+}
+static const char *dc_last_error(void *user, int self) {
+    dropcomm *c = (dropcomm *)user;
+    return c->inner.last_error ? c->inner.last_error(c->inner.user, self) : "";
+}
+
+Test(runtime, peer_that_never_sends_times_out) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_result res;
+    avgpipe_comm table;
+    dropcomm dc;
+    setup s;
+    double t0, dt;
+    const char *msg;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&dc, 0, sizeof dc);
+    pthread_mutex_init(&dc.mu, NULL);
+    cr_assert_eq(avgpipe_comm_local_create(&ctx, 2, &dc.inner), AVGPIPE_OK);
+    /* 1F1B, S = 2, M = 8: rank 0's 8th send to rank 1 (the activation of micro-batch 7) is lost.
+       Rank 1 waits for it from right after its B6; rank 0 then runs a slow B6 (150 ms) before it waits
+       for the gradient of micro-batch 7, so rank 1's wait is the first to time out. */
+    dc.drop_src = 0, dc.drop_dst = 1, dc.drop_index = 7;
+    memset(&table, 0, sizeof table);
+    table.name = "drop-one";
+    table.size = 2;
+    table.isend = dc_isend;
+    table.irecv = dc_irecv;
+    table.test = dc_test;
+    table.wait = dc_wait;
+    table.barrier = dc_barrier;
+    table.abort = dc_abort;
+    table.last_error = dc_last_error;
+    table.user = &dc;
+    reset_state(2, 8, 1);
+    T.sleep_stage = 0, T.sleep_micro = 6, T.sleep_ms = 150;
+    setup_init(&s, 2, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s.d.sched.stages = 2;
+    s.d.sched.micro = 8;
+    s.d.zero_alpha = 1;
+    s.d.timeout_s = 0.5;
+    s.d.comm = &table;
+    run = create_run(&ctx, &s);
+    t0 = now_s();
+    res = avgpipe_run_iteration(run, NULL);
+    dt = now_s() - t0;
+    msg = avgpipe_last_error(&ctx);
+    cr_assert_eq(res, AVGPIPE_TIMEOUT, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "rank 1") != NULL, "the message does not name the waiting rank 1: %s", msg);
+    cr_assert(strstr(msg, "1F7") != NULL, "the message does not name the op 1F7: %s", msg);
+    cr_assert(strstr(msg, "from rank 0") != NULL, "the message does not name the peer rank 0: %s", msg);
+    cr_assert(dt >= 0.45 && dt < 3.0, "the iteration returned after %.3f s (timeout 0.5 s)", dt);
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
+    avgpipe_run_destroy(run);
+    avgpipe_comm_destroy(&dc.inner);
+    pthread_mutex_destroy(&dc.mu);
+}
+
+/* ---- bad descriptions ------------------------------------------------------------------------- */
+
+static void expect_invalid(const setup *s, const char *field) {
+    avgpipe_context ctx;
+    avgpipe_run *run = (avgpipe_run *)(void *)&ctx; /* must be overwritten with NULL */
+    avgpipe_result res;
+    avgpipe_context_init(&ctx, NULL);
+    res = avgpipe_run_create(&ctx, &s->d, &run);
+    cr_assert_eq(res, AVGPIPE_INVALID_ARG, "%s: got %s (%s)", field, avgpipe_result_string(res), avgpipe_last_error(&ctx));
+    cr_assert(run == NULL, "%s: *out was not set to NULL", field);
+    cr_assert(strstr(avgpipe_last_error(&ctx), field) != NULL, "the message does not name '%s': %s", field, avgpipe_last_error(&ctx));
+}
+
+static void bad_base(setup *s) {
+    reset_state(4, 4, 1);
+    setup_init(s, 4, 1);
+    s->d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s->d.sched.stages = 4;
+    s->d.sched.micro = 4;
+    s->d.zero_alpha = 1;
+}
+
+Test(runtime, bad_desc_no_forward) {
+    setup s;
+    bad_base(&s);
+    s.d.cb.forward = NULL;
+    expect_invalid(&s, "cb.forward");
+}
+Test(runtime, bad_desc_no_backward) {
+    setup s;
+    bad_base(&s);
+    s.d.cb.backward = NULL;
+    expect_invalid(&s, "cb.backward");
+}
+Test(runtime, bad_desc_half_split) {
+    setup s;
+    bad_base(&s);
+    s.d.cb.backward_input = cb_backward_input;
+    expect_invalid(&s, "backward_weight");
+}
+Test(runtime, bad_desc_null_params) {
+    setup s;
+    bad_base(&s);
+    s.d.params = NULL;
+    expect_invalid(&s, "params");
+}
+Test(runtime, bad_desc_null_param_entry) {
+    setup s;
+    bad_base(&s);
+    s.params[2] = NULL;
+    expect_invalid(&s, "params[2]");
+}
+Test(runtime, bad_desc_zero_param_count) {
+    setup s;
+    bad_base(&s);
+    s.pc[1] = 0;
+    expect_invalid(&s, "param_count[1]");
+}
+Test(runtime, bad_desc_act_bytes_null_with_4_stages) {
+    setup s;
+    bad_base(&s);
+    s.d.act_bytes = NULL;
+    expect_invalid(&s, "act_bytes");
+}
+Test(runtime, bad_desc_adaptive_needs_advance) {
+    setup s;
+    bad_base(&s);
+    s.d.adaptive = 1;
+    expect_invalid(&s, "adaptive");
+}
+Test(runtime, bad_desc_negative_timeout) {
+    setup s;
+    bad_base(&s);
+    s.d.timeout_s = -1;
+    expect_invalid(&s, "timeout_s");
+}
+Test(runtime, bad_desc_bad_shape) {
+    setup s;
+    bad_base(&s);
+    s.d.sched.micro = 0;
+    expect_invalid(&s, "micro");
+}
+Test(runtime, bad_desc_comm_size) {
+    avgpipe_context ctx;
+    avgpipe_comm c;
+    setup s;
+    avgpipe_context_init(&ctx, NULL);
+    bad_base(&s);
+    cr_assert_eq(avgpipe_comm_local_create(&ctx, 3, &c), AVGPIPE_OK);
+    s.d.comm = &c;
+    expect_invalid(&s, "comm");
+    avgpipe_comm_destroy(&c);
+}
+
+/* ---- profiling -------------------------------------------------------------------------------- */
+
+/* A small recursive-descent JSON checker: returns the position after one value, or NULL. */
+static const char *json_ws(const char *p) {
+    while (*p == ' ' || *p == '\n' || *p == '\r' || *p == '\t') p++;
+    return p;
+}
+static const char *json_value(const char *p, int depth);
+static const char *json_string(const char *p) {
+    if (*p != '"') return NULL;
+    for (p++; *p && *p != '"'; p++) {
+        if ((unsigned char)*p < 0x20) return NULL;
+        if (*p == '\\') {
+            p++;
+            if (!*p || !strchr("\"\\/bfnrtu", *p)) return NULL;
+        }
+    }
+    return *p == '"' ? p + 1 : NULL;
+}
+static const char *json_number(const char *p) {
+    const char *q = p;
+    if (*q == '-') q++;
+    if (!(*q >= '0' && *q <= '9')) return NULL;
+    while ((*q >= '0' && *q <= '9') || *q == '.' || *q == 'e' || *q == 'E' || *q == '+' || *q == '-') q++;
+    return q;
+}
+static const char *json_value(const char *p, int depth) {
+    p = json_ws(p);
+    if (depth > 64) return NULL;
+    if (*p == '{' || *p == '[') {
+        char close = *p == '{' ? '}' : ']';
+        int obj = *p == '{';
+        p = json_ws(p + 1);
+        if (*p == close) return p + 1;
+        for (;;) {
+            if (obj) {
+                p = json_string(json_ws(p));
+                if (!p) return NULL;
+                p = json_ws(p);
+                if (*p++ != ':') return NULL;
+            }
+            p = json_value(p, depth + 1);
+            if (!p) return NULL;
+            p = json_ws(p);
+            if (*p == ',') {
+                p++;
+                continue;
+            }
+            return *p == close ? p + 1 : NULL;
+        }
+    }
+    if (*p == '"') return json_string(p);
+    if (!strncmp(p, "true", 4)) return p + 4;
+    if (!strncmp(p, "false", 5)) return p + 5;
+    if (!strncmp(p, "null", 4)) return p + 4;
+    return json_number(p);
+}
+
+static char *slurp(const char *path) {
+    FILE *f = fopen(path, "rb");
+    long n;
+    char *buf;
+    cr_assert(f != NULL, "cannot open %s", path);
+    fseek(f, 0, SEEK_END);
+    n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    buf = (char *)malloc((size_t)n + 1);
+    cr_assert(buf != NULL);
+    cr_assert_eq(fread(buf, 1, (size_t)n, f), (size_t)n);
+    buf[n] = 0;
+    fclose(f);
+    return buf;
+}
+
+Test(runtime, profile_events_and_files) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    const avgpipe_schedule *low;
+    const avgpipe_event *ev;
+    size_t n, i;
+    int r, k, ncompute = 0, nops_lines = 0;
+    setup s;
+    char prof[256], trace[256], *text, *line;
+    const char *end;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(3, 4, 1);
+    setup_init(&s, 3, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_ZBH1;
+    s.d.sched.stages = 3;
+    s.d.sched.micro = 4;
+    s.d.zero_alpha = 1;
+    s.d.profile = 1;
+    use_split(&s, 0);
+    run = create_run(&ctx, &s);
+    iterate(&ctx, run, &st);
+    iterate(&ctx, run, &st); /* events are those of the last iteration */
+    ev = avgpipe_run_events(run, &n);
+    cr_assert(ev != NULL && n > 0, "no events");
+    low = avgpipe_run_schedule(run);
+    cr_assert(low != NULL);
+    for (i = 0; i < n; i++) {
+        cr_assert(ev[i].start <= ev[i].end, "event %zu: start %.9f > end %.9f", i, ev[i].start, ev[i].end);
+        cr_assert(ev[i].start >= -1e-6 && ev[i].end <= st.seconds + 1e-3, "event %zu outside the iteration: [%.9f, %.9f] of %.6f s", i,
+                  ev[i].start, ev[i].end, st.seconds);
+        cr_assert(ev[i].rank >= 0 && ev[i].rank < 3);
+    }
+    /* every compute op of the schedule has its compute event on its rank */
+    for (r = 0; r < low->nranks; r++)
+        for (k = 0; k < low->len[r]; k++) {
+            const avgpipe_op *op = &low->ops[r][k];
+            int found = 0;
+            if (op->kind != AVGPIPE_OP_F && op->kind != AVGPIPE_OP_B && op->kind != AVGPIPE_OP_I && op->kind != AVGPIPE_OP_W) continue;
+            ncompute++;
+            for (i = 0; i < n && !found; i++)
+                found = ev[i].track == 0 && ev[i].rank == r && ev[i].op.kind == op->kind && ev[i].op.stage == op->stage &&
+                        ev[i].op.micro == op->micro && ev[i].op.pipe == op->pipe;
+            cr_assert(found, "no event for rank %d's op %d (kind %s stage %d micro %d)", r, k,
+                      avgpipe_op_kind_name((avgpipe_op_kind)op->kind), op->stage, op->micro);
+        }
+    cr_assert_eq(ncompute, 3 * 4 * 3, "the ZB-H1 schedule has %d compute ops", ncompute);
+    /* files */
+    snprintf(prof, sizeof prof, "/tmp/avgpipe_test_profile_%ld.txt", (long)getpid());
+    snprintf(trace, sizeof trace, "/tmp/avgpipe_test_trace_%ld.json", (long)getpid());
+    cr_assert_eq(avgpipe_run_write_profile(run, prof), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_run_write_trace(run, trace), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    text = slurp(prof);
+    cr_assert(!strncmp(text, "# avgpipe profile v1\n", 21), "profile header: %.40s", text);
+    cr_assert(strstr(text, "\nshape kind=zbh1 stages=3 ") != NULL, "no shape line");
+    {
+        char want[64];
+        snprintf(want, sizeof want, "\nstage 2 param_floats=%d act_bytes=0 ", pcount(2));
+        cr_assert(strstr(text, want) != NULL, "no line '%s' in the profile", want + 1);
+        snprintf(want, sizeof want, "\nstage 0 param_floats=%d act_bytes=%zu ", pcount(0), act_bytes_of(0));
+        cr_assert(strstr(text, want) != NULL, "no line '%s' in the profile", want + 1);
+    }
+    for (line = text; (line = strstr(line, "\nop ")) != NULL; line++) nops_lines++;
+    cr_assert_eq((size_t)nops_lines, n, "the profile has %d op lines for %zu events", nops_lines, n);
+    free(text);
+    text = slurp(trace);
+    end = json_value(text, 0);
+    cr_assert(end != NULL, "the trace is not valid JSON");
+    cr_assert(*json_ws(end) == 0, "trailing bytes after the trace's JSON value");
+    cr_assert(strstr(text, "\"traceEvents\"") != NULL, "no traceEvents in the trace");
+    free(text);
+    remove(prof);
+    remove(trace);
+    avgpipe_run_destroy(run);
+}
+
+Test(runtime, no_profile_no_events) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    setup s;
+    size_t n = 99;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(2, 2, 1);
+    setup_init(&s, 2, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B;
+    s.d.sched.stages = 2;
+    s.d.sched.micro = 2;
+    s.d.zero_alpha = 1;
+    run = create_run(&ctx, &s);
+    iterate(&ctx, run, NULL);
+    cr_assert(avgpipe_run_events(run, &n) == NULL);
+    cr_assert_eq(n, 0u);
+    cr_assert_eq(avgpipe_run_write_trace(run, "/tmp/avgpipe_never_written.json"), AVGPIPE_STATE_ERROR);
+    avgpipe_run_destroy(run);
+}
+
+/* ---- adaptive advance ------------------------------------------------------------------------- */
+
+/* A comm table around the in-process one that delivers each message `delay` seconds after it was
+   sent, serialised per link (like the simulator's link: start = max(sent, link free), end = start +
+   delay): a receive's wait returns once the message is due. */
+#define RING 4096
+typedef struct delaycomm {
+    avgpipe_comm inner;
+    double delay;
+    int S;
+    double *due;       /* [S * S][RING]: due time of message k on channel (src, dst), written by src */
+    double *link_free; /* [S * S], src's */
+    long *nsend, *nrecv;
+    struct dreq {
+        avgpipe_comm_request inner;
+        double *due;
+        int recv, done;
+    } *req; /* [S * S][RING][2] */
+} delaycomm;
+
+static avgpipe_result dl_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *out) {
+    delaycomm *c = (delaycomm *)user;
+    int ch = self * c->S + peer;
+    long k = c->nsend[ch]++ % RING;
+    double t = now_s(), start = t > c->link_free[ch] ? t : c->link_free[ch];
+    struct dreq *r = &c->req[((size_t)ch * RING + k) * 2];
+    c->link_free[ch] = start + c->delay;
+    c->due[(size_t)ch * RING + k] = start + c->delay; /* published to the receiver by the inner backend's lock */
+    r->recv = 0, r->done = 0, r->due = NULL;
+    *out = (avgpipe_comm_request)(void *)r;
+    return c->inner.isend(c->inner.user, self, peer, buf, bytes, &r->inner);
+}
+static avgpipe_result dl_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *out) {
+    delaycomm *c = (delaycomm *)user;
+    int ch = peer * c->S + self;
+    long k = c->nrecv[ch]++ % RING;
+    struct dreq *r = &c->req[((size_t)ch * RING + k) * 2 + 1];
+    r->recv = 1, r->done = 0, r->due = &c->due[(size_t)ch * RING + k];
+    *out = (avgpipe_comm_request)(void *)r;
+    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, &r->inner);
+}
+static void wait_until(double t) {
+    double left;
+    while ((left = t - now_s()) > 0)
+        if (left > 2e-4) nap_us((long)((left - 1e-4) * 1e6));
+}
+static avgpipe_result dl_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
+    delaycomm *c = (delaycomm *)user;
+    struct dreq *r = (struct dreq *)(void *)req;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!r->done) res = c->inner.wait(c->inner.user, self, r->inner, timeout_s);
+    if (res) return res;
+    r->done = 1;
+    if (r->recv) wait_until(*r->due);
+    return AVGPIPE_OK;
+}
+static avgpipe_result dl_test(void *user, int self, avgpipe_comm_request req, int *done) {
+    delaycomm *c = (delaycomm *)user;
+    struct dreq *r = (struct dreq *)(void *)req;
+    avgpipe_result res = AVGPIPE_OK;
+    *done = 0;
+    if (!r->done) {
+        int d = 0;
+        res = c->inner.test(c->inner.user, self, r->inner, &d);
+        if (res || !d) return res;
+        r->done = 1;
+    }
+    *done = !r->recv || now_s() >= *r->due;
+    return AVGPIPE_OK;
+}
+static avgpipe_result dl_barrier(void *user, int self, double timeout_s) {
+    delaycomm *c = (delaycomm *)user;
+    return c->inner.barrier(c->inner.user, self, timeout_s);
+}
+static void dl_abort(void *user, avgpipe_result why, const char *message) {
+    delaycomm *c = (delaycomm *)user;
+    c->inner.abort(c->inner.user, why, message);
+}
+static const char *dl_last_error(void *user, int self) {
+    delaycomm *c = (delaycomm *)user;
+    return c->inner.last_error ? c->inner.last_error(c->inner.user, self) : "";
+}
+static void delaycomm_init(delaycomm *c, int S, double delay, avgpipe_comm *table) {
+    memset(c, 0, sizeof *c);
+    cr_assert_eq(avgpipe_comm_local_create(NULL, S, &c->inner), AVGPIPE_OK);
+    c->S = S;
+    c->delay = delay;
+    c->due = (double *)calloc((size_t)S * S * RING, sizeof(double));
+    c->link_free = (double *)calloc((size_t)S * S, sizeof(double));
+    c->nsend = (long *)calloc((size_t)S * S, sizeof(long));
+    c->nrecv = (long *)calloc((size_t)S * S, sizeof(long));
+    c->req = (struct dreq *)calloc((size_t)S * S * RING * 2, sizeof(struct dreq));
+    cr_assert(c->due && c->link_free && c->nsend && c->nrecv && c->req);
+    memset(table, 0, sizeof *table);
+    table->name = "delayed";
+    table->size = S;
+    table->isend = dl_isend;
+    table->irecv = dl_irecv;
+    table->test = dl_test;
+    table->wait = dl_wait;
+    table->barrier = dl_barrier;
+    table->abort = dl_abort;
+    table->last_error = dl_last_error;
+    table->user = c;
+}
+static void delaycomm_free(delaycomm *c) {
+    avgpipe_comm_destroy(&c->inner);
+    free(c->due), free(c->link_free), free(c->nsend), free(c->nrecv), free(c->req);
+}
+
+/* Stashed activation bytes of rank r with advance K, by the memory model: peak stashed micro-batches
+   (avgpipe_sched_peak_stash) times the bytes one of them holds there, its input and output
+   activations. For S = 4, M = 8 the peaks are, by K = 0..3: rank 0 4+K; rank 1 4, 4, 4, 5;
+   rank 2 2, 2, 3, 3; rank 3 1. */
+static double stash_bytes(int S, int M, int K, int r) {
+    avgpipe_sched_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_ADVANCE, d.stages = S, d.micro = M, d.advance = K;
+    return (double)avgpipe_sched_peak_stash(&d, r) * (double)((r > 0 ? act_bytes_of(r - 1) : 0) + (r < S - 1 ? act_bytes_of(r) : 0));
+}
+static double stash_bytes_max(int S, int M, int K) {
+    double m = 0;
+    int r;
+    for (r = 0; r < S; r++) m = stash_bytes(S, M, K, r) > m ? stash_bytes(S, M, K, r) : m;
+    return m;
+}
+
+/* S = 4, M = 8, every op sleeps 200 us, transfers take 1 ms (advance forward pays off). mem_limit
+   is the most bytes K = 2 needs on a rank, so K = 3 does not fit: K must climb from 0 and stop at 2
+   or below, and then hold. */
+Test(runtime, adaptive_advance_respects_memory_and_settles) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    avgpipe_comm table;
+    delaycomm dc;
+    setup s;
+    const int S = 4, M = 8, ITER = 14;
+    int it, ks[32], maxk = 0, j;
+    double limit = stash_bytes_max(S, M, 2);
+    avgpipe_context_init(&ctx, NULL);
+    delaycomm_init(&dc, S, 1e-3, &table);
+    reset_state(S, M, 1);
+    T.op_sleep_us = 200;
+    setup_init(&s, S, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_ADVANCE;
+    s.d.sched.stages = S;
+    s.d.sched.micro = M;
+    s.d.zero_alpha = 1;
+    s.d.adaptive = 1;
+    s.d.window = 2;
+    cr_assert(stash_bytes_max(S, M, 3) > limit, "the memory model does not separate K = 2 from K = 3");
+    s.d.mem_limit = limit;
+    s.d.comm = &table;
+    run = create_run(&ctx, &s);
+    for (it = 0; it < ITER; it++) {
+        const avgpipe_schedule *sc = avgpipe_run_schedule(run);
+        int kin = sc->shape.advance;
+        iterate(&ctx, run, &st);
+        ks[it] = st.advance;
+        cr_assert_eq(st.advance, kin, "iteration %d reported K = %d but ran a schedule with K = %d", it, st.advance, kin);
+        cr_assert(st.advance >= 0 && st.advance <= 2, "iteration %d ran K = %d: over the memory limit (K <= 2 fits)", it, st.advance);
+        if (st.advance > maxk) maxk = st.advance;
+        if (it > 0)
+            cr_assert(ks[it] <= ks[it - 1] + 1, "K jumped from %d to %d", ks[it - 1], ks[it]);
+        for (j = 0; j < S; j++) { /* K may have changed: the slots with it */
+            T.nslots[j] = avgpipe_run_slots(run, j);
+            cr_assert(T.nslots[j] >= 1 && T.nslots[j] <= MAXSLOT);
+        }
+    }
+    cr_assert_eq(ks[0], 0, "the controller must start at K = 0 (1F1B), started at %d", ks[0]);
+    for (it = ITER - 4; it < ITER; it++) cr_assert_eq(ks[it], ks[ITER - 1], "K still changing at iteration %d", it);
+    cr_log_info("adaptive K by iteration: %d %d %d %d %d %d %d %d %d %d %d %d %d %d (max %d)", ks[0], ks[1], ks[2], ks[3], ks[4],
+                ks[5], ks[6], ks[7], ks[8], ks[9], ks[10], ks[11], ks[12], ks[13], maxk);
+    avgpipe_run_destroy(run);
+    delaycomm_free(&dc);
+}
