@@ -359,6 +359,69 @@ Test(comm, concurrent_streams_stay_in_order) {
     avgpipe_comm_destroy(&c);
 }
 
+/* After a collective timed out on one rank, a later collective of all ranks must still be one: a
+   barrier nobody leaves before every rank arrived, an allreduce that returns the sum of the values
+   of this call. Failing with an error is acceptable (the communicator may be considered broken after
+   a timeout); silently passing early or returning a wrong sum is not. Ranks arrive 20 ms apart. */
+typedef struct late {
+    avgpipe_comm *c;
+    int rank, *arrived;
+    pthread_mutex_t *mu;
+    avgpipe_result res;
+    int seen;   /* barrier: ranks arrived when this one left */
+    float sum;  /* allreduce: what this rank got */
+    int reduce; /* 0 barrier, 1 allreduce */
+} late;
+
+static void *late_thread(void *arg) {
+    late *t = (late *)arg;
+    nap_ms(20L * t->rank);
+    pthread_mutex_lock(t->mu);
+    ++*t->arrived;
+    pthread_mutex_unlock(t->mu);
+    if (t->reduce) {
+        t->sum = (float)(t->rank + 1);
+        t->res = t->c->allreduce_sum(t->c->user, t->rank, &t->sum, 1, 2.0);
+    } else {
+        t->res = t->c->barrier(t->c->user, t->rank, 2.0);
+    }
+    pthread_mutex_lock(t->mu);
+    t->seen = *t->arrived;
+    pthread_mutex_unlock(t->mu);
+    return NULL;
+}
+
+static void collective_after_timeout(int reduce) {
+    avgpipe_comm c = make(NT);
+    pthread_t th[NT];
+    late t[NT];
+    pthread_mutex_t mu;
+    int arrived = 0, r;
+    float stale = 100;
+    pthread_mutex_init(&mu, NULL);
+    if (reduce) cr_assert_eq(c.allreduce_sum(c.user, 0, &stale, 1, 0.05), AVGPIPE_TIMEOUT);
+    else cr_assert_eq(c.barrier(c.user, 0, 0.05), AVGPIPE_TIMEOUT);
+    for (r = 0; r < NT; r++) {
+        memset(&t[r], 0, sizeof t[r]);
+        t[r].c = &c, t[r].rank = r, t[r].arrived = &arrived, t[r].mu = &mu, t[r].reduce = reduce;
+        cr_assert_eq(pthread_create(&th[r], NULL, late_thread, &t[r]), 0);
+    }
+    for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
+    for (r = 0; r < NT; r++) {
+        if (t[r].res != AVGPIPE_OK) continue; /* an error is an acceptable answer */
+        if (reduce)
+            cr_assert(t[r].sum == 10.0f, "rank %d: allreduce of 1+2+3+4 after a timed-out allreduce returned %g", r, (double)t[r].sum);
+        else
+            cr_assert_eq(t[r].seen, NT, "rank %d left the barrier with %d of %d ranks arrived (after a timed-out barrier)", r,
+                         t[r].seen, NT);
+    }
+    pthread_mutex_destroy(&mu);
+    avgpipe_comm_destroy(&c);
+}
+
+Test(comm, barrier_after_a_timed_out_barrier) { collective_after_timeout(0); }
+Test(comm, allreduce_after_a_timed_out_allreduce) { collective_after_timeout(1); }
+
 Test(comm, bad_arguments) {
     avgpipe_context ctx;
     avgpipe_comm c, broken;
