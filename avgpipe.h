@@ -4329,6 +4329,7 @@ static avgpipe_result avgpipe__local_barrier(void *user, int self, double timeou
     }
     while (L->bar_gen == gen && !L->aborted)
         if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && L->bar_gen == gen) {
+            L->bar_count--; /* withdraw, so the next barrier still waits for every rank */
             res = AVGPIPE_TIMEOUT;
             break;
         }
@@ -4337,14 +4338,17 @@ static avgpipe_result avgpipe__local_barrier(void *user, int self, double timeou
     return res;
 }
 
-/* Sum into a shared buffer, then everyone copies it out; the last one out opens the next round. */
+/* Each rank leaves its values in its own part; the last to arrive sums the parts in rank order (the
+   same bits on every run) and everyone copies the sum out; the last one out opens the next round. A
+   rank that times out withdraws its part, so a later allreduce is still exact. */
 static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf, size_t count, double timeout_s) {
     avgpipe__local *L = (avgpipe__local *)user;
     struct timespec dl = avgpipe__deadline(timeout_s);
     avgpipe_result res = AVGPIPE_OK;
     size_t i;
     long gen;
-    if (!buf && count) return AVGPIPE_INVALID_ARG;
+    int r;
+    if ((!buf && count) || self < 0 || self >= L->n) return AVGPIPE_INVALID_ARG;
     pthread_mutex_lock(&L->mu);
     while (L->ar_out > 0 && !L->aborted) /* the previous allreduce is still being read */
         if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && L->ar_out > 0) {
@@ -4353,7 +4357,7 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
         }
     if (L->ar_in == 0) {
         if (count > L->ar_cap) {
-            float *p = (float *)avgpipe__realloc(L->ctx, L->ar_buf, 0, count * sizeof(float));
+            float *p = (float *)avgpipe__realloc(L->ctx, L->ar_buf, 0, count * sizeof(float) * ((size_t)L->n + 1));
             if (!p) {
                 pthread_mutex_unlock(&L->mu);
                 return AVGPIPE_OUT_OF_MEMORY;
@@ -4362,15 +4366,19 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
             L->ar_cap = count;
         }
         L->ar_count = count;
-        memset(L->ar_buf, 0, count * sizeof(float));
     } else if (count != L->ar_count) {
         snprintf(L->err[self], sizeof L->err[self], "allreduce of %zu floats met one of %zu", count, L->ar_count);
         pthread_mutex_unlock(&L->mu);
         return AVGPIPE_INVALID_ARG;
     }
-    for (i = 0; i < count; i++) L->ar_buf[i] += buf[i];
+    memcpy(L->ar_buf + (size_t)(self + 1) * L->ar_cap, buf, count * sizeof(float)); /* part of `self` */
     gen = L->ar_gen;
     if (++L->ar_in == L->n) {
+        for (i = 0; i < count; i++) {
+            float sum = 0;
+            for (r = 0; r < L->n; r++) sum += L->ar_buf[(size_t)(r + 1) * L->ar_cap + i];
+            L->ar_buf[i] = sum;
+        }
         L->ar_in = 0;
         L->ar_out = L->n;
         L->ar_gen++;
@@ -4378,6 +4386,7 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
     }
     while (L->ar_gen == gen && !L->aborted)
         if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && L->ar_gen == gen) {
+            L->ar_in--; /* withdraw */
             res = AVGPIPE_TIMEOUT;
             break;
         }
@@ -4387,7 +4396,6 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
     } else if (!res) {
         res = AVGPIPE_ABORTED;
     }
-    (void)self;
     pthread_mutex_unlock(&L->mu);
     return res;
 }
