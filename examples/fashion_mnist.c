@@ -1,0 +1,579 @@
+/* fashion_mnist.c — avgpipe's main example: an MLP (examples/mlp.h) trained on Fashion-MNIST by N
+   parallel pipelines of G stages, with elastic averaging of the N models after every round.
+
+   Each stage partition runs on its own stage thread (the runtime's workers; OpenBLAS single-threaded
+   inside them). Every parallel model starts from the same weights, trains on its own batches (an epoch
+   shows each training sample to one pipeline) with its own Adam state, and is pulled toward the
+   reference model, the mean of the N models, after each of its steps. The reference model is what
+   gets evaluated.
+
+   Build: gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. examples/fashion_mnist.c -o fashion_mnist \
+              -lopenblas -lz -lm -pthread
+   Run:   ./fashion_mnist                       (4 stages, 2 pipelines, advance forward with adaptive K)
+          ./fashion_mnist --schedule zbh1 --pipes 3 --trace trace.json           (--help lists all)
+
+   Callback mapping (avgpipe_op_ctx -> mlp.h):
+     forward   stage 0 gathers the samples of (pipe, round, micro) into its stash (input is NULL there),
+               the last stage gathers their labels; mlp_stage_forward(stage, params, stash[stage][slot],
+               input, output); the last stage then sets op->loss = mlp_stage_loss (softmax kept for B).
+     backward  mlp_stage_backward(..., input, grad_output, grad_input, grad[pipe][stage], 1 / batch)
+     I / W     mlp_stage_backward_input / mlp_stage_backward_weight (B is exactly I then W)
+     step      Adam on (pipe, stage) with cosine learning-rate decay; zeroes the accumulated gradient. */
+#define _POSIX_C_SOURCE 200809L
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+#define MLP_IMPLEMENTATION
+#include "examples/mlp.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
+
+#define PROG "fashion_mnist"
+#define ADVANCE_AUTO (-1)
+
+typedef struct options {
+    int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train;
+    int deterministic, continuous, normalize, cosine;
+    avgpipe_sched_kind schedule;
+    double alpha, lr;
+    unsigned long long seed;
+    const char *data, *hidden, *trace, *profile, *save;
+} options;
+
+/* Everything the callbacks reach through op->user. Per-stage state (stash[g], perm[g]) is touched only by
+   the worker of the rank that holds stage g; per-(pipe, stage) state (the nets' gradients and Adam) too. */
+typedef struct app {
+    options opt;
+    mlp_model model;
+    mlp_data train, test;
+    mlp_order order;
+    int G, mb;
+    float loss_scale;             /* 1 / samples per batch: gradients are batch means */
+    int64_t decay_steps;          /* optimizer steps of one model over the whole run */
+    mlp_adam_hp adam;
+    mlp_net *nets;                /* [N] */
+    float **params;               /* [pipe * G + stage] -> nets[pipe].params[stage] */
+    size_t act_bytes[MLP_MAX_LAYERS];
+    int slots[MLP_MAX_LAYERS];
+    mlp_stash *stash[MLP_MAX_LAYERS]; /* [stage][slot] */
+    mlp_perm perm[MLP_MAX_LAYERS];    /* sample order cache of stage 0 and of the last stage */
+    long long correct;            /* last stage's argmax hits; read by the main thread between iterations */
+} app;
+
+/* Print "fashion_mnist: <message>" on stderr; returns -1. */
+static int fail(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs(PROG ": ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    return -1;
+}
+
+/* ---- Options ---------------------------------------------------------------------------------- */
+
+static const char *usage =
+    "usage: " PROG " [options]\n"
+    "  --stages G          stage partitions of the model (default 4)\n"
+    "  --pipes N           parallel pipelines = parallel models (default 2)\n"
+    "  --micro M           micro-batches per batch (default 4)\n"
+    "  --batch B           samples per batch per pipeline (default 128; a multiple of M)\n"
+    "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 (default advance)\n"
+    "  --advance K|auto    advance forwards (advance only; default auto: the runtime's adaptive K)\n"
+    "  --chunks V          model chunks per rank (interleaved only; default 2; ranks = G / V)\n"
+    "  --rounds R          rounds per runtime iteration (default 8)\n"
+    "  --sync              synchronous rounds (default: continuous rounds)\n"
+    "  --alpha A           elasticity in [0, 1] (default 0.1)\n"
+    "  --epochs E          (default 10)\n"
+    "  --lr LR             Adam learning rate, cosine-decayed to 0 over the run (default 1e-3)\n"
+    "  --constant-lr       no learning-rate decay\n"
+    "  --seed S            weights and sample order (default 1)\n"
+    "  --hidden LIST       hidden widths (default 512,256,128: 784-512-256-128-10)\n"
+    "  --data DIR          (default /usr/share/datasets/fashion-mnist)\n"
+    "  --limit-train N     use only the first N training samples\n"
+    "  --deterministic     every averaging waits for the previous round's reference (reproducible)\n"
+    "  --trace FILE.json   Chrome trace of the last iteration (open in ui.perfetto.dev)\n"
+    "  --profile FILE      per-op profile of the last iteration (the tuner's input)\n"
+    "  --save FILE         write the reference model's parameters (mlp_params_save)\n"
+    "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n";
+
+/* A bad command line: one line on stderr, exit status 2. */
+static void bad_usage(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs(PROG ": ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(2);
+}
+
+static long parse_long(const char *flag, const char *s, long lo, long hi) {
+    char *end;
+    long v;
+    errno = 0;
+    v = strtol(s, &end, 10);
+    if (end == s || *end || errno || v < lo || v > hi)
+        bad_usage("%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, s);
+    return v;
+}
+
+static double parse_double(const char *flag, const char *s, double lo, double hi) {
+    char *end;
+    double v;
+    errno = 0;
+    v = strtod(s, &end);
+    if (end == s || *end || errno || !(v >= lo && v <= hi))
+        bad_usage("%s expects a number in [%g, %g], got '%s'", flag, lo, hi, s);
+    return v;
+}
+
+static void set_defaults(options *o) {
+    memset(o, 0, sizeof *o);
+    o->stages = 4, o->pipes = 2, o->micro = 4, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
+    o->advance = ADVANCE_AUTO, o->continuous = 1, o->normalize = 1, o->cosine = 1;
+    o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->lr = 1e-3, o->seed = 1;
+    o->data = "/usr/share/datasets/fashion-mnist", o->hidden = "512,256,128";
+}
+
+/* Flags without a value; returns 1 if f was one. */
+static int parse_switch(options *o, const char *f) {
+    if (!strcmp(f, "--help") || !strcmp(f, "-h")) fputs(usage, stdout), exit(0);
+    if (!strcmp(f, "--sync")) return o->continuous = 0, 1;
+    if (!strcmp(f, "--deterministic")) return o->deterministic = 1, 1;
+    if (!strcmp(f, "--no-normalize")) return o->normalize = 0, 1;
+    if (!strcmp(f, "--constant-lr")) return o->cosine = 0, 1;
+    return 0;
+}
+
+static void parse_value(options *o, const char *f, const char *v) {
+    if (!strcmp(f, "--stages")) o->stages = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
+    else if (!strcmp(f, "--pipes")) o->pipes = (int)parse_long(f, v, 1, 256);
+    else if (!strcmp(f, "--micro")) o->micro = (int)parse_long(f, v, 1, 4096);
+    else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 1 << 20);
+    else if (!strcmp(f, "--epochs")) o->epochs = (int)parse_long(f, v, 1, 100000);
+    else if (!strcmp(f, "--rounds")) o->rounds = (int)parse_long(f, v, 1, 100000);
+    else if (!strcmp(f, "--chunks")) o->chunks = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
+    else if (!strcmp(f, "--limit-train")) o->limit_train = (int)parse_long(f, v, 1, 1 << 24);
+    else if (!strcmp(f, "--alpha")) o->alpha = parse_double(f, v, 0, 1);
+    else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
+    else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)parse_long(f, v, 0, 2147483647L);
+    else if (!strcmp(f, "--advance")) o->advance = !strcmp(v, "auto") ? ADVANCE_AUTO : (int)parse_long(f, v, 0, 4096);
+    else if (!strcmp(f, "--schedule")) {
+        if (avgpipe_sched_kind_parse(v, &o->schedule) != AVGPIPE_OK || o->schedule == AVGPIPE_SCHED_CUSTOM)
+            bad_usage("--schedule expects afab, 1f1b, advance, interleaved or zbh1, got '%s'", v);
+    } else if (!strcmp(f, "--data")) o->data = v;
+    else if (!strcmp(f, "--hidden")) o->hidden = v;
+    else if (!strcmp(f, "--trace")) o->trace = v;
+    else if (!strcmp(f, "--profile")) o->profile = v;
+    else if (!strcmp(f, "--save")) o->save = v;
+    else bad_usage("unknown option '%s' (try --help)", f);
+}
+
+/* Cross-flag checks that need no data. */
+static void check_options(options *o, const char *advance_flag) {
+    int interleaved = o->schedule == AVGPIPE_SCHED_INTERLEAVED;
+    if (o->batch % o->micro != 0) bad_usage("--batch %d is not a multiple of --micro %d", o->batch, o->micro);
+    if (advance_flag && o->schedule != AVGPIPE_SCHED_ADVANCE && strcmp(advance_flag, "auto") != 0)
+        bad_usage("--advance %s applies only to --schedule advance", advance_flag);
+    if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
+    if (interleaved && !o->chunks) o->chunks = 2;
+    if (!interleaved) o->chunks = 1;
+    if (o->stages % o->chunks != 0)
+        bad_usage("--stages %d is not a multiple of --chunks %d (interleaved)", o->stages, o->chunks);
+}
+
+/* The model flags, checked now for Fashion-MNIST's 784 inputs (the data set's own size is used later). */
+static void check_model(const options *o) {
+    mlp_model m;
+    char err[512];
+    if (mlp_model_parse(&m, 784, o->hidden, o->stages, err, sizeof err) != 0) bad_usage("%s", err);
+}
+
+/* Output files are created before training, so that a bad path fails now rather than after the run. */
+static void check_output(const char *flag, const char *path) {
+    FILE *f;
+    if (!path) return;
+    errno = 0;
+    f = fopen(path, "wb");
+    if (!f) bad_usage("%s %s: cannot create: %s", flag, path, strerror(errno));
+    fclose(f);
+}
+
+static void parse_options(int argc, char **argv, options *o) {
+    const char *advance_flag = NULL;
+    int i;
+    set_defaults(o);
+    for (i = 1; i < argc; i++) {
+        const char *f = argv[i];
+        if (parse_switch(o, f)) continue;
+        if (strncmp(f, "--", 2) != 0) bad_usage("unexpected argument '%s' (try --help)", f);
+        if (i + 1 >= argc) bad_usage("missing value after %s", f);
+        if (!strcmp(f, "--advance")) advance_flag = argv[i + 1];
+        parse_value(o, f, argv[++i]);
+    }
+    check_options(o, advance_flag);
+    check_model(o);
+    check_output("--trace", o->trace);
+    check_output("--profile", o->profile);
+    check_output("--save", o->save);
+}
+
+/* ---- Stage callbacks -------------------------------------------------------------------------- */
+
+static mlp_stash *op_stash(app *A, const avgpipe_op_ctx *op) {
+    if (op->stage < 0 || op->stage >= A->G || op->slot < 0 || op->slot >= A->slots[op->stage] || op->pipe < 0 ||
+        op->pipe >= A->opt.pipes) {
+        fprintf(stderr, "\n" PROG ": op of pipeline %d, stage %d, slot %d is outside the model's %d pipelines, %d "
+                "stages, %d slots\n", op->pipe, op->stage, op->slot, A->opt.pipes, A->G,
+                op->stage >= 0 && op->stage < A->G ? A->slots[op->stage] : 0);
+        return NULL;
+    }
+    return &A->stash[op->stage][op->slot];
+}
+
+static int op_failed(const avgpipe_op_ctx *op, const char *what) {
+    fprintf(stderr, "\n" PROG ": %s of pipeline %d, stage %d, round %d, micro-batch %d failed\n", what, op->pipe,
+            op->stage, op->round, op->micro);
+    return 1;
+}
+
+/* Stage 0 gathers the micro-batch's pixels, the last stage its labels (both when G = 1). */
+static int load_samples(app *A, const avgpipe_op_ctx *op, mlp_stash *st) {
+    const uint32_t *idx = mlp_order_micro(&A->order, &A->perm[op->stage], op->pipe, op->round, op->micro, A->mb);
+    if (!idx || mlp_stash_load(st, &A->train, idx, A->mb) != 0) return op_failed(op, "loading the samples");
+    return 0;
+}
+
+static int cb_forward(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    mlp_stash *st = op_stash(A, op);
+    int last, correct = 0;
+    if (!st) return 1;
+    last = op->stage == A->G - 1;
+    if ((op->stage == 0 || last) && load_samples(A, op, st) != 0) return 1;
+    if (mlp_stage_forward(&A->model, op->stage, op->params, st, (const float *)op->input,
+                          last ? NULL : (float *)op->output, A->mb) != 0)
+        return op_failed(op, "forward");
+    if (!last) return 0;
+    op->loss = mlp_stage_loss(&A->model, st, &correct);
+    if (!isfinite(op->loss)) return op_failed(op, "forward (non-finite loss: lower --lr?)");
+    A->correct += correct;
+    return 0;
+}
+
+static int cb_backward(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    mlp_stash *st = op_stash(A, op);
+    if (!st || mlp_stage_backward(&A->model, op->stage, op->params, st, (const float *)op->input,
+                                  (const float *)op->grad_output, (float *)op->grad_input,
+                                  A->nets[op->pipe].grad[op->stage], A->loss_scale) != 0)
+        return op_failed(op, "backward");
+    return 0;
+}
+
+static int cb_backward_input(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    mlp_stash *st = op_stash(A, op);
+    if (!st || mlp_stage_backward_input(&A->model, op->stage, op->params, st, (const float *)op->grad_output,
+                                        (float *)op->grad_input, A->loss_scale) != 0)
+        return op_failed(op, "backward to the input (I)");
+    return 0;
+}
+
+static int cb_backward_weight(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    mlp_stash *st = op_stash(A, op);
+    if (!st || mlp_stage_backward_weight(&A->model, op->stage, st, (const float *)op->input,
+                                         A->nets[op->pipe].grad[op->stage]) != 0)
+        return op_failed(op, "backward to the weights (W)");
+    return 0;
+}
+
+/* Adam on (pipe, stage). The decay follows this model's own step count, so it does not depend on how
+   the runtime numbers rounds. */
+static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
+    app *A = (app *)user;
+    mlp_adam *adam;
+    mlp_adam_hp hp;
+    (void)rank, (void)round;
+    if (pipe < 0 || pipe >= A->opt.pipes || stage < 0 || stage >= A->G) return 1;
+    adam = &A->nets[pipe].adam[stage];
+    hp = A->adam;
+    hp.lr = mlp_lr_cosine(A->adam.lr, adam->t, A->decay_steps);
+    mlp_adam_step(adam, &hp, params, A->nets[pipe].grad[stage]);
+    return 0;
+}
+
+/* ---- Setup ------------------------------------------------------------------------------------ */
+
+static int load_data(app *A) {
+    char err[512];
+    if (mlp_data_load_fashion(A->opt.data, &A->train, &A->test, err, sizeof err) != 0) {
+        return fail("%s", err);
+    }
+    if (A->opt.normalize) {
+        float mean, std;
+        mlp_data_stats(&A->train, &mean, &std);
+        mlp_data_normalize(&A->train, mean, std);
+        mlp_data_normalize(&A->test, mean, std);
+    }
+    if (A->opt.limit_train) mlp_data_truncate(&A->train, A->opt.limit_train);
+    return 0;
+}
+
+/* Rounds per iteration: at most what one epoch holds, so that an epoch is a whole number of iterations. */
+static int setup_order(app *A) {
+    options *o = &A->opt;
+    long per_round = (long)o->pipes * o->batch;
+    char err[512];
+    if (A->train.n / per_round < 1) {
+        return fail("%d training samples cannot fill one round of %d pipelines x %d samples", A->train.n, o->pipes,
+                    o->batch);
+    }
+    if (A->train.n / per_round < o->rounds) {
+        o->rounds = (int)(A->train.n / per_round);
+        fprintf(stderr, PROG ": note: --rounds lowered to %d (one epoch holds %d rounds)\n", o->rounds, o->rounds);
+    }
+    if (mlp_order_init(&A->order, A->train.n, o->batch, o->pipes, o->rounds, o->seed, err, sizeof err) != 0) {
+        return fail("%s", err);
+    }
+    A->decay_steps = o->cosine ? A->order.rounds_per_epoch * o->epochs : 0;
+    if (mlp_perm_init(&A->perm[0], A->train.n) != 0 ||
+        (o->stages > 1 && mlp_perm_init(&A->perm[o->stages - 1], A->train.n) != 0))
+        return fail("out of memory");
+    return 0;
+}
+
+/* N nets, all from the same seed: every parallel model (and so the reference) starts identical. */
+static int setup_model(app *A) {
+    options *o = &A->opt;
+    char err[512];
+    int i, g;
+    if (mlp_model_parse(&A->model, A->train.dim, o->hidden, o->stages, err, sizeof err) != 0) {
+        return fail("%s", err);
+    }
+    A->G = o->stages;
+    A->mb = o->batch / o->micro;
+    A->loss_scale = 1.0f / (float)o->batch;
+    A->adam = mlp_adam_defaults();
+    A->adam.lr = (float)o->lr;
+    A->nets = (mlp_net *)calloc((size_t)o->pipes, sizeof *A->nets);
+    A->params = (float **)calloc((size_t)o->pipes * (size_t)A->G, sizeof *A->params);
+    if (!A->nets || !A->params) return fail("out of memory");
+    for (i = 0; i < o->pipes; i++) {
+        if (mlp_net_init(&A->nets[i], &A->model, o->seed) != 0) return fail("out of memory");
+        for (g = 0; g < A->G; g++) A->params[i * A->G + g] = A->nets[i].params[g];
+    }
+    for (g = 0; g + 1 < A->G; g++)
+        A->act_bytes[g] = (size_t)A->mb * (size_t)mlp_stage_out_width(&A->model, g) * sizeof(float);
+    return 0;
+}
+
+static avgpipe_run_desc make_run_desc(app *A) {
+    const options *o = &A->opt;
+    avgpipe_run_desc d;
+    memset(&d, 0, sizeof d);
+    d.sched.kind = o->schedule;
+    d.sched.stages = o->stages / o->chunks;
+    d.sched.chunks = o->chunks;
+    d.sched.micro = o->micro;
+    d.sched.pipes = o->pipes;
+    d.sched.rounds = o->rounds;
+    d.sched.continuous = o->continuous;
+    d.sched.advance = o->advance == ADVANCE_AUTO ? 0 : o->advance;
+    d.adaptive = o->schedule == AVGPIPE_SCHED_ADVANCE && o->advance == ADVANCE_AUTO;
+    d.cb.forward = cb_forward;
+    d.cb.backward = cb_backward;
+    d.cb.backward_input = cb_backward_input;
+    d.cb.backward_weight = cb_backward_weight;
+    d.cb.step = cb_step;
+    d.cb.user = A;
+    d.act_bytes = A->act_bytes;
+    d.params = (float *const *)A->params;
+    d.param_count = A->model.count;
+    d.alpha = (float)o->alpha;
+    d.zero_alpha = o->alpha == 0.0;
+    d.deterministic = o->deterministic;
+    d.profile = o->trace || o->profile;
+    return d;
+}
+
+/* One stash per slot the runtime reserved on stage g. The count can grow between iterations (the adaptive
+   controller raising K re-plans the slots), so this runs after every iteration too, while no callback runs. */
+static int grow_stashes(app *A, const avgpipe_run *run, int g) {
+    int want = avgpipe_run_slots(run, g), s;
+    mlp_stash *grown;
+    if (want < 1) return fail("the runtime reports %d slots on stage %d", want, g);
+    if (want <= A->slots[g]) return 0;
+    grown = (mlp_stash *)realloc(A->stash[g], sizeof(mlp_stash) * (size_t)want);
+    if (!grown) return fail("out of memory");
+    A->stash[g] = grown;
+    for (s = A->slots[g]; s < want; s++) {
+        if (mlp_stash_init(&grown[s], &A->model, g, A->mb) != 0) return fail("out of memory");
+        A->slots[g] = s + 1;
+    }
+    return 0;
+}
+
+static int setup_stashes(app *A, const avgpipe_run *run) {
+    int g;
+    for (g = 0; g < A->G; g++)
+        if (grow_stashes(A, run, g) != 0) return -1;
+    return 0;
+}
+
+static void free_app(app *A) {
+    int i, g;
+    for (g = 0; g < MLP_MAX_LAYERS; g++) {
+        for (i = 0; A->stash[g] && i < A->slots[g]; i++) mlp_stash_free(&A->stash[g][i]);
+        free(A->stash[g]);
+        mlp_perm_free(&A->perm[g]);
+    }
+    for (i = 0; A->nets && i < A->opt.pipes; i++) mlp_net_free(&A->nets[i]);
+    free(A->nets);
+    free(A->params);
+    mlp_data_free(&A->train);
+    mlp_data_free(&A->test);
+}
+
+/* ---- Training --------------------------------------------------------------------------------- */
+
+typedef struct epoch_stats {
+    double seconds, loss, bubble_time; /* bubble_time: sum of bubble * seconds */
+    long long micro_batches, samples;
+    int advance;
+} epoch_stats;
+
+/* The reference model's partitions, one per stage; -1 if the runtime has none to give. */
+static int get_reference(app *A, avgpipe_run *run, const float **ref) {
+    int g;
+    for (g = 0; g < A->G; g++) {
+        size_t count = 0;
+        ref[g] = avgpipe_run_reference(run, g, &count);
+        if (!ref[g] || count != A->model.count[g])
+            return fail("the runtime's reference of stage %d has %zu floats, expected %zu", g, count,
+                        A->model.count[g]);
+    }
+    return 0;
+}
+
+/* The reference model's test accuracy (-1 on failure). */
+static double evaluate_reference(app *A, avgpipe_run *run) {
+    const float *ref[MLP_MAX_LAYERS];
+    if (get_reference(A, run, ref) != 0) return -1;
+    return mlp_evaluate(&A->model, ref, &A->test, NULL);
+}
+
+static void progress(const app *A, int epoch, double frac, const epoch_stats *s, int done) {
+    char bar[21];
+    int i, filled = (int)(frac * 20 + 0.5);
+    for (i = 0; i < 20; i++) bar[i] = i < filled ? '#' : '.';
+    bar[20] = '\0';
+    fprintf(stderr, "\repoch %d/%d [%s] %3.0f%%  loss %.4f  train acc %.4f  %.0f samples/s  bubble %4.1f%%  K %d%s",
+            epoch + 1, A->opt.epochs, bar, 100 * frac, s->micro_batches ? s->loss / (double)s->micro_batches : 0.0,
+            s->samples ? (double)A->correct / (double)s->samples : 0.0, s->seconds > 0 ? s->samples / s->seconds : 0.0,
+            s->seconds > 0 ? 100 * s->bubble_time / s->seconds : 0.0, s->advance, done ? "" : "   ");
+    fflush(stderr);
+}
+
+static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, epoch_stats *s) {
+    int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, it;
+    memset(s, 0, sizeof *s);
+    A->correct = 0;
+    for (it = 0; it < iters; it++) {
+        avgpipe_run_stats rs;
+        avgpipe_result r = avgpipe_run_iteration(run, &rs);
+        if (r != AVGPIPE_OK) {
+            fprintf(stderr, "\n" PROG ": iteration %lld of epoch %d: %s: %s\n", (long long)it, epoch + 1,
+                    avgpipe_result_string(r), avgpipe_last_error(ctx));
+            return -1;
+        }
+        s->seconds += rs.seconds;
+        s->loss += rs.loss * (double)rs.micro_batches;
+        s->micro_batches += rs.micro_batches;
+        s->bubble_time += rs.bubble * rs.seconds;
+        s->samples += (long long)A->opt.rounds * A->opt.pipes * A->opt.batch;
+        s->advance = rs.advance;
+        progress(A, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
+        if (setup_stashes(A, run) != 0) return -1;
+    }
+    return 0;
+}
+
+static int write_outputs(app *A, avgpipe_run *run, avgpipe_context *ctx) {
+    const float *ref[MLP_MAX_LAYERS];
+    char err[512];
+    int rc = 0;
+    if (A->opt.save && get_reference(A, run, ref) != 0) rc = -1;
+    else if (A->opt.save && mlp_params_save(A->opt.save, &A->model, ref, err, sizeof err) != 0)
+        rc = fail("--save: %s", err);
+    if (A->opt.trace && avgpipe_run_write_trace(run, A->opt.trace) != AVGPIPE_OK)
+        rc = fail("--trace %s: %s", A->opt.trace, avgpipe_last_error(ctx));
+    if (A->opt.profile && avgpipe_run_write_profile(run, A->opt.profile) != AVGPIPE_OK)
+        rc = fail("--profile %s: %s", A->opt.profile, avgpipe_last_error(ctx));
+    return rc;
+}
+
+static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
+    double total_s = 0, acc = -1;
+    long long samples = 0;
+    int e;
+    for (e = 0; e < A->opt.epochs; e++) {
+        epoch_stats s;
+        if (run_epoch(A, run, ctx, e, &s) != 0) return -1;
+        total_s += s.seconds;
+        samples += s.samples;
+        acc = evaluate_reference(A, run);
+        fprintf(stderr, "  test acc %.4f\n", acc);
+    }
+    printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", A->opt.epochs,
+           total_s, total_s > 0 ? (double)samples / total_s : 0.0, acc);
+    return acc < 0 ? -1 : write_outputs(A, run, ctx);
+}
+
+static void print_header(const app *A) {
+    const options *o = &A->opt;
+    char desc[256];
+    mlp_model_describe(&A->model, desc, sizeof desc);
+    printf("model %s\n", desc);
+    printf("%s, %d ranks x %d chunk%s, %d pipelines, batch %d = %d x %d, %d rounds/iteration (%s), alpha %g, "
+           "Adam lr %g%s, %d training samples (%lld rounds/epoch)\n",
+           avgpipe_sched_kind_name(o->schedule), o->stages / o->chunks, o->chunks, o->chunks > 1 ? "s" : "",
+           o->pipes, o->batch, o->micro, A->mb, o->rounds, o->continuous ? "continuous" : "synchronous", o->alpha,
+           o->lr, o->cosine ? " (cosine decay)" : "", A->train.n, (long long)A->order.rounds_per_epoch);
+    fflush(stdout);
+}
+
+int main(int argc, char **argv) {
+    static app A; /* zeroed; large */
+    avgpipe_context ctx;
+    avgpipe_run *run = NULL;
+    avgpipe_run_desc desc;
+    avgpipe_result r;
+    int rc = 1;
+    parse_options(argc, argv, &A.opt);
+    openblas_set_num_threads(1); /* the stage threads are the parallelism */
+    avgpipe_context_init(&ctx, NULL);
+    if (load_data(&A) != 0 || setup_order(&A) != 0 || setup_model(&A) != 0) goto done;
+    desc = make_run_desc(&A);
+    r = avgpipe_run_create(&ctx, &desc, &run);
+    if (r != AVGPIPE_OK) {
+        fail("%s: %s", avgpipe_result_string(r), avgpipe_last_error(&ctx));
+        goto done;
+    }
+    if (setup_stashes(&A, run) != 0) goto done;
+    print_header(&A);
+    rc = train(&A, run, &ctx) == 0 ? 0 : 1;
+done:
+    avgpipe_run_destroy(run);
+    free_app(&A);
+    return rc;
+}
