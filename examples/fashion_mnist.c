@@ -240,7 +240,7 @@ static mlp_stash *op_stash(app *A, const avgpipe_op_ctx *op) {
 }
 
 static int op_failed(const avgpipe_op_ctx *op, const char *what) {
-    fprintf(stderr, "\n" PROG ": %s of pipeline %d, stage %d, round %d, micro-batch %d failed\n", what, op->pipe,
+    fprintf(stderr, "\n" PROG ": %s (pipeline %d, stage %d, round %d, micro-batch %d)\n", what, op->pipe,
             op->stage, op->round, op->micro);
     return 1;
 }
@@ -248,7 +248,7 @@ static int op_failed(const avgpipe_op_ctx *op, const char *what) {
 /* Stage 0 gathers the micro-batch's pixels, the last stage its labels (both when G = 1). */
 static int load_samples(app *A, const avgpipe_op_ctx *op, mlp_stash *st) {
     const uint32_t *idx = mlp_order_micro(&A->order, &A->perm[op->stage], op->pipe, op->round, op->micro, A->mb);
-    if (!idx || mlp_stash_load(st, &A->train, idx, A->mb) != 0) return op_failed(op, "loading the samples");
+    if (!idx || mlp_stash_load(st, &A->train, idx, A->mb) != 0) return op_failed(op, "cannot load the samples");
     return 0;
 }
 
@@ -261,10 +261,10 @@ static int cb_forward(avgpipe_op_ctx *op) {
     if ((op->stage == 0 || last) && load_samples(A, op, st) != 0) return 1;
     if (mlp_stage_forward(&A->model, op->stage, op->params, st, (const float *)op->input,
                           last ? NULL : (float *)op->output, A->mb) != 0)
-        return op_failed(op, "forward");
+        return op_failed(op, "forward failed");
     if (!last) return 0;
     op->loss = mlp_stage_loss(&A->model, st, &correct);
-    if (!isfinite(op->loss)) return op_failed(op, "forward (non-finite loss: lower --lr?)");
+    if (!isfinite(op->loss)) return op_failed(op, "non-finite loss: lower --lr?");
     A->correct += correct;
     return 0;
 }
@@ -275,7 +275,7 @@ static int cb_backward(avgpipe_op_ctx *op) {
     if (!st || mlp_stage_backward(&A->model, op->stage, op->params, st, (const float *)op->input,
                                   (const float *)op->grad_output, (float *)op->grad_input,
                                   A->nets[op->pipe].grad[op->stage], A->loss_scale) != 0)
-        return op_failed(op, "backward");
+        return op_failed(op, "backward failed");
     return 0;
 }
 
@@ -284,7 +284,7 @@ static int cb_backward_input(avgpipe_op_ctx *op) {
     mlp_stash *st = op_stash(A, op);
     if (!st || mlp_stage_backward_input(&A->model, op->stage, op->params, st, (const float *)op->grad_output,
                                         (float *)op->grad_input, A->loss_scale) != 0)
-        return op_failed(op, "backward to the input (I)");
+        return op_failed(op, "backward to the input (I) failed");
     return 0;
 }
 
@@ -293,7 +293,7 @@ static int cb_backward_weight(avgpipe_op_ctx *op) {
     mlp_stash *st = op_stash(A, op);
     if (!st || mlp_stage_backward_weight(&A->model, op->stage, st, (const float *)op->input,
                                          A->nets[op->pipe].grad[op->stage]) != 0)
-        return op_failed(op, "backward to the weights (W)");
+        return op_failed(op, "backward to the weights (W) failed");
     return 0;
 }
 
