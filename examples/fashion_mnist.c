@@ -174,7 +174,6 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--trace")) o->trace = v;
     else if (!strcmp(f, "--profile")) o->profile = v;
     else if (!strcmp(f, "--save")) o->save = v;
-    else bad_usage("unknown option '%s' (try --help)", f);
 }
 
 /* Cross-flag checks that need no data. */
@@ -207,6 +206,16 @@ static void check_output(const char *flag, const char *path) {
     fclose(f);
 }
 
+static int is_value_flag(const char *f) {
+    static const char *const names[] = {"--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds",
+                                        "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
+                                        "--schedule", "--data", "--hidden", "--trace", "--profile", "--save"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(f, names[i])) return 1;
+    return 0;
+}
+
 static void parse_options(int argc, char **argv, options *o) {
     const char *advance_flag = NULL;
     int i;
@@ -215,6 +224,7 @@ static void parse_options(int argc, char **argv, options *o) {
         const char *f = argv[i];
         if (parse_switch(o, f)) continue;
         if (strncmp(f, "--", 2) != 0) bad_usage("unexpected argument '%s' (try --help)", f);
+        if (!is_value_flag(f)) bad_usage("unknown option '%s' (try --help)", f);
         if (i + 1 >= argc) bad_usage("missing value after %s", f);
         if (!strcmp(f, "--advance")) advance_flag = argv[i + 1];
         parse_value(o, f, argv[++i]);

@@ -45,7 +45,7 @@ static const char *usage =
     "  --no-normalize     keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n";
 
 static void die_usage(const char *msg, const char *arg) {
-    fprintf(stderr, "mlp_reference: %s%s%s%s\n", msg, arg ? " '" : "", arg ? arg : "", arg ? "'" : "");
+    fprintf(stderr, "mlp_reference: %s '%s' (try --help)\n", msg, arg);
     exit(2);
 }
 
@@ -73,6 +73,15 @@ static double parse_double(const char *flag, const char *s, double lo, double hi
     return v;
 }
 
+static int is_value_flag(const char *f) {
+    static const char *const names[] = {"--stages", "--micro", "--batch", "--epochs", "--threads", "--limit-train",
+                                        "--eval-every", "--lr", "--wd", "--seed", "--data", "--hidden", "--save"};
+    size_t i;
+    for (i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (!strcmp(f, names[i])) return 1;
+    return 0;
+}
+
 static void parse_options(int argc, char **argv, options *o) {
     int i;
     o->stages = 4, o->micro = 4, o->batch = 128, o->epochs = 10, o->threads = 1, o->limit_train = 0;
@@ -84,6 +93,7 @@ static void parse_options(int argc, char **argv, options *o) {
         if (!strcmp(f, "--no-normalize")) { o->normalize = 0; continue; }
         if (!strcmp(f, "--constant-lr")) { o->cosine = 0; continue; }
         if (strncmp(f, "--", 2) != 0) die_usage("unexpected argument", f);
+        if (!is_value_flag(f)) die_usage("unknown option", f);
         if (!v) die_usage("missing value after", f);
         i++;
         if (!strcmp(f, "--stages")) o->stages = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
@@ -99,7 +109,7 @@ static void parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(f, "--data")) o->data = v;
         else if (!strcmp(f, "--hidden")) o->hidden = v;
         else if (!strcmp(f, "--save")) o->save = v;
-        else die_usage("unknown option (try --help)", f);
+        else die_usage("unknown option", f);
     }
     if (o->batch % o->micro != 0) {
         fprintf(stderr, "mlp_reference: --batch %d is not a multiple of --micro %d\n", o->batch, o->micro);
