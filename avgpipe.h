@@ -4159,7 +4159,8 @@ typedef struct avgpipe__lqueue {
 } avgpipe__lqueue;
 
 typedef struct avgpipe__local {
-    avgpipe_context *ctx;
+    avgpipe_context *ctx; /* points at own_ctx: the caller's context need not outlive the backend */
+    avgpipe_context own_ctx;
     int n;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -4430,7 +4431,10 @@ static void avgpipe__local_destroy(void *user) {
     avgpipe_free(L->ctx, L->ar_buf);
     pthread_mutex_destroy(&L->mu);
     pthread_cond_destroy(&L->cv);
-    avgpipe_free(L->ctx, L);
+    {
+        avgpipe_context c = L->own_ctx; /* L holds it: free L through a copy */
+        avgpipe_free(&c, L);
+    }
 }
 
 AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out) {
@@ -4440,7 +4444,8 @@ AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int r
     if (ranks < 1 || ranks > 4096) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ranks: must be in 1..4096 (got %d)", ranks);
     L = (avgpipe__local *)avgpipe__calloc(ctx, 1, sizeof *L);
     if (!L) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
-    L->ctx = ctx;
+    avgpipe_context_init(&L->own_ctx, &avgpipe__ctx(ctx)->desc); /* same allocator, private error buffer */
+    L->ctx = &L->own_ctx;
     L->n = ranks;
     L->sends = (avgpipe__lqueue *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe__lqueue));
     L->recvs = (avgpipe__lqueue *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe__lqueue));
@@ -4449,7 +4454,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int r
         avgpipe_free(ctx, L->sends);
         avgpipe_free(ctx, L->recvs);
         avgpipe_free(ctx, L->err);
-        avgpipe_free(ctx, L);
+        avgpipe_free(ctx, L); /* own_ctx lives inside L */
         return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
     }
     pthread_mutex_init(&L->mu, NULL);
