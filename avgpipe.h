@@ -872,7 +872,7 @@ typedef struct avgpipe_stage_callbacks {
     int (*backward_input)(avgpipe_op_ctx *op);
     int (*backward_weight)(avgpipe_op_ctx *op);
     /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
-       round's micro-batches. */
+       round's micro-batches. round is global (iteration · R + r), as in avgpipe_op_ctx. */
     int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
     void *user;
 } avgpipe_stage_callbacks;
@@ -881,7 +881,8 @@ typedef struct avgpipe_run_desc {
     avgpipe_sched_desc sched;          /* shape and schedule kind; sched.rounds = rounds per iteration */
     const avgpipe_schedule *schedule;  /* optional: run this schedule (compute-only or lowered) instead */
     avgpipe_stage_callbacks cb;
-    const size_t *act_bytes;           /* [G-1]: bytes of one micro-batch's activation at boundary g|g+1 */
+    const size_t *act_bytes;           /* [G-1]: bytes of one micro-batch's activation at boundary g|g+1
+                                          (may be NULL when G = 1) */
     float *const *params;              /* [pipe * G + stage]: each parallel model's parameters */
     const size_t *param_count;         /* [G]: floats per stage partition */
     /* Averaging: mode 0 -> MEAN, alpha 0 -> 0.1 (zero_alpha = 1 for exactly 0), momentum (ELASTIC). */
@@ -907,7 +908,8 @@ typedef struct avgpipe_run_stats {
     double seconds;       /* wall time of the iteration */
     double loss;          /* mean of op->loss over the iteration's last-stage forwards */
     long long micro_batches; /* last-stage forwards in the iteration */
-    double bubble;        /* 1 - (time in callbacks) / (ranks · seconds) */
+    double bubble;        /* 1 - (time in callbacks) / (ranks · seconds); with more stage threads than
+                             cores this includes the time threads wait for a core */
     int advance;          /* K the iteration ran with */
     long long ops;
 } avgpipe_run_stats;
@@ -915,8 +917,12 @@ typedef struct avgpipe_run_stats {
 /* Validate desc, build (or take) the schedule, lower it, allocate buffers, start the workers.
    Errors name the field. ctx must outlive the run. */
 AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpipe_run_desc *desc, avgpipe_run **out);
-/* Run the schedule once (R rounds of N batches). On a failure every rank stops and the run is dead
-   (destroy it); the error names rank, op and peer. Driven by one thread. */
+/* Run the schedule once (R rounds of N batches). Returns when every rank finished its ops and every
+   averaging of the iteration has been applied (so avgpipe_run_reference is that iteration's). On a
+   failure every rank stops and the run is dead (destroy it); the error names rank, op and peer.
+   Driven by one thread. Threads: the callbacks of a stage always run on its rank's worker thread (one
+   per rank, the same thread every iteration); whatever the driving thread writes between iterations
+   is visible to the callbacks, and what they write is visible to it after this call returns. */
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats);
 /* Stop the workers and free everything. */
 AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
@@ -925,7 +931,8 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
 AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count);
 /* The schedule being run (lowered), and K for advance. */
 AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
-/* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. */
+/* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. With
+   adaptive advance the count can grow when K changes: query it again after each iteration. */
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
 /* Bytes the runtime allocated for boundary buffers and averaging, per rank (memory model check). */
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
