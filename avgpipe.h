@@ -74,6 +74,7 @@
      8. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
      9. Comm backend    function-pointer table; in-process threads                  (avgpipe_comm_*)
     10. Runtime         execute schedules on stage threads, profile, adaptive K     (avgpipe_run_*)
+    11. Tuner           profile -> cost model -> simulate candidates -> ranking     (avgpipe_tune_*)
 */
 #ifndef AVGPIPE_H
 #define AVGPIPE_H
@@ -894,6 +895,7 @@ typedef struct avgpipe_run_desc {
     double timeout_s;     /* every wait; 0 -> 60 s */
     const avgpipe_comm *comm; /* NULL: in-process threads (avgpipe_comm_local_create) */
     int profile;          /* 1: record per-op events (avgpipe_run_events / trace / profile file) */
+    double micro_samples; /* samples per micro-batch, written to the profile for the tuner; 0 -> 1 */
     /* Adaptive advance forward (Algorithm 1): only with sched.kind == ADVANCE. Starts at K = 0 (1F1B),
        raises K by one after `window` iterations whose median time improved on the previous K's, while
        the predicted activation memory of every stage stays under mem_limit; then holds. */
@@ -942,12 +944,103 @@ AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size
 /* Write the last iteration's profile as text / its Chrome trace. Profile format, one record a line:
      # avgpipe profile v1
      shape kind=<name> stages=S chunks=V micro=M pipes=N rounds=R advance=K continuous=0|1
+           samples=<per micro-batch> seconds=<iteration time>      (one line; a new section each)
      stage g param_floats=P act_bytes=B slots=Q            (one line per stage)
      op rank=r kind=F pipe=i stage=g micro=u start=<s> end=<s> bytes=<n>
    Times in seconds from the iteration's start; bytes = bytes the op moved (transfers). */
 AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const char *path);
+/* The same, appended to `path` as a new section (profile two micro-batch sizes into one file). */
+AVGPIPE_API avgpipe_result avgpipe_run_append_profile(avgpipe_run *run, const char *path);
 AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char *path);
 #endif
+
+/* ============================================================================================ */
+/* 11. Tuner   (avgpipe_profile_*, avgpipe_tune_*)                                               */
+/* ============================================================================================ */
+/* One profiled run is enough (the paper's Section 5, made exact): fit each stage's op times as a
+   linear function of the micro-batch size (the profile should hold two sizes: two sections), the
+   transfer latency, and take the memory per stage from the profile; then predict every candidate
+   (M, N, K, schedule, round mode) by running the timed simulator on those costs, predict its memory
+   per rank with the runtime's own buffer planner, and rank by time per sample under a memory limit.
+   On CPU stage threads the N pipelines share each rank's core (the simulator's one compute resource
+   per rank); a device that runs pipelines concurrently would need a utilisation factor (not yet). */
+
+typedef struct avgpipe_profile_op {
+    int section, rank, kind, pipe, stage, micro; /* kind: avgpipe_op_kind; RECV_* are waits at use */
+    double start, end, bytes;
+} avgpipe_profile_op;
+
+typedef struct avgpipe_profile_section {
+    avgpipe_shape shape;
+    double samples;      /* samples per micro-batch */
+    double seconds;      /* measured iteration time */
+    int nstages;
+    double *param_floats, *act_bytes; /* [nstages] */
+} avgpipe_profile_section;
+
+typedef struct avgpipe_profile {
+    int nsections;
+    avgpipe_profile_section *sections;
+    size_t nops;
+    avgpipe_profile_op *ops;
+} avgpipe_profile;
+
+/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write). Errors
+   (AVGPIPE_PARSE_ERROR) name the line and the field: missing fields, unknown kinds, negative or
+   non-numeric values, end before start, an op before any shape line. */
+AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out);
+#ifndef AVGPIPE_NO_STDIO
+AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out);
+#endif
+AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p);
+
+/* Fitted costs, seconds. Op time of (stage, kind) = a + b · samples per micro-batch. */
+typedef struct avgpipe_cost_model {
+    int nstages;
+    double *a, *b;              /* [stage * AVGPIPE_OP_KIND_COUNT + kind] */
+    double latency;             /* per transfer */
+    double *param_floats;       /* [nstages] */
+    double *act_bytes_per_sample; /* [nstages]: activation bytes at boundary g|g+1 per sample */
+    double samples_lo, samples_hi; /* micro-batch sizes seen in the profile */
+} avgpipe_cost_model;
+
+AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out);
+AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m);
+
+/* Predicted seconds of one iteration (sched->rounds rounds) with micro-batches of `samples`. */
+AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
+                                                double samples, double *seconds);
+
+/* Memory model: bytes the runtime allocates per rank for desc (boundary-buffer slots planned from
+   the schedule exactly as avgpipe_run_create plans them, plus the averaging buffers); per_rank has
+   sched.stages entries. Equals avgpipe_run_bytes of a run created from the same desc. */
+AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
+
+typedef struct avgpipe_tune_desc {
+    int batch;                  /* B: samples per batch of one pipeline (required) */
+    int max_pipes;              /* N candidates 1..max_pipes; 0 -> 4 */
+    int rounds;                 /* R per iteration; 0 -> 1 */
+    double mem_limit;           /* bytes per rank; 0 -> none */
+    double opt_bytes_per_param; /* optimizer state per parameter and pipeline (Adam: 8); 0 -> 0 */
+    int max_advance;            /* largest K tried; 0 -> until every stage runs all its forwards first */
+    int min_micro;              /* smallest micro-batch size in samples; 0 -> 1 */
+    int no_continuous;          /* 1: synchronous rounds only */
+    unsigned kinds;             /* bit (1u << avgpipe_sched_kind); 0 -> AFAB, 1F1B, advance, ZB-H1 */
+} avgpipe_tune_desc;
+
+typedef struct avgpipe_tune_candidate {
+    avgpipe_sched_desc sched;   /* kind, stages, micro, pipes, advance, rounds, continuous */
+    double samples;             /* per micro-batch */
+    double seconds;             /* predicted iteration time */
+    double time_per_sample;     /* seconds / (rounds · pipes · batch) */
+    double peak_bytes;          /* max over ranks: runtime buffers + parameters + optimizer state */
+    int fits;                   /* peak_bytes <= mem_limit */
+} avgpipe_tune_candidate;
+
+/* Every candidate, fitting ones first, each group fastest per sample first. *out is allocated with
+   the context's allocator (avgpipe_free it). */
+AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                               avgpipe_tune_candidate **out, int *count);
 
 /*@@SECTIONS_DECL@@*/
 
@@ -4580,6 +4673,7 @@ struct avgpipe_run {
     pthread_cond_t cv;
     long go, done;
     int quit, aborted, dead;
+    int plan_only; /* avgpipe_run_memory: plan the buffers, allocate none */
     avgpipe_result abort_res;
     char abort_msg[AVGPIPE_ERROR_MAX];
     long long iter;
@@ -4744,6 +4838,7 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int g, int nslots) 
     st->in_bytes = in;
     st->out_bytes = out;
     st->slot_bytes = sz;
+    if (run->plan_only) return AVGPIPE_OK;
     st->mem = (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots + 1);
     st->slot = (avgpipe__slot *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(avgpipe__slot));
     st->freeq = (int *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(int));
@@ -5513,7 +5608,12 @@ AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size
 }
 
 #ifndef AVGPIPE_NO_STDIO
-AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const char *path) {
+static avgpipe_result avgpipe__run_profile(avgpipe_run *run, const char *path, int append);
+
+AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const char *path) { return avgpipe__run_profile(run, path, 0); }
+AVGPIPE_API avgpipe_result avgpipe_run_append_profile(avgpipe_run *run, const char *path) { return avgpipe__run_profile(run, path, 1); }
+
+static avgpipe_result avgpipe__run_profile(avgpipe_run *run, const char *path, int append) {
     FILE *f;
     size_t n, i;
     int g, bad;
@@ -5521,12 +5621,13 @@ AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const cha
     if (!run || !path) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_write_profile: NULL argument");
     if (!run->d.profile) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_write_profile: create the run with profile = 1");
     n = avgpipe__gather_events(run);
-    f = fopen(path, "w");
+    f = fopen(path, append ? "a" : "w");
     if (!f) return avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot create '%s'", path);
     sh = &run->base.shape;
-    fprintf(f, "# avgpipe profile v1\n");
-    fprintf(f, "shape kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d\n",
-            avgpipe_sched_kind_name(sh->kind), run->S, sh->chunks, sh->micro, run->N, sh->rounds, run->K, sh->continuous);
+    if (!append || ftell(f) == 0) fprintf(f, "# avgpipe profile v1\n");
+    fprintf(f, "shape kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d samples=%.17g seconds=%.9f\n",
+            avgpipe_sched_kind_name(sh->kind), run->S, sh->chunks, sh->micro, run->N, sh->rounds, run->K, sh->continuous,
+            run->d.micro_samples > 0 ? run->d.micro_samples : 1.0, run->seconds);
     for (g = 0; g < run->G; g++)
         fprintf(f, "stage %d param_floats=%zu act_bytes=%zu slots=%d\n", g, run->d.param_count[g], run->act[g], run->st[g].nslots);
     for (i = 0; i < n; i++) {
@@ -5563,6 +5664,590 @@ AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char 
     return res;
 }
 #endif
+
+/* --- 11. Tuner ------------------------------------------------------------------------------------- */
+
+AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p) {
+    int i;
+    if (!p) return;
+    for (i = 0; i < p->nsections; i++) {
+        avgpipe_free(ctx, p->sections[i].param_floats);
+        avgpipe_free(ctx, p->sections[i].act_bytes);
+    }
+    avgpipe_free(ctx, p->sections);
+    avgpipe_free(ctx, p->ops);
+    memset(p, 0, sizeof *p);
+}
+
+/* "key=value" fields of one line; returns the number found (at most max). */
+typedef struct avgpipe__kv {
+    char key[24];
+    char val[40];
+} avgpipe__kv;
+
+static int avgpipe__split_kv(const char *p, const char *end, avgpipe__kv *kv, int max, int *bad) {
+    int n = 0;
+    *bad = 0;
+    while (p < end) {
+        const char *k0, *eq, *v0;
+        while (p < end && avgpipe__is_space(*p)) p++;
+        if (p >= end) break;
+        k0 = p;
+        while (p < end && !avgpipe__is_space(*p)) p++;
+        eq = (const char *)memchr(k0, '=', (size_t)(p - k0));
+        if (!eq || eq == k0 || (size_t)(eq - k0) >= sizeof kv->key || (size_t)(p - eq - 1) >= sizeof kv->val || n >= max) {
+            *bad = 1;
+            return n;
+        }
+        v0 = eq + 1;
+        memcpy(kv[n].key, k0, (size_t)(eq - k0));
+        kv[n].key[eq - k0] = 0;
+        memcpy(kv[n].val, v0, (size_t)(p - v0));
+        kv[n].val[p - v0] = 0;
+        n++;
+    }
+    return n;
+}
+
+static const char *avgpipe__kv_get(const avgpipe__kv *kv, int n, const char *key) {
+    int i;
+    for (i = 0; i < n; i++)
+        if (strcmp(kv[i].key, key) == 0) return kv[i].val;
+    return NULL;
+}
+
+/* A finite number >= 0 from field `key`; 0 = missing or bad (the message says which). */
+static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double *out) {
+    const char *v = avgpipe__kv_get(kv, n, key);
+    char *e;
+    double x;
+    if (!v) {
+        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: missing field '%s'", line, key);
+        return 0;
+    }
+    x = strtod(v, &e);
+    if (e == v || *e || !(x >= 0) || x > 1e300) {
+        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number >= 0, got '%s'", line, key, v);
+        return 0;
+    }
+    *out = x;
+    return 1;
+}
+
+static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile_section *sec, *ns;
+    double v[9];
+    static const char *const keys[9] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous", "samples", "seconds"};
+    const char *kind = avgpipe__kv_get(kv, n, "kind");
+    int i;
+    for (i = 0; i < 9; i++)
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+    if (v[0] < 1 || v[1] < 1 || v[2] < 1 || v[3] < 1 || v[4] < 1 || v[7] <= 0 || v[0] * v[1] > AVGPIPE__MAX_STAGES || v[2] > 1e9 || v[3] > 32767)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stages, chunks, micro, pipes, rounds and samples must be >= 1 (and sane)", line);
+    ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, ((size_t)p->nsections + 1) * sizeof *ns);
+    if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+    p->sections = ns;
+    sec = &p->sections[p->nsections++];
+    memset(sec, 0, sizeof *sec);
+    if (!kind || avgpipe_sched_kind_parse(kind, &sec->shape.kind))
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'kind' missing or unknown", line);
+    sec->shape.stages = (int)v[0];
+    sec->shape.chunks = (int)v[1];
+    sec->shape.micro = (int)v[2];
+    sec->shape.pipes = (int)v[3];
+    sec->shape.rounds = (int)v[4];
+    sec->shape.advance = (int)v[5];
+    sec->shape.continuous = v[6] != 0;
+    sec->samples = v[7];
+    sec->seconds = v[8];
+    sec->nstages = sec->shape.stages * sec->shape.chunks;
+    sec->param_floats = (double *)avgpipe__calloc(ctx, (size_t)sec->nstages, sizeof(double));
+    sec->act_bytes = (double *)avgpipe__calloc(ctx, (size_t)sec->nstages, sizeof(double));
+    for (i = 0; sec->param_floats && sec->act_bytes && i < sec->nstages; i++) sec->param_floats[i] = -1;
+    if (!sec->param_floats || !sec->act_bytes) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const avgpipe__kv *kv, int n,
+                                             int line) {
+    avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
+    double pf, ab;
+    char *e;
+    long g = strtol(idx, &e, 10);
+    if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' before any 'shape' line", line);
+    if (e == idx || (*e && !avgpipe__is_space(*e)) || g < 0 || g >= sec->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index out of range 0..%d", line, sec->nstages - 1);
+    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, &pf) || !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, &ab))
+        return AVGPIPE_PARSE_ERROR;
+    sec->param_floats[g] = pf;
+    sec->act_bytes[g] = ab;
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
+    avgpipe_profile_op op;
+    double v[7];
+    static const char *const keys[7] = {"rank", "pipe", "stage", "micro", "start", "end", "bytes"};
+    const char *kind = avgpipe__kv_get(kv, n, "kind");
+    int i, k = -1;
+    if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'op' before any 'shape' line", line);
+    for (i = 0; i < 7; i++)
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+    for (i = 1; kind && i < AVGPIPE_OP_KIND_COUNT; i++)
+        if (strcmp(kind, avgpipe__op_names[i]) == 0) k = i;
+    if (k < 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'kind' missing or unknown", line);
+    if (v[0] >= sec->shape.stages || v[1] >= sec->shape.pipes || v[2] >= sec->nstages || v[3] > 2e9)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: rank, pipe or stage out of range for its shape line", line);
+    if (v[5] < v[4]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: end %g is before start %g (wrong units?)", line, v[5], v[4]);
+    if (p->nops == *cap) {
+        size_t nc = *cap ? 2 * *cap : 1024;
+        avgpipe_profile_op *q = (avgpipe_profile_op *)avgpipe__realloc(ctx, p->ops, *cap * sizeof *q, nc * sizeof *q);
+        if (!q) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+        p->ops = q;
+        *cap = nc;
+    }
+    op.section = p->nsections - 1;
+    op.rank = (int)v[0];
+    op.kind = k;
+    op.pipe = (int)v[1];
+    op.stage = (int)v[2];
+    op.micro = (int)v[3];
+    op.start = v[4];
+    op.end = v[5];
+    op.bytes = v[6];
+    p->ops[p->nops++] = op;
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
+    const char *p, *end;
+    int line = 0, i, g, have_header = 0;
+    size_t cap = 0;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_parse: NULL argument");
+    memset(out, 0, sizeof *out);
+    end = text + len;
+    for (p = text; p < end && !res;) {
+        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p)), *w;
+        avgpipe__kv kv[16];
+        int n, bad;
+        char q[48];
+        if (!e) e = end;
+        line++;
+        if (e > p && e[-1] == '\r') e--;
+        w = p;
+        while (w < e && !avgpipe__is_space(*w)) w++;
+        if (p == e || *p == '#') {
+            if (line == 1 && (size_t)(e - p) >= 20 && memcmp(p, "# avgpipe profile v1", 20) == 0) have_header = 1;
+        } else if ((size_t)(w - p) == 5 && memcmp(p, "shape", 5) == 0) {
+            n = avgpipe__split_kv(w, e, kv, 16, &bad);
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: malformed key=value field", line)
+                      : avgpipe__profile_shape(ctx, out, kv, n, line);
+        } else if ((size_t)(w - p) == 5 && memcmp(p, "stage", 5) == 0) {
+            const char *idx = w;
+            while (idx < e && avgpipe__is_space(*idx)) idx++;
+            w = idx;
+            while (w < e && !avgpipe__is_space(*w)) w++;
+            n = avgpipe__split_kv(w, e, kv, 16, &bad);
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: malformed key=value field", line)
+                      : avgpipe__profile_stage(ctx, out, idx, kv, n, line);
+        } else if ((size_t)(w - p) == 2 && memcmp(p, "op", 2) == 0) {
+            n = avgpipe__split_kv(w, e, kv, 16, &bad);
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: malformed key=value field", line)
+                      : avgpipe__profile_op(ctx, out, &cap, kv, n, line);
+        } else {
+            res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: unknown record '%s'", line, avgpipe__quote(p, (size_t)(w - p), q, sizeof q));
+        }
+        if (line == 1 && !have_header && !res)
+            res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line 1: expected '# avgpipe profile v1'");
+        p = (e < end && *e == '\r') ? e + 2 : e + 1;
+    }
+    if (!res && out->nsections == 0) res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: no 'shape' line");
+    for (i = 0; i < out->nsections && !res; i++)
+        for (g = 0; g < out->sections[i].nstages && !res; g++)
+            if (out->sections[i].param_floats[g] < 0)
+                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+    if (res) avgpipe_profile_free(ctx, out);
+    return res;
+}
+
+#ifndef AVGPIPE_NO_STDIO
+AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out) {
+    FILE *f;
+    avgpipe_buf text = {NULL, 0, 0};
+    char chunk[65536];
+    size_t n;
+    avgpipe_result res;
+    if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_load: NULL argument");
+    f = fopen(path, "rb");
+    if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
+        if (text.len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, &text, chunk, n)) {
+            fclose(f);
+            avgpipe_buf_free(ctx, &text);
+            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "'%s' is too large (over 1 GiB) or memory ran out", path);
+        }
+    n = (size_t)ferror(f);
+    fclose(f);
+    if (n) {
+        avgpipe_buf_free(ctx, &text);
+        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s' (a directory, or a read error)", path);
+    }
+    res = avgpipe_profile_parse(ctx, text.data ? text.data : "", text.len, out);
+    if (res) {
+        char detail[AVGPIPE_ERROR_MAX - 64];
+        snprintf(detail, sizeof detail, "%.900s", avgpipe__ctx(ctx)->error);
+        avgpipe__fail(ctx, res, "%.60s: %s", path, detail);
+    }
+    avgpipe_buf_free(ctx, &text);
+    return res;
+}
+#endif
+
+AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
+    if (!m) return;
+    avgpipe_free(ctx, m->a);
+    avgpipe_free(ctx, m->b);
+    avgpipe_free(ctx, m->param_floats);
+    avgpipe_free(ctx, m->act_bytes_per_sample);
+    memset(m, 0, sizeof *m);
+}
+
+/* Least squares of y = a + b·x over the ops of one (stage, kind); proportional when one size was seen. */
+static void avgpipe__fit_line(const double *s, double *a, double *b, int constant) {
+    double n = s[0], sx = s[1], sy = s[2], sxx = s[3], sxy = s[4], det = n * sxx - sx * sx;
+    *a = *b = 0;
+    if (n <= 0) return;
+    if (constant) {
+        *a = sy / n;
+        return;
+    }
+    if (det > 1e-12 * n * sxx) {
+        *b = (n * sxy - sx * sy) / det;
+        *a = (sy - *b * sx) / n;
+    }
+    if (det <= 1e-12 * n * sxx || *b < 0 || *a < 0) { /* one size, or a fit outside physics: proportional */
+        *a = 0;
+        *b = sx > 0 ? sy / sx : 0;
+    }
+}
+
+static int avgpipe__cmp_dbl(const void *x, const void *y) {
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+/* Transfer latency: median over the receive waits that blocked of (wait end - producer end). */
+static avgpipe_result avgpipe__fit_latency(avgpipe_context *ctx, const avgpipe_profile *p, double *latency) {
+    int s;
+    double *d = NULL;
+    size_t nd = 0, i;
+    *latency = 0;
+    d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
+    if (!d) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    for (s = 0; s < p->nsections; s++) {
+        const avgpipe_profile_section *sec = &p->sections[s];
+        size_t U = (size_t)sec->shape.micro * sec->shape.rounds, cells = (size_t)sec->shape.pipes * sec->nstages * U, c;
+        double *fend = (double *)avgpipe_alloc(ctx, 2 * cells * sizeof(double)), *bend;
+        if (!fend) {
+            avgpipe_free(ctx, d);
+            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+        }
+        bend = fend + cells;
+        for (c = 0; c < 2 * cells; c++) fend[c] = -1;
+        for (i = 0; i < p->nops; i++) {
+            const avgpipe_profile_op *o = &p->ops[i];
+            size_t ix = ((size_t)o->pipe * sec->nstages + (size_t)o->stage) * U + (size_t)o->micro;
+            if (o->section != s || (size_t)o->micro >= U) continue;
+            if (o->kind == AVGPIPE_OP_F) fend[ix] = o->end;
+            if (o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I) bend[ix] = o->end;
+        }
+        for (i = 0; i < p->nops; i++) {
+            const avgpipe_profile_op *o = &p->ops[i];
+            int g2 = o->stage + (o->kind == AVGPIPE_OP_RECV_F ? -1 : 1);
+            double prod;
+            if (o->section != s || (o->kind != AVGPIPE_OP_RECV_F && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
+            if (g2 < 0 || g2 >= sec->nstages || (size_t)o->micro >= U) continue;
+            prod = (o->kind == AVGPIPE_OP_RECV_F ? fend : bend)[((size_t)o->pipe * sec->nstages + (size_t)g2) * U + (size_t)o->micro];
+            if (prod >= 0 && o->end >= prod) d[nd++] = o->end - prod;
+        }
+        avgpipe_free(ctx, fend);
+    }
+    if (nd) {
+        qsort(d, nd, sizeof *d, avgpipe__cmp_dbl);
+        *latency = d[nd / 2];
+    }
+    avgpipe_free(ctx, d);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out) {
+    int G, s, g, k, K = AVGPIPE_OP_KIND_COUNT;
+    double *sums;
+    size_t i;
+    avgpipe_result res;
+    if (!p || !out || p->nsections < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_fit: NULL or empty profile");
+    memset(out, 0, sizeof *out);
+    G = p->sections[0].nstages;
+    for (s = 1; s < p->nsections; s++)
+        if (p->sections[s].nstages != G)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_fit: section %d has %d stages, section 1 has %d", s + 1,
+                                 p->sections[s].nstages, G);
+    out->nstages = G;
+    out->a = (double *)avgpipe__calloc(ctx, (size_t)G * K, sizeof(double));
+    out->b = (double *)avgpipe__calloc(ctx, (size_t)G * K, sizeof(double));
+    out->param_floats = (double *)avgpipe__calloc(ctx, (size_t)G, sizeof(double));
+    out->act_bytes_per_sample = (double *)avgpipe__calloc(ctx, (size_t)G, sizeof(double));
+    sums = (double *)avgpipe__calloc(ctx, (size_t)G * K * 5, sizeof(double));
+    if (!out->a || !out->b || !out->param_floats || !out->act_bytes_per_sample || !sums) {
+        avgpipe_free(ctx, sums);
+        avgpipe_cost_model_free(ctx, out);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
+    }
+    out->samples_lo = out->samples_hi = p->sections[0].samples;
+    for (s = 0; s < p->nsections; s++) {
+        if (p->sections[s].samples < out->samples_lo) out->samples_lo = p->sections[s].samples;
+        if (p->sections[s].samples > out->samples_hi) out->samples_hi = p->sections[s].samples;
+    }
+    for (g = 0; g < G; g++) {
+        out->param_floats[g] = p->sections[0].param_floats[g];
+        out->act_bytes_per_sample[g] = p->sections[0].act_bytes[g] / p->sections[0].samples;
+    }
+    for (i = 0; i < p->nops; i++) {
+        const avgpipe_profile_op *o = &p->ops[i];
+        double x = p->sections[o->section].samples, y = o->end - o->start, *q;
+        if (!avgpipe__is_compute(o->kind) && o->kind != AVGPIPE_OP_STEP) continue;
+        q = &sums[((size_t)o->stage * K + (size_t)o->kind) * 5];
+        q[0] += 1, q[1] += x, q[2] += y, q[3] += x * x, q[4] += x * y;
+    }
+    for (g = 0; g < G; g++)
+        for (k = 0; k < K; k++)
+            avgpipe__fit_line(&sums[((size_t)g * K + (size_t)k) * 5], &out->a[g * K + k], &out->b[g * K + k], k == AVGPIPE_OP_STEP);
+    for (g = 0; g < G; g++) { /* a backward seen only whole, or only split */
+        double *a = &out->a[g * K], *b = &out->b[g * K];
+        double nB = sums[((size_t)g * K + AVGPIPE_OP_B) * 5], nI = sums[((size_t)g * K + AVGPIPE_OP_I) * 5];
+        if (nB == 0 && nI > 0) {
+            a[AVGPIPE_OP_B] = a[AVGPIPE_OP_I] + a[AVGPIPE_OP_W];
+            b[AVGPIPE_OP_B] = b[AVGPIPE_OP_I] + b[AVGPIPE_OP_W];
+        } else if (nI == 0 && nB > 0) {
+            a[AVGPIPE_OP_I] = a[AVGPIPE_OP_W] = a[AVGPIPE_OP_B] / 2;
+            b[AVGPIPE_OP_I] = b[AVGPIPE_OP_W] = b[AVGPIPE_OP_B] / 2;
+        }
+    }
+    avgpipe_free(ctx, sums);
+    res = avgpipe__fit_latency(ctx, p, &out->latency);
+    if (res) avgpipe_cost_model_free(ctx, out);
+    return res;
+}
+
+typedef struct avgpipe__pred {
+    const avgpipe_cost_model *m;
+    double samples;
+} avgpipe__pred;
+
+static double avgpipe__pred_cost(const avgpipe_op *op, void *user) {
+    const avgpipe__pred *p = (const avgpipe__pred *)user;
+    size_t ix = (size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind;
+    if (op->stage < 0 || op->stage >= p->m->nstages) return 0;
+    return p->m->a[ix] + p->m->b[ix] * p->samples;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
+                                                double samples, double *seconds) {
+    avgpipe_schedule s;
+    avgpipe_sim_desc sd;
+    avgpipe_sim_result r;
+    avgpipe__pred pr;
+    avgpipe_result res;
+    if (!m || !sched || !seconds || !(samples > 0)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: bad argument");
+    res = avgpipe_sched_generate(ctx, sched, &s);
+    if (res) return res;
+    if (s.nstages != m->nstages) {
+        avgpipe_sched_free(ctx, &s);
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: the schedule has %d stage partitions, the model %d", s.nstages,
+                             m->nstages);
+    }
+    memset(&sd, 0, sizeof sd);
+    pr.m = m;
+    pr.samples = samples;
+    sd.cost_fn = avgpipe__pred_cost;
+    sd.cost_user = &pr;
+    sd.latency = m->latency;
+    res = avgpipe_sim_run(ctx, &s, &sd, &r);
+    avgpipe_sched_free(ctx, &s);
+    if (res) return res;
+    *seconds = r.makespan;
+    avgpipe_sim_result_free(ctx, &r);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
+    avgpipe_run *run;
+    avgpipe_result res = AVGPIPE_OK;
+    int g, r;
+    if (!desc || !per_rank) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: NULL argument");
+    ctx = avgpipe__ctx(ctx);
+    run = (avgpipe_run *)avgpipe__calloc(ctx, 1, sizeof *run);
+    if (!run) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_memory: out of memory");
+    run->ctx = ctx;
+    run->d = *desc;
+    run->plan_only = 1;
+    if (desc->schedule) {
+        run->S = desc->schedule->nranks;
+        run->G = desc->schedule->nstages;
+        run->N = desc->schedule->shape.pipes;
+    } else {
+        res = avgpipe_sched_resolve(ctx, &desc->sched, &run->sd);
+        run->S = run->sd.stages;
+        run->G = run->sd.stages * run->sd.chunks;
+        run->N = run->sd.pipes;
+        run->K = desc->adaptive ? 0 : run->sd.advance;
+    }
+    if (!res && (!desc->param_count || (run->G > 1 && !desc->act_bytes)))
+        res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: param_count and act_bytes are required");
+    if (!res) {
+        run->act = (size_t *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(size_t));
+        run->st = (avgpipe__stage *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(avgpipe__stage));
+        if (!run->act || !run->st) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_memory: out of memory");
+    }
+    for (g = 0; !res && g + 1 < run->G; g++) run->act[g] = desc->act_bytes[g];
+    if (!res) res = avgpipe__run_prepare(run);
+    for (r = 0; !res && r < run->S; r++) per_rank[r] = 0;
+    for (g = 0; !res && g < run->G; g++) {
+        avgpipe_ea_desc ed;
+        avgpipe_ea_memory_info mi;
+        memset(&ed, 0, sizeof ed);
+        ed.count = desc->param_count[g];
+        ed.pipes = run->N;
+        ed.mode = desc->ea_mode;
+        ed.alpha = desc->alpha;
+        ed.zero_alpha = desc->zero_alpha;
+        ed.momentum = desc->momentum;
+        res = avgpipe_ea_memory_bytes(ctx, &ed, &mi);
+        if (!res) per_rank[avgpipe__run_rank(run, g)] += (double)run->st[g].slot_bytes * run->st[g].nslots + (double)mi.device_bytes;
+    }
+    avgpipe__free_plan(run);
+    avgpipe_free(ctx, run->act);
+    avgpipe_free(ctx, run->st);
+    avgpipe_free(ctx, run);
+    return res;
+}
+
+static int avgpipe__cmp_candidate(const void *x, const void *y) {
+    const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;
+    if (a->fits != b->fits) return b->fits - a->fits;
+    return (a->time_per_sample > b->time_per_sample) - (a->time_per_sample < b->time_per_sample);
+}
+
+/* Predict one candidate: time by simulation, memory by the runtime's planner. */
+static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
+                                         avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem) {
+    avgpipe_run_desc rd;
+    avgpipe_result res;
+    int g, r, S = c->sched.stages;
+    res = avgpipe_tune_predict(ctx, m, &c->sched, c->samples, &c->seconds);
+    if (res) return res;
+    c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
+    for (g = 0; g < m->nstages; g++) {
+        act[g] = (size_t)(m->act_bytes_per_sample[g] * c->samples + 0.5);
+        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1;
+    }
+    memset(&rd, 0, sizeof rd);
+    rd.sched = c->sched;
+    rd.act_bytes = act;
+    rd.param_count = pcount;
+    res = avgpipe_run_memory(ctx, &rd, mem);
+    if (res) return res;
+    c->peak_bytes = 0;
+    for (r = 0; r < S; r++) {
+        double b = mem[r];
+        for (g = r; g < m->nstages; g += S) b += (double)c->sched.pipes * (double)pcount[g] * (4.0 + td->opt_bytes_per_param);
+        if (b > c->peak_bytes) c->peak_bytes = b;
+    }
+    c->fits = td->mem_limit <= 0 || c->peak_bytes <= td->mem_limit;
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                               avgpipe_tune_candidate **out, int *count) {
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *list = NULL;
+    size_t *act = NULL, *pcount = NULL;
+    double *mem = NULL;
+    int n = 0, cap = 0, kind, N, M, cont, K, S;
+    unsigned kinds;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!m || !desc || !out || !count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_search: NULL argument");
+    *out = NULL;
+    *count = 0;
+    td = *desc;
+    if (td.batch < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "batch: must be >= 1 (got %d)", td.batch);
+    if (td.max_pipes < 0 || td.rounds < 0 || td.max_advance < 0 || td.min_micro < 0 || td.mem_limit < 0 || td.opt_bytes_per_param < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "max_pipes, rounds, max_advance, min_micro, mem_limit, opt_bytes_per_param: must be >= 0");
+    if (!td.max_pipes) td.max_pipes = 4;
+    if (!td.rounds) td.rounds = 1;
+    if (!td.min_micro) td.min_micro = 1;
+    kinds = td.kinds ? td.kinds
+                     : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
+    S = m->nstages; /* one stage partition per rank */
+    act = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
+    pcount = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
+    mem = (double *)avgpipe__calloc(ctx, (size_t)S, sizeof(double));
+    if (!act || !pcount || !mem) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    for (kind = AVGPIPE_SCHED_AFAB; kind <= AVGPIPE_SCHED_ZBH1 && !res; kind++) {
+        if (!(kinds & (1u << kind)) || kind == AVGPIPE_SCHED_INTERLEAVED) continue; /* the profile fixes V = 1 */
+        for (N = 1; N <= td.max_pipes && !res; N++)
+            for (M = 1; M <= td.batch && !res; M++) {
+                if (td.batch % M || td.batch / M < td.min_micro) continue;
+                for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
+                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : (N * M - 1) * (S > 1 ? S - 1 : 1);
+                    int prev_w0 = -1, prev_w1 = -1;
+                    for (K = kind == AVGPIPE_SCHED_ADVANCE ? 1 : 0; K <= kmax && !res; K++) {
+                        avgpipe_tune_candidate c;
+                        memset(&c, 0, sizeof c);
+                        c.sched.kind = (avgpipe_sched_kind)kind;
+                        c.sched.stages = S;
+                        c.sched.micro = M;
+                        c.sched.pipes = N;
+                        c.sched.rounds = td.rounds;
+                        c.sched.continuous = cont;
+                        c.sched.advance = K;
+                        c.samples = (double)td.batch / M;
+                        if (kind == AVGPIPE_SCHED_ADVANCE) { /* a K that changes no warm-up changes nothing */
+                            int w0 = avgpipe_sched_warmup(&c.sched, 0), w1 = S > 2 ? avgpipe_sched_warmup(&c.sched, S - 2) : w0;
+                            if (w0 == prev_w0 && w1 == prev_w1) continue;
+                            prev_w0 = w0;
+                            prev_w1 = w1;
+                        }
+                        if (n == cap) {
+                            int nc = cap ? 2 * cap : 64;
+                            avgpipe_tune_candidate *q = (avgpipe_tune_candidate *)avgpipe__realloc(ctx, list, (size_t)cap * sizeof *q, (size_t)nc * sizeof *q);
+                            if (!q) {
+                                res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+                                break;
+                            }
+                            list = q;
+                            cap = nc;
+                        }
+                        res = avgpipe__tune_eval(ctx, m, &td, &c, act, pcount, mem);
+                        if (!res) list[n++] = c;
+                    }
+                }
+            }
+    }
+    avgpipe_free(ctx, act);
+    avgpipe_free(ctx, pcount);
+    avgpipe_free(ctx, mem);
+    if (res) {
+        avgpipe_free(ctx, list);
+        return res;
+    }
+    qsort(list, (size_t)n, sizeof *list, avgpipe__cmp_candidate);
+    *out = list;
+    *count = n;
+    return AVGPIPE_OK;
+}
 
 /*@@SECTIONS_IMPL@@*/
 
