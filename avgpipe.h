@@ -1755,33 +1755,43 @@ fail:
 }
 
 #ifndef AVGPIPE_NO_STDIO
-AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out) {
-    FILE *f;
-    avgpipe_buf text = {NULL, 0, 0};
-    avgpipe_result res;
+/* Read a whole file (to EOF: pipes work too), at most 1 GiB. */
+static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text) {
+    FILE *f = fopen(path, "rb");
     char chunk[65536];
     size_t n;
-    if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_load: NULL argument");
-    f = fopen(path, "rb");
+    int bad;
     if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) /* read to the end: works for pipes too */
-        if (text.len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, &text, chunk, n)) {
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
+        if (text->len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, text, chunk, n)) {
             fclose(f);
-            avgpipe_buf_free(ctx, &text);
+            avgpipe_buf_free(ctx, text);
             return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "'%s' is too large (over 1 GiB) or memory ran out", path);
         }
-    if (ferror(f)) { /* e.g. a directory */
-        fclose(f);
-        avgpipe_buf_free(ctx, &text);
+    bad = ferror(f);
+    fclose(f);
+    if (bad) { /* e.g. a directory */
+        avgpipe_buf_free(ctx, text);
         return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s' (a directory, or a read error)", path);
     }
-    fclose(f);
+    return AVGPIPE_OK;
+}
+
+/* Prefix the last error with the file's name. */
+static avgpipe_result avgpipe__fail_in_file(avgpipe_context *ctx, avgpipe_result res, const char *path) {
+    char detail[AVGPIPE_ERROR_MAX - 64];
+    snprintf(detail, sizeof detail, "%.900s", avgpipe__ctx(ctx)->error);
+    return avgpipe__fail(ctx, res, "%.60s: %s", path, detail);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out) {
+    avgpipe_buf text = {NULL, 0, 0};
+    avgpipe_result res;
+    if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_load: NULL argument");
+    res = avgpipe__read_file(ctx, path, &text);
+    if (res) return res;
     res = avgpipe_sched_import(ctx, text.data ? text.data : "", text.len, out);
-    if (res) {
-        char detail[AVGPIPE_ERROR_MAX - 64];
-        snprintf(detail, sizeof detail, "%.900s", avgpipe__ctx(ctx)->error);
-        avgpipe__fail(ctx, res, "%.60s: %s", path, detail);
-    }
+    if (res) avgpipe__fail_in_file(ctx, res, path);
     avgpipe_buf_free(ctx, &text);
     return res;
 }
@@ -5874,32 +5884,13 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
 
 #ifndef AVGPIPE_NO_STDIO
 AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out) {
-    FILE *f;
     avgpipe_buf text = {NULL, 0, 0};
-    char chunk[65536];
-    size_t n;
     avgpipe_result res;
     if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_load: NULL argument");
-    f = fopen(path, "rb");
-    if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
-        if (text.len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, &text, chunk, n)) {
-            fclose(f);
-            avgpipe_buf_free(ctx, &text);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "'%s' is too large (over 1 GiB) or memory ran out", path);
-        }
-    n = (size_t)ferror(f);
-    fclose(f);
-    if (n) {
-        avgpipe_buf_free(ctx, &text);
-        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s' (a directory, or a read error)", path);
-    }
+    res = avgpipe__read_file(ctx, path, &text);
+    if (res) return res;
     res = avgpipe_profile_parse(ctx, text.data ? text.data : "", text.len, out);
-    if (res) {
-        char detail[AVGPIPE_ERROR_MAX - 64];
-        snprintf(detail, sizeof detail, "%.900s", avgpipe__ctx(ctx)->error);
-        avgpipe__fail(ctx, res, "%.60s: %s", path, detail);
-    }
+    if (res) avgpipe__fail_in_file(ctx, res, path);
     avgpipe_buf_free(ctx, &text);
     return res;
 }
