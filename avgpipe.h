@@ -4849,11 +4849,11 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int g, int nslots) 
     st->out_bytes = out;
     st->slot_bytes = sz;
     if (run->plan_only) return AVGPIPE_OK;
-    st->mem = (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots + 1);
+    st->mem = sz ? (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots) : NULL; /* exactly the model's bytes */
     st->slot = (avgpipe__slot *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(avgpipe__slot));
     st->freeq = (int *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(int));
-    if (!st->mem || !st->slot || !st->freeq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
-    for (i = 0; i < st->nslots; i++) {
+    if ((sz && !st->mem) || !st->slot || !st->freeq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
+    for (i = 0; st->mem && i < st->nslots; i++) { /* no bytes: every buffer stays NULL */
         unsigned char *p = st->mem + (size_t)i * sz;
         avgpipe__slot *sl = &st->slot[i];
         sl->in_act = in ? p : NULL;
