@@ -7,9 +7,14 @@
    reference model, the mean of the N models, after each of its steps. The reference model is what
    gets evaluated.
 
+   By default M and N are "auto": before training the example profiles a few iterations, fits the
+   tuner's cost model, simulates every setting (schedule, M, N, K, round mode), prints the fit, the
+   choice and the best alternatives on stderr, and trains with the choice (see tune()).
+
    Build: gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. examples/fashion_mnist.c -o fashion_mnist \
               -lopenblas -lz -lm -pthread
-   Run:   ./fashion_mnist                       (4 stages, 2 pipelines, advance forward with adaptive K)
+   Run:   ./fashion_mnist                       (4 stages; schedule, M, N, K from the tuner)
+          ./fashion_mnist --micro 4 --pipes 2   (no tuner: advance forward with the runtime's adaptive K)
           ./fashion_mnist --schedule zbh1 --pipes 3 --trace trace.json           (--help lists all)
 
    Callback mapping (avgpipe_op_ctx -> mlp.h):
@@ -31,19 +36,24 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+#include <unistd.h>
 
 void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
 
 #define PROG "fashion_mnist"
 #define ADVANCE_AUTO (-1)
+#define AUTO 0 /* --micro auto, --pipes auto: the tuner picks them */
 
 typedef struct options {
     int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train;
     int deterministic, continuous, normalize, cosine;
+    int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
     avgpipe_sched_kind schedule;
     double alpha, lr;
+    double mem_limit;             /* --mem-limit: bytes per rank for the tuner; 0: none */
     unsigned long long seed;
-    const char *data, *hidden, *trace, *profile, *save;
+    const char *data, *hidden, *trace, *profile, *save, *profile_tune;
 } options;
 
 /* Everything the callbacks reach through op->user. Per-stage state (stash[g], perm[g]) is touched only by
@@ -82,14 +92,20 @@ static int fail(const char *fmt, ...) {
 static const char *usage =
     "usage: " PROG " [options]\n"
     "  --stages G          stage partitions of the model (default 4)\n"
-    "  --pipes N           parallel pipelines = parallel models (default 2)\n"
-    "  --micro M           micro-batches per batch (default 4)\n"
+    "  --pipes N|auto      parallel pipelines = parallel models (default auto: the tuner picks 1..4)\n"
+    "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n"
+    "                      at least 16 samples)\n"
     "  --batch B           samples per batch per pipeline (default 128; a multiple of M)\n"
-    "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 (default advance)\n"
-    "  --advance K|auto    advance forwards (advance only; default auto: the runtime's adaptive K)\n"
+    "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 (default advance; with --micro or\n"
+    "                      --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1, or only KIND)\n"
+    "  --advance K|auto    advance forwards (advance only; default auto: the runtime's adaptive K when M and\n"
+    "                      N are fixed, the tuner's K otherwise; a fixed K needs fixed --micro and --pipes)\n"
     "  --chunks V          model chunks per rank (interleaved only; default 2; ranks = G / V)\n"
     "  --rounds R          rounds per runtime iteration (default 8)\n"
-    "  --sync              synchronous rounds (default: continuous rounds)\n"
+    "  --sync              synchronous rounds (default: continuous rounds, or the tuner's pick)\n"
+    "  --mem-limit SIZE    tuner: bytes per rank (buffers, parameters, Adam state), suffix K, M or G\n"
+    "                      (binary); default no limit\n"
+    "  --profile-tune FILE tuner: keep its profile (default: a temporary file, removed)\n"
     "  --alpha A           elasticity in [0, 1] (default 0.1)\n"
     "  --epochs E          (default 10)\n"
     "  --lr LR             Adam learning rate, cosine-decayed to 0 over the run (default 1e-3)\n"
@@ -102,7 +118,14 @@ static const char *usage =
     "  --trace FILE.json   Chrome trace of the last iteration (open in ui.perfetto.dev)\n"
     "  --profile FILE      per-op profile of the last iteration (the tuner's input)\n"
     "  --save FILE         write the reference model's parameters (mlp_params_save)\n"
-    "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n";
+    "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
+    "Tuning (when --micro or --pipes is auto, the default): before training, the model is profiled for\n"
+    "a few iterations of 1 pipeline at two micro-batch sizes on throwaway copies of the initial weights\n"
+    "(training then starts from the same weights and sample order as without tuning), a cost model is\n"
+    "fitted, and every setting (schedule, M, N <= 4, K, round mode) is simulated; what the command line\n"
+    "fixes (--micro, --pipes, --schedule, --sync) stays fixed. The fastest predicted per sample within\n"
+    "--mem-limit is trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the\n"
+    "choice and the best alternatives (one per M and N) go to stderr.\n";
 
 /* A bad command line: one line on stderr, exit status 2. */
 static void bad_usage(const char *fmt, ...) {
@@ -135,9 +158,28 @@ static double parse_double(const char *flag, const char *s, double lo, double hi
     return v;
 }
 
+/* A size in bytes: a number with an optional binary suffix K, M or G ("512M", "1.5G"). */
+static double parse_size(const char *flag, const char *s) {
+    char *end;
+    double v, unit = 1;
+    errno = 0;
+    v = strtod(s, &end);
+    if (end != s && *end && !end[1]) {
+        if (*end == 'K' || *end == 'k') unit = 1024.0, end++;
+        else if (*end == 'M' || *end == 'm') unit = 1024.0 * 1024, end++;
+        else if (*end == 'G' || *end == 'g') unit = 1024.0 * 1024 * 1024, end++;
+    }
+    if (end == s || *end || errno || !(v * unit >= 1 && v * unit <= 1e18))
+        bad_usage("%s expects a size in bytes with an optional suffix K, M or G (e.g. 64M), got '%s'", flag, s);
+    return v * unit;
+}
+
+/* --micro or --pipes auto: profile, tune, then train with the tuner's choice. */
+static int tuning(const options *o) { return o->micro == AUTO || o->pipes == AUTO; }
+
 static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
-    o->stages = 4, o->pipes = 2, o->micro = 4, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
+    o->stages = 4, o->pipes = AUTO, o->micro = AUTO, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
     o->advance = ADVANCE_AUTO, o->continuous = 1, o->normalize = 1, o->cosine = 1;
     o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->lr = 1e-3, o->seed = 1;
     o->data = "/usr/share/datasets/fashion-mnist", o->hidden = "512,256,128";
@@ -146,7 +188,7 @@ static void set_defaults(options *o) {
 /* Flags without a value; returns 1 if f was one. */
 static int parse_switch(options *o, const char *f) {
     if (!strcmp(f, "--help") || !strcmp(f, "-h")) fputs(usage, stdout), exit(0);
-    if (!strcmp(f, "--sync")) return o->continuous = 0, 1;
+    if (!strcmp(f, "--sync")) return o->continuous = 0, o->sync_set = 1, 1;
     if (!strcmp(f, "--deterministic")) return o->deterministic = 1, 1;
     if (!strcmp(f, "--no-normalize")) return o->normalize = 0, 1;
     if (!strcmp(f, "--constant-lr")) return o->cosine = 0, 1;
@@ -155,8 +197,8 @@ static int parse_switch(options *o, const char *f) {
 
 static void parse_value(options *o, const char *f, const char *v) {
     if (!strcmp(f, "--stages")) o->stages = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
-    else if (!strcmp(f, "--pipes")) o->pipes = (int)parse_long(f, v, 1, 256);
-    else if (!strcmp(f, "--micro")) o->micro = (int)parse_long(f, v, 1, 4096);
+    else if (!strcmp(f, "--pipes")) o->pipes = !strcmp(v, "auto") ? AUTO : (int)parse_long(f, v, 1, 256);
+    else if (!strcmp(f, "--micro")) o->micro = !strcmp(v, "auto") ? AUTO : (int)parse_long(f, v, 1, 4096);
     else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 1 << 20);
     else if (!strcmp(f, "--epochs")) o->epochs = (int)parse_long(f, v, 1, 100000);
     else if (!strcmp(f, "--rounds")) o->rounds = (int)parse_long(f, v, 1, 100000);
@@ -169,7 +211,10 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--schedule")) {
         if (avgpipe_sched_kind_parse(v, &o->schedule) != AVGPIPE_OK || o->schedule == AVGPIPE_SCHED_CUSTOM)
             bad_usage("--schedule expects afab, 1f1b, advance, interleaved or zbh1, got '%s'", v);
-    } else if (!strcmp(f, "--data")) o->data = v;
+        o->schedule_set = 1;
+    } else if (!strcmp(f, "--mem-limit")) o->mem_limit = parse_size(f, v);
+    else if (!strcmp(f, "--profile-tune")) o->profile_tune = v;
+    else if (!strcmp(f, "--data")) o->data = v;
     else if (!strcmp(f, "--hidden")) o->hidden = v;
     else if (!strcmp(f, "--trace")) o->trace = v;
     else if (!strcmp(f, "--profile")) o->profile = v;
@@ -179,7 +224,16 @@ static void parse_value(options *o, const char *f, const char *v) {
 /* Cross-flag checks that need no data. */
 static void check_options(options *o, const char *advance_flag) {
     int interleaved = o->schedule == AVGPIPE_SCHED_INTERLEAVED;
-    if (o->batch % o->micro != 0) bad_usage("--batch %d is not a multiple of --micro %d", o->batch, o->micro);
+    if (o->micro != AUTO && o->batch % o->micro != 0)
+        bad_usage("--batch %d is not a multiple of --micro %d", o->batch, o->micro);
+    if (tuning(o) && interleaved)
+        bad_usage("--schedule interleaved needs fixed --micro and --pipes (the tuner profiles one chunk per rank)");
+    if (tuning(o) && advance_flag && strcmp(advance_flag, "auto") != 0)
+        bad_usage("--advance %s needs fixed --micro and --pipes (with --micro or --pipes auto the tuner picks K)",
+                  advance_flag);
+    if (!tuning(o) && (o->mem_limit > 0 || o->profile_tune))
+        bad_usage("%s applies only to the tuner (--micro auto or --pipes auto)",
+                  o->mem_limit > 0 ? "--mem-limit" : "--profile-tune");
     if (advance_flag && o->schedule != AVGPIPE_SCHED_ADVANCE && strcmp(advance_flag, "auto") != 0)
         bad_usage("--advance %s applies only to --schedule advance", advance_flag);
     if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
@@ -209,7 +263,8 @@ static void check_output(const char *flag, const char *path) {
 static int is_value_flag(const char *f) {
     static const char *const names[] = {"--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds",
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
-                                        "--schedule", "--data", "--hidden", "--trace", "--profile", "--save"};
+                                        "--schedule", "--data", "--hidden", "--trace", "--profile", "--save",
+                                        "--mem-limit", "--profile-tune"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -234,6 +289,7 @@ static void parse_options(int argc, char **argv, options *o) {
     check_output("--trace", o->trace);
     check_output("--profile", o->profile);
     check_output("--save", o->save);
+    check_output("--profile-tune", o->profile_tune);
 }
 
 /* ---- Stage callbacks -------------------------------------------------------------------------- */
@@ -339,8 +395,9 @@ static int load_data(app *A) {
     return 0;
 }
 
-/* Rounds per iteration: at most what one epoch holds, so that an epoch is a whole number of iterations. */
-static int setup_order(app *A) {
+/* Rounds per iteration: at most what one epoch holds, so that an epoch is a whole number of iterations.
+   quiet: no note when the rounds are lowered (the tuner's profile runs). */
+static int setup_order(app *A, int quiet) {
     options *o = &A->opt;
     long per_round = (long)o->pipes * o->batch;
     char err[512];
@@ -350,7 +407,7 @@ static int setup_order(app *A) {
     }
     if (A->train.n / per_round < o->rounds) {
         o->rounds = (int)(A->train.n / per_round);
-        fprintf(stderr, PROG ": note: --rounds lowered to %d (one epoch holds %d rounds)\n", o->rounds, o->rounds);
+        if (!quiet) fprintf(stderr, PROG ": note: --rounds lowered to %d (one epoch holds %d rounds)\n", o->rounds, o->rounds);
     }
     if (mlp_order_init(&A->order, A->train.n, o->batch, o->pipes, o->rounds, o->seed, err, sizeof err) != 0) {
         return fail("%s", err);
@@ -440,16 +497,27 @@ static int setup_stashes(app *A, const avgpipe_run *run) {
     return 0;
 }
 
-static void free_app(app *A) {
+/* Undo setup_order, setup_model and setup_stashes (the data stays): the tuner's profile runs use them on
+   throwaway nets, then training sets them up afresh for the chosen shape. */
+static void free_model(app *A) {
     int i, g;
     for (g = 0; g < MLP_MAX_LAYERS; g++) {
         for (i = 0; A->stash[g] && i < A->slots[g]; i++) mlp_stash_free(&A->stash[g][i]);
         free(A->stash[g]);
+        A->stash[g] = NULL;
+        A->slots[g] = 0;
         mlp_perm_free(&A->perm[g]);
     }
     for (i = 0; A->nets && i < A->opt.pipes; i++) mlp_net_free(&A->nets[i]);
     free(A->nets);
     free(A->params);
+    A->nets = NULL;
+    A->params = NULL;
+    A->correct = 0;
+}
+
+static void free_app(app *A) {
+    free_model(A);
     mlp_data_free(&A->train);
     mlp_data_free(&A->test);
 }
@@ -562,6 +630,280 @@ static void print_header(const app *A) {
     fflush(stdout);
 }
 
+/* ---- Tuning (--micro auto, --pipes auto) ------------------------------------------------------ */
+
+#define TUNE_WARMUP 1   /* iterations run before the profiled ones (first touches, thread start) */
+#define TUNE_PROFILED 3 /* profiled iterations per micro-batch size, each a section of the profile */
+#define TUNE_SHOW 5     /* alternatives printed */
+/* Search limits and choice (measured on 2 cores, default model, 10 epochs):
+   - N <= 4. The example's epoch shows each sample to one pipeline, so each of the N models takes 1/N of
+     the optimizer steps: test accuracy 0.900 at N = 1, 0.894 at N = 2, 0.891 at N = 3, 0.889 at N = 4;
+     more pipelines cost accuracy that the averaging does not win back in 10 epochs.
+   - Micro-batches of at least 16 samples (M <= 8 of the default batch of 128). M does not change the
+     arithmetic (gradients are summed over the batch either way), only speed: smaller micro-batches add
+     per-op overhead (the fit's constant terms) for bubbles that N > 1 fills anyway, and the search grows
+     as N·M (advance tries every K up to (N·M-1)(S-1), each simulated): at >= 1 sample it simulates 8512
+     settings in over 10 s, at >= 16 samples 512 in ~0.06 s. The profile covers exactly this range (its two sizes are its ends), so every
+     prediction interpolates the fitted line.
+   - The choice: the fastest predicted; settings within TUNE_TIE of it are ties (here stage 0 holds 2/3 of
+     the work, so the best settings are all stage-0 bound and predicted alike), broken toward fewer
+     pipelines (accuracy per epoch), then less memory. The tie is kept narrow on purpose: the simulator
+     gives every rank its own core, so with more ranks than cores it over-predicts settings with little
+     work in flight (M = 1, N = 2: predicted 2% below the fastest, measured 25-35% below it here). */
+#define TUNE_MAX_PIPES 4
+#define TUNE_MIN_MICRO_SAMPLES 16
+#define TUNE_TIE 0.005
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static double median3(const double *v) {
+    double a = v[0], b = v[1], c = v[2];
+    return a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
+}
+
+/* The micro-batch counts to profile: the ends of the range the search covers, M = 1 (the whole batch) and
+   the largest M whose micro-batches keep min_micro samples; only the fixed M when --micro is given (the
+   search then predicts that size alone, which one size fits exactly). */
+static int profile_sizes(const options *o, int min_micro, int *m) {
+    int M, hi = 1;
+    if (o->micro != AUTO) return m[0] = o->micro, 1;
+    for (M = 1; M <= o->batch; M++)
+        if (o->batch % M == 0 && o->batch / M >= min_micro) hi = M;
+    m[0] = 1;
+    m[1] = hi;
+    return hi > 1 ? 2 : 1;
+}
+
+/* One profile run: 1 pipeline of `micro` micro-batches, advance forward with K = S-1 (1F1B when S = 1), on
+   nets initialised from the seed and freed afterwards. TUNE_PROFILED iterations after TUNE_WARMUP go to
+   `path` (the first written when !append, then appended). The samples are the training order's first ones;
+   the weights these iterations train are thrown away, so they do not count as training. */
+static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path, int append, double *seconds) {
+    options saved = A->opt;
+    avgpipe_run *run = NULL;
+    avgpipe_run_desc d;
+    avgpipe_result r;
+    int i, rc = -1;
+    A->opt.pipes = 1;
+    A->opt.micro = micro;
+    A->opt.schedule = AVGPIPE_SCHED_ADVANCE;
+    A->opt.chunks = 1;
+    A->opt.advance = A->opt.stages - 1;
+    if (setup_order(A, 1) != 0 || setup_model(A) != 0) goto out;
+    d = make_run_desc(A);
+    d.profile = 1;
+    d.micro_samples = A->mb;
+    r = avgpipe_run_create(ctx, &d, &run);
+    if (r != AVGPIPE_OK) {
+        fail("tuner: profile run (M = %d): %s: %s", micro, avgpipe_result_string(r), avgpipe_last_error(ctx));
+        goto out;
+    }
+    if (setup_stashes(A, run) != 0) goto out;
+    for (i = 0; i < TUNE_WARMUP + TUNE_PROFILED; i++) {
+        avgpipe_run_stats st;
+        r = avgpipe_run_iteration(run, &st);
+        if (r != AVGPIPE_OK) {
+            fail("tuner: profile run (M = %d), iteration %d: %s: %s", micro, i + 1, avgpipe_result_string(r),
+                 avgpipe_last_error(ctx));
+            goto out;
+        }
+        if (i < TUNE_WARMUP) continue;
+        seconds[i - TUNE_WARMUP] = st.seconds;
+        r = append || i > TUNE_WARMUP ? avgpipe_run_append_profile(run, path) : avgpipe_run_write_profile(run, path);
+        if (r != AVGPIPE_OK) {
+            fail("tuner: cannot write the profile: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
+            goto out;
+        }
+    }
+    rc = 0;
+out:
+    avgpipe_run_destroy(run);
+    free_model(A); /* with A->opt still the profile's: it frees that many nets */
+    A->opt = saved;
+    return rc;
+}
+
+static void print_cost_model(const avgpipe_cost_model *m) {
+    int g, K = AVGPIPE_OP_KIND_COUNT;
+    fprintf(stderr, PROG ": tuner: cost model, us = a + b x samples per micro-batch (fitted at %g..%g samples):\n",
+            m->samples_lo, m->samples_hi);
+    for (g = 0; g < m->nstages; g++) {
+        const double *a = &m->a[g * K], *b = &m->b[g * K];
+        fprintf(stderr, "  stage %d  F %6.1f + %5.2f s   B %6.1f + %5.2f s   STEP %6.1f\n", g, 1e6 * a[AVGPIPE_OP_F],
+                1e6 * b[AVGPIPE_OP_F], 1e6 * a[AVGPIPE_OP_B], 1e6 * b[AVGPIPE_OP_B], 1e6 * a[AVGPIPE_OP_STEP]);
+    }
+    fprintf(stderr, "  transfer latency %.1f us\n", 1e6 * m->latency);
+}
+
+/* The model against the iterations it was fitted to (median of the profiled ones). */
+static void print_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_profile *p, int section,
+                        const double *measured) {
+    const avgpipe_profile_section *sec = &p->sections[section];
+    avgpipe_sched_desc sd;
+    double pred = 0, meas = median3(measured);
+    memset(&sd, 0, sizeof sd);
+    sd.kind = sec->shape.kind;
+    sd.stages = sec->shape.stages;
+    sd.micro = sec->shape.micro;
+    sd.pipes = sec->shape.pipes;
+    sd.rounds = sec->shape.rounds;
+    sd.advance = sec->shape.advance;
+    sd.continuous = sec->shape.continuous;
+    if (avgpipe_tune_predict(ctx, m, &sd, sec->samples, &pred) == AVGPIPE_OK && meas > 0)
+        fprintf(stderr, "  check M = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sd.micro, 1e3 * meas,
+                1e3 * pred, 100 * (pred / meas - 1));
+}
+
+static const char *round_mode(int continuous) { return continuous ? "continuous" : "sync"; }
+
+static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chosen) {
+    char k[16] = "-";
+    if (c->sched.kind == AVGPIPE_SCHED_ADVANCE) snprintf(k, sizeof k, "%d", c->sched.advance);
+    fprintf(stderr, "  %2s %-8s %3d %3d %4s %-10s %4d %10.0f %9.2f%s\n", chosen ? "->" : "",
+            avgpipe_sched_kind_name(c->sched.kind), c->sched.micro, c->sched.pipes, k, round_mode(c->sched.continuous),
+            batch / c->sched.micro, 1.0 / c->time_per_sample, c->peak_bytes / (1024.0 * 1024.0),
+            c->fits ? "" : "  over --mem-limit");
+}
+
+/* Profile, fit, search; then set A->opt's schedule, micro, pipes, advance and round mode to the choice. The
+   order, model and nets are set up afresh afterwards (main), from the seed: training starts from the same
+   weights and sample order as a run given the chosen settings on the command line. */
+static int tune(app *A, avgpipe_context *ctx) {
+    options *o = &A->opt;
+    char tmp[512];
+    const char *path = o->profile_tune, *dir = getenv("TMPDIR");
+    int sizes[2], nsizes, i, ncand = 0, nok = 0, shown = 0, chosen = -1, best = -1, min_micro, rc = -1, have_tmp = 0;
+    double t0 = now_s(), t1, meas[2][TUNE_PROFILED];
+    avgpipe_profile prof;
+    avgpipe_cost_model cm;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *cand = NULL;
+    avgpipe_result r;
+    memset(&prof, 0, sizeof prof);
+    memset(&cm, 0, sizeof cm);
+    if (A->train.n < o->batch)
+        return fail("tuner: %d training samples cannot fill one batch of %d samples", A->train.n, o->batch);
+    min_micro = TUNE_MIN_MICRO_SAMPLES < o->batch ? TUNE_MIN_MICRO_SAMPLES : o->batch;
+    if (o->micro != AUTO && o->batch / o->micro < min_micro) min_micro = o->batch / o->micro;
+    if (!path) {
+        int fd;
+        snprintf(tmp, sizeof tmp, "%s/" PROG "_tune_XXXXXX", dir && *dir ? dir : "/tmp");
+        fd = mkstemp(tmp);
+        if (fd < 0)
+            return fail("tuner: cannot create a temporary profile %s: %s (set TMPDIR, or give --profile-tune FILE)", tmp,
+                        strerror(errno));
+        close(fd);
+        path = tmp;
+        have_tmp = 1;
+    }
+
+    /* Profile and fit. */
+    nsizes = profile_sizes(o, min_micro, sizes);
+    for (i = 0; i < nsizes; i++)
+        if (profile_run(A, ctx, sizes[i], path, i > 0, meas[i]) != 0) goto done;
+    t1 = now_s();
+    r = avgpipe_profile_load(ctx, path, &prof);
+    if (r == AVGPIPE_OK && prof.nsections != nsizes * TUNE_PROFILED) {
+        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, nsizes * TUNE_PROFILED);
+        goto done;
+    }
+    if (r == AVGPIPE_OK) r = avgpipe_tune_fit(ctx, &prof, &cm);
+    if (r != AVGPIPE_OK) {
+        fail("tuner: cannot fit a cost model to the profile %s: %s: %s", path, avgpipe_result_string(r),
+             avgpipe_last_error(ctx));
+        goto done;
+    }
+    fprintf(stderr, PROG ": tuner: profiled 1 pipeline (advance, K = %d, %d rounds/iteration) at M = %d", o->stages - 1,
+            prof.sections[0].shape.rounds, sizes[0]);
+    if (nsizes > 1) fprintf(stderr, " and M = %d", sizes[1]);
+    fprintf(stderr, ", %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", TUNE_PROFILED,
+            TUNE_WARMUP, t1 - t0, o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
+    print_cost_model(&cm);
+    for (i = 0; i < nsizes; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
+
+    /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the list below. */
+    memset(&td, 0, sizeof td);
+    td.batch = o->batch;
+    td.max_pipes = o->pipes != AUTO ? o->pipes : A->train.n / o->batch < TUNE_MAX_PIPES ? A->train.n / o->batch
+                                                                                        : TUNE_MAX_PIPES;
+    td.rounds = o->rounds;
+    td.mem_limit = o->mem_limit;
+    td.opt_bytes_per_param = 8; /* Adam: two moments per parameter and model */
+    td.min_micro = min_micro;
+    td.no_continuous = o->sync_set;
+    td.kinds = o->schedule_set ? 1u << o->schedule : 0;
+    t1 = now_s();
+    r = avgpipe_tune_search(ctx, &cm, &td, &cand, &ncand);
+    if (r != AVGPIPE_OK) {
+        fail("tuner: search failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
+        goto done;
+    }
+    t1 = now_s() - t1;
+    for (i = 0; i < ncand; i++) { /* drop what the user fixed away; the list stays fitting first, fastest first */
+        const avgpipe_tune_candidate *c = &cand[i];
+        if ((o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes))
+            cand[nok++] = *c;
+    }
+    best = nok > 0 && cand[0].fits ? 0 : -1;
+    for (i = 0; best >= 0 && i < nok && cand[i].fits; i++) /* see TUNE_TIE */
+        if (cand[i].time_per_sample <= cand[best].time_per_sample * (1 + TUNE_TIE) &&
+            (chosen < 0 || cand[i].sched.pipes < cand[chosen].sched.pipes ||
+             (cand[i].sched.pipes == cand[chosen].sched.pipes && cand[i].peak_bytes < cand[chosen].peak_bytes)))
+            chosen = i;
+    if (chosen < 0) {
+        int small = 0;
+        for (i = 1; i < nok; i++)
+            if (cand[i].peak_bytes < cand[small].peak_bytes) small = i;
+        if (nok == 0) fail("tuner: no setting to choose from (batch %d, micro-batches of >= %d samples)", o->batch, min_micro);
+        else fail("tuner: no setting fits --mem-limit %.0f bytes (%.2f MiB) per rank: the smallest, %s with M = %d, N = %d, "
+                  "needs %.0f bytes (%.2f MiB); raise the limit or lower --batch or --hidden", o->mem_limit,
+                  o->mem_limit / (1024.0 * 1024.0), avgpipe_sched_kind_name(cand[small].sched.kind),
+                  cand[small].sched.micro, cand[small].sched.pipes, cand[small].peak_bytes,
+                  cand[small].peak_bytes / (1024.0 * 1024.0));
+        goto done;
+    }
+    fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=",
+            td.max_pipes);
+    if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d samples", min_micro);
+    else fprintf(stderr, "M = %d", o->micro);
+    fprintf(stderr, "%s); predicted, fastest first, the best setting of each M and N:\n"
+            "     schedule   M   N    K rounds       mb  samples/s  peak MiB\n",
+            o->mem_limit > 0 ? ", within --mem-limit" : "");
+    for (i = 0; i < nok && (shown < TUNE_SHOW || i <= chosen); i++) {
+        int j, dup = 0; /* one line per (M, N): the schedules, K and round modes of one are often tied */
+        for (j = 0; j < i && !dup; j++)
+            dup = cand[j].sched.micro == cand[i].sched.micro && cand[j].sched.pipes == cand[i].sched.pipes;
+        if (i == chosen || (!dup && shown < TUNE_SHOW)) {
+            if (i == chosen && shown >= TUNE_SHOW) fprintf(stderr, "     ...\n");
+            print_candidate(&cand[i], o->batch, i == chosen);
+            shown++;
+        }
+    }
+    o->schedule = cand[chosen].sched.kind;
+    o->micro = cand[chosen].sched.micro;
+    o->pipes = cand[chosen].sched.pipes;
+    o->continuous = cand[chosen].sched.continuous;
+    o->advance = o->schedule == AVGPIPE_SCHED_ADVANCE ? cand[chosen].sched.advance : ADVANCE_AUTO;
+    o->chunks = 1;
+    fprintf(stderr, PROG ": tuner: chose %s, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), o->micro, o->pipes);
+    if (o->schedule == AVGPIPE_SCHED_ADVANCE) fprintf(stderr, ", K = %d", o->advance);
+    fprintf(stderr, ", %s rounds: predicted %.0f samples/s, %.2f MiB per rank", round_mode(o->continuous),
+            1.0 / cand[chosen].time_per_sample, cand[chosen].peak_bytes / (1024.0 * 1024.0));
+    if (chosen != best) fprintf(stderr, " (of the ties within %.1f%%: fewest pipelines, least memory)", 100 * TUNE_TIE);
+    fprintf(stderr, "; tuning took %.2f s\n", now_s() - t0);
+    rc = 0;
+done:
+    if (have_tmp) remove(tmp);
+    avgpipe_free(ctx, cand);
+    avgpipe_cost_model_free(ctx, &cm);
+    avgpipe_profile_free(ctx, &prof);
+    return rc;
+}
+
 int main(int argc, char **argv) {
     static app A; /* zeroed; large */
     avgpipe_context ctx;
@@ -572,7 +914,9 @@ int main(int argc, char **argv) {
     parse_options(argc, argv, &A.opt);
     openblas_set_num_threads(1); /* the stage threads are the parallelism */
     avgpipe_context_init(&ctx, NULL);
-    if (load_data(&A) != 0 || setup_order(&A) != 0 || setup_model(&A) != 0) goto done;
+    if (load_data(&A) != 0) goto done;
+    if (tuning(&A.opt) && tune(&A, &ctx) != 0) goto done;
+    if (setup_order(&A, 0) != 0 || setup_model(&A) != 0) goto done;
     desc = make_run_desc(&A);
     r = avgpipe_run_create(&ctx, &desc, &run);
     if (r != AVGPIPE_OK) {
