@@ -1002,6 +1002,9 @@ typedef struct avgpipe_cost_model {
     double *param_floats;       /* [nstages] */
     double *act_bytes_per_sample; /* [nstages]: activation bytes at boundary g|g+1 per sample */
     double samples_lo, samples_hi; /* micro-batch sizes seen in the profile */
+    /* Cores the ranks share (CPU stage threads); 0 = a core (or device) per rank. With fewer cores
+       than ranks an iteration takes at least (all ranks' compute) / cores. Set it after the fit. */
+    double cores;
 } avgpipe_cost_model;
 
 AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out);
@@ -6066,9 +6069,18 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     sd.cost_user = &pr;
     sd.latency = m->latency;
     res = avgpipe_sim_run(ctx, &s, &sd, &r);
-    avgpipe_sched_free(ctx, &s);
-    if (res) return res;
+    if (res) {
+        avgpipe_sched_free(ctx, &s);
+        return res;
+    }
     *seconds = r.makespan;
+    if (m->cores > 0 && m->cores < s.nranks) { /* the ranks time-share the cores */
+        double busy = 0;
+        int k;
+        for (k = 0; k < r.nranks; k++) busy += r.rank[k].busy;
+        if (busy / m->cores > *seconds) *seconds = busy / m->cores;
+    }
+    avgpipe_sched_free(ctx, &s);
     avgpipe_sim_result_free(ctx, &r);
     return AVGPIPE_OK;
 }
@@ -6128,7 +6140,14 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
 static int avgpipe__cmp_candidate(const void *x, const void *y) {
     const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;
     if (a->fits != b->fits) return b->fits - a->fits;
-    return (a->time_per_sample > b->time_per_sample) - (a->time_per_sample < b->time_per_sample);
+    if (a->time_per_sample != b->time_per_sample) return (a->time_per_sample > b->time_per_sample) ? 1 : -1;
+    /* ties (often exact: a stage-bound pipeline): less memory, fewer pipelines, fewer micro-batches, K */
+    if (a->peak_bytes != b->peak_bytes) return (a->peak_bytes > b->peak_bytes) ? 1 : -1;
+    if (a->sched.pipes != b->sched.pipes) return a->sched.pipes - b->sched.pipes;
+    if (a->sched.micro != b->sched.micro) return a->sched.micro - b->sched.micro;
+    if (a->sched.kind != b->sched.kind) return (int)a->sched.kind - (int)b->sched.kind;
+    if (a->sched.continuous != b->sched.continuous) return a->sched.continuous - b->sched.continuous;
+    return a->sched.advance - b->sched.advance;
 }
 
 /* Predict one candidate: time by simulation, memory by the runtime's planner. */
@@ -6166,7 +6185,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     avgpipe_tune_candidate *list = NULL;
     size_t *act = NULL, *pcount = NULL;
     double *mem = NULL;
-    int n = 0, cap = 0, kind, N, M, cont, K, S;
+    int n = 0, cap = 0, kind, N, M, cont, K, S, *warm = NULL;
     unsigned kinds;
     avgpipe_result res = AVGPIPE_OK;
     if (!m || !desc || !out || !count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_search: NULL argument");
@@ -6185,7 +6204,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     act = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
     pcount = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
     mem = (double *)avgpipe__calloc(ctx, (size_t)S, sizeof(double));
-    if (!act || !pcount || !mem) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    warm = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
+    if (!act || !pcount || !mem || !warm) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
     for (kind = AVGPIPE_SCHED_AFAB; kind <= AVGPIPE_SCHED_ZBH1 && !res; kind++) {
         if (!(kinds & (1u << kind)) || kind == AVGPIPE_SCHED_INTERLEAVED) continue; /* the profile fixes V = 1 */
         for (N = 1; N <= td.max_pipes && !res; N++)
@@ -6193,7 +6213,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                 if (td.batch % M || td.batch / M < td.min_micro) continue;
                 for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
                     int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : (N * M - 1) * (S > 1 ? S - 1 : 1);
-                    int prev_w0 = -1, prev_w1 = -1;
+                    int r, same;
                     for (K = kind == AVGPIPE_SCHED_ADVANCE ? 1 : 0; K <= kmax && !res; K++) {
                         avgpipe_tune_candidate c;
                         memset(&c, 0, sizeof c);
@@ -6205,11 +6225,13 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                         c.sched.continuous = cont;
                         c.sched.advance = K;
                         c.samples = (double)td.batch / M;
-                        if (kind == AVGPIPE_SCHED_ADVANCE) { /* a K that changes no warm-up changes nothing */
-                            int w0 = avgpipe_sched_warmup(&c.sched, 0), w1 = S > 2 ? avgpipe_sched_warmup(&c.sched, S - 2) : w0;
-                            if (w0 == prev_w0 && w1 == prev_w1) continue;
-                            prev_w0 = w0;
-                            prev_w1 = w1;
+                        if (kind == AVGPIPE_SCHED_ADVANCE) { /* a K that changes no rank's warm-up changes nothing */
+                            for (r = 0, same = K > 1; r < S; r++) {
+                                int w = avgpipe_sched_warmup(&c.sched, r);
+                                same &= w == warm[r];
+                                warm[r] = w;
+                            }
+                            if (same) continue;
                         }
                         if (n == cap) {
                             int nc = cap ? 2 * cap : 64;
@@ -6230,6 +6252,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     avgpipe_free(ctx, act);
     avgpipe_free(ctx, pcount);
     avgpipe_free(ctx, mem);
+    avgpipe_free(ctx, warm);
     if (res) {
         avgpipe_free(ctx, list);
         return res;
