@@ -817,6 +817,10 @@ static int tune(app *A, avgpipe_context *ctx) {
              avgpipe_last_error(ctx));
         goto done;
     }
+    { /* the stage threads share this machine's cores */
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        cm.cores = cores > 0 ? (double)cores : 0;
+    }
     fprintf(stderr, PROG ": tuner: profiled 1 pipeline (advance, K = %d, %d rounds/iteration) at M = %d", o->stages - 1,
             prof.sections[0].shape.rounds, sizes[0]);
     if (nsizes > 1) fprintf(stderr, " and M = %d", sizes[1]);
