@@ -77,13 +77,16 @@ eq() { # eq NAME GOT WANT
 # ---- help and version ----------------------------------------------------------------------------
 t "--help" 0 --help
 has "--help" "$OUT" "usage: avgpipe"
+has "--help lists tune" "$OUT" "  tune "
 t "--version" 0 --version
 has "--version" "$OUT" "avgpipe 0."
-for c in sim validate compare; do
+for c in sim validate compare tune; do
     t "$c --help" 0 "$c" --help
     has "$c --help" "$OUT" "usage: avgpipe $c"
 done
 t "sim -h" 0 sim -h
+t "tune --help" 0 tune --help
+has "tune --help: sizes" "$OUT" "KiB"
 
 # ---- compare: the paper's Fig. 7 (S = 2, M = 8, transfer 1): AFAB 29, 1F1B 35, advance K=1 29 ----
 t "compare tsv" 0 compare --schedule afab,1f1b,advance --stages 2 --micro 8 --comm-latency 1 --advance 1 --summary tsv
@@ -193,6 +196,122 @@ awk 'BEGIN { for (i = 0; i < 5000; i++) print "0F0" }' >"$TMP/ranks.csv"
 usage_error "validate 5000 ranks" "5000 ranks" validate "$TMP/ranks.csv"
 printf '0F99999999999\n' >"$TMP/huge.csv"
 usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"
+
+# ---- tune ------------------------------------------------------------------------------------------
+# A synthetic profile of S = 2 stages at two micro-batch sizes (4 and 8 samples): F takes 1000 + 1 x samples
+# microseconds, B twice that; 1000 parameters per stage, 64 activation bytes per sample. The per-op
+# constant dominates, so the fewest, largest micro-batches (M = 1) and the most pipelines win.
+synth_profile() { # synth_profile FILE [extra awk program run after each section's stage lines]
+    awk 'BEGIN {
+        print "# avgpipe profile v1"
+        for (k = 4; k <= 8; k += 4) {
+            M = 32 / k
+            printf "shape kind=1f1b stages=2 chunks=1 micro=%d pipes=1 rounds=1 advance=0 continuous=0 samples=%d seconds=0.1\n", M, k
+            printf "stage 0 param_floats=1000 act_bytes=%d slots=2\nstage 1 param_floats=1000 act_bytes=0 slots=1\n", 64 * k
+            t = 0
+            for (g = 0; g < 2; g++) for (u = 0; u < M; u++) {
+                f = 0.001 + 0.000001 * k
+                printf "op rank=%d kind=F pipe=0 stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, g, u, t, t + f
+                printf "op rank=%d kind=B pipe=0 stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, g, u, t + f, t + 3 * f
+                t += 3 * f
+            }
+        }
+    }' >"$1"
+}
+PROF=$TMP/synth.prof
+synth_profile "$PROF"
+t "tune table" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --max-pipes 3
+has "tune table: fitted F" "$OUT" "stage 0: F 1000 + 1 x samples us, B 2000 + 2 x samples us"
+has "tune table: fitted stage 1" "$OUT" "stage 1: F 1000 + 1 x samples us"
+has "tune table: latency" "$OUT" "transfer latency 0 us"
+has "tune table: header" "$OUT" "us_per_sample"
+has "tune table: limit" "$OUT" "memory limit 1 MiB per rank"
+has "tune table: best" "$OUT" "best: "
+has "tune table: extrapolation noted" "$OUT" "outside the profiled 4..8"
+lines "tune table: --top 10" "$OUT" 20 # 4 model lines, blank, summary, header, 10 rows, more, best, note
+t "tune tsv" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --max-pipes 3 --top 5 --summary tsv
+lines "tune tsv" "$OUT" 6
+for col in rank schedule micro pipes advance continuous pred_time_per_sample pred_seconds pred_peak_bytes fits; do
+    has "tune tsv header" "$OUT" "$col"
+done
+eq "tune tsv ranks" "$(column rank)" "1 2 3 4 5"
+eq "tune tsv best micro" "$(column micro | cut -d' ' -f1)" "1"
+eq "tune tsv best pipes" "$(column pipes | cut -d' ' -f1)" "3"
+eq "tune tsv fits" "$(column fits)" "1 1 1 1 1"
+sorted=$(column pred_time_per_sample | tr ' ' '\n' | sort -g | tr '\n' ' ')
+eq "tune tsv fastest first" "$(column pred_time_per_sample) " "$sorted"
+cp "$OUT" "$TMP/tune_1M.tsv"
+# sizes: 1M = 1024K = 1048576 bytes
+t "tune --mem-limit 1024K" 0 tune --profile "$PROF" --batch 32 --mem-limit 1024K --max-pipes 3 --top 5 --summary tsv
+if cmp -s "$OUT" "$TMP/tune_1M.tsv"; then ok; else bad "tune: --mem-limit 1024K differs from 1M"; fi
+t "tune --mem-limit 1048576" 0 tune --profile "$PROF" --batch 32 --mem-limit 1048576 --max-pipes 3 --top 5 --summary tsv
+if cmp -s "$OUT" "$TMP/tune_1M.tsv"; then ok; else bad "tune: --mem-limit 1048576 differs from 1M"; fi
+# A limit just under the best setting's peak: it no longer fits; every fitting row is within the limit
+# and ranked before every row that does not fit.
+peak=$(awk -F '\t' 'NR == 2 { print $10 }' "$TMP/tune_1M.tsv")
+limit=$((peak - 1))
+t "tune tight limit" 0 tune --profile "$PROF" --batch 32 --mem-limit "$limit" --max-pipes 3 --top 0 --summary tsv
+eq "tune tight limit: best pipes" "$(column pipes | cut -d' ' -f1)" "2"
+eq "tune tight limit: fits flags and order" "$(awk -F '\t' -v L="$limit" 'NR > 1 {
+        if ($11 != ($10 <= L ? 1 : 0)) bad = bad " flag@" $1; if ($11 == 1 && seen0) bad = bad " order@" $1; if ($11 == 0) seen0 = 1 }
+        END { print bad == "" ? "ok" : bad }' "$OUT")" "ok"
+# Adam's state: 8 bytes per parameter and pipeline on top of the 4-byte weights
+t "tune --opt-bytes-per-param 8" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --max-pipes 3 --top 1 --summary tsv \
+    --opt-bytes-per-param 8
+eq "tune optimizer bytes" "$(column pred_peak_bytes)" "$((peak + 3 * 1000 * 8))"
+t "tune --schedule --no-continuous" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --schedule afab,1f1b --no-continuous \
+    --top 0 --summary tsv
+eq "tune schedules" "$(column schedule | tr ' ' '\n' | sort -u | tr '\n' ' ')" "1f1b afab "
+eq "tune synchronous only" "$(column continuous | tr ' ' '\n' | sort -u | tr -d '\n')" "0"
+t "tune --rounds 2 --top 0" 0 tune --profile "$PROF" --batch 8 --mem-limit 4G --rounds 2 --max-pipes 2 --top 0 --summary tsv
+eq "tune row count" "$(wc -l <"$OUT")" "$((1 + $(column rank | wc -w)))"
+t "tune --min-micro --max-advance" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --min-micro 8 --max-advance 2 --top 0 --summary tsv
+eq "tune --min-micro: micro-batch sizes" "$(column samples | tr ' ' '\n' | sort -gu | tr '\n' ' ')" "8 16 32 "
+eq "tune --max-advance: largest K" "$(column advance | tr ' ' '\n' | sort -g | tail -n 1)" "2"
+usage_error "tune search too large" "--batch" tune --profile "$PROF" --batch 65536 --mem-limit 1M
+usage_error "tune --min-micro over --batch" "--min-micro" tune --profile "$PROF" --batch 4 --mem-limit 1M --min-micro 8
+# One core for both ranks: an iteration lasts at least all compute; at M = 1 that is 2 stages x (F + B) =
+# 2 x 3 x (1000 + 32) us per 32 samples = 193.5 us per sample.
+t "tune --cores 1" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --cores 1 --top 1 --summary tsv
+eq "tune --cores 1: time per sample" "$(column pred_time_per_sample)" "0.0001935"
+usage_error "tune --cores -1" "--cores" tune --profile "$PROF" --batch 32 --mem-limit 1M --cores -1
+t "tune nothing fits" 1 tune --profile "$PROF" --batch 32 --mem-limit 1
+has "tune nothing fits" "$ERR" "no setting fits --mem-limit"
+usage_error "tune no --profile" "--profile" tune --batch 32 --mem-limit 1M
+usage_error "tune no --batch" "--batch" tune --profile "$PROF" --mem-limit 1M
+usage_error "tune no --mem-limit" "--mem-limit" tune --profile "$PROF" --batch 32
+usage_error "tune --batch 0" "--batch" tune --profile "$PROF" --batch 0 --mem-limit 1M
+usage_error "tune --max-pipes 0" "--max-pipes" tune --profile "$PROF" --batch 32 --mem-limit 1M --max-pipes 0
+usage_error "tune --top -1" "--top" tune --profile "$PROF" --batch 32 --mem-limit 1M --top -1
+usage_error "tune interleaved" "interleaved" tune --profile "$PROF" --batch 32 --mem-limit 1M --schedule interleaved
+usage_error "tune --opt-bytes-per-param -8" "--opt-bytes-per-param" tune --profile "$PROF" --batch 32 --mem-limit 1M --opt-bytes-per-param -8
+for size in 0 -1 12Q K 1.5X 1e400 0.5 ""; do
+    usage_error "tune --mem-limit '$size'" "--mem-limit" tune --profile "$PROF" --batch 32 --mem-limit "$size"
+done
+usage_error "tune flag of another command" "--stages" tune --profile "$PROF" --batch 32 --mem-limit 1M --stages 4
+usage_error "tune missing profile file" "nonexistent" tune --profile "$TMP/nonexistent.prof" --batch 32 --mem-limit 1M
+usage_error "tune profile is a directory" "directory" tune --profile "$TMP" --batch 32 --mem-limit 1M
+# Broken profiles: the library's message, naming the line; exit 2.
+broken() { # broken NAME WORD SED-EXPRESSION : the synthetic profile edited by sed must fail naming WORD
+    sed "$3" "$PROF" >"$TMP/broken.prof"
+    usage_error "tune profile $1" "$2" tune --profile "$TMP/broken.prof" --batch 32 --mem-limit 1M
+}
+broken "missing field" "line 5: missing field 'end'" '5s/ end=[^ ]*//'
+broken "wrong units" "line 5: field 'end' needs a number" '5s/ end=[^ ]*/ end=1ms/'
+broken "negative time" "line 6: field 'start' needs a number" '6s/start=[^ ]*/start=-0.5/'
+broken "end before start" "line 7: end" '7s/end=[^ ]*/end=0.000000001/'
+broken "unknown op kind" "line 8: field 'kind'" '8s/kind=B/kind=X/'
+broken "unknown schedule kind" "line 2: field 'kind'" '2s/kind=1f1b/kind=pipedream/'
+broken "shape without samples" "line 2: missing field 'samples'" '2s/ samples=[^ ]*//'
+broken "garbage line" "line 9: unknown record" '9s/^op/qp/'
+broken "no header" "line 1" '1d'
+broken "op before shape" "line 2: 'op' before any 'shape' line" '2,4d'
+broken "nan" "line 5" '5s/start=[^ ]*/start=nan/'
+broken "huge shape" "out of range" '2s/micro=8/micro=1000000000/'
+printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.prof"
+usage_error "tune binary garbage" "line 1" tune --profile "$TMP/garbage.prof" --batch 32 --mem-limit 1M
+: >"$TMP/empty.prof"
+usage_error "tune empty profile" "empty.prof" tune --profile "$TMP/empty.prof" --batch 32 --mem-limit 1M
 
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

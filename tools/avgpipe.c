@@ -4,9 +4,11 @@
        avgpipe sim       generate one schedule, validate it, simulate it, print its timeline and a summary
        avgpipe validate  check a schedule file (PyTorch CSV or avgpipe text) and point at the offending op
        avgpipe compare   one row per (schedule, K) for the same shape and costs, as a table or TSV
+       avgpipe tune      fit a cost model to a runtime profile, rank every setting under a memory limit
 
-   Exit status: 0 ok; 1 a schedule fails validation; 2 bad arguments, an unreadable or unparseable file,
-   or an error from the library (its message is printed, on one line, on stderr).
+   Exit status: 0 ok; 1 a schedule fails validation (tune: no setting fits the memory limit); 2 bad
+   arguments, an unreadable or unparseable file, or an error from the library (its message is printed,
+   on one line, on stderr).
 
    Build: gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tools/avgpipe.c -o build/avgpipe -lm */
 #define AVGPIPE_IMPLEMENTATION
@@ -30,8 +32,12 @@
 #define CLI_MAX_ITEMS 10000000LL
 #define CLI_EXIT_INVALID 1
 #define CLI_EXIT_USAGE 2
+/* tune: every candidate is a simulation of up to stages x pipes x batch x rounds ops. */
+#define CLI_MAX_BATCH 65536
+#define CLI_MAX_PIPES 64
+#define CLI_MAX_TUNE_WORK 3e8 /* ops simulated by one search, summed over the candidates: about a minute */
 
-enum { CMD_SIM = 1, CMD_VALIDATE = 2, CMD_COMPARE = 4, CMD_ALL = 7 };
+enum { CMD_SIM = 1, CMD_VALIDATE = 2, CMD_COMPARE = 4, CMD_TUNE = 8, CMD_ALL = 15 };
 
 /* Everything the command line says, with the defaults filled in before parsing. */
 typedef struct cli_opts {
@@ -44,6 +50,10 @@ typedef struct cli_opts {
     double latency, bytes, bandwidth;
     int blocking, width, tsv, quiet, lower, help;
     const char *trace, *svg, *csv, *file;
+    /* tune */
+    const char *profile;
+    int batch, top, max_pipes, no_continuous, max_advance, min_micro;
+    double mem_limit, opt_bytes, cores;
 } cli_opts;
 
 /* One evaluated schedule: a row of the compare table or of the TSV summary. */
@@ -151,6 +161,29 @@ static int set_str(cli_opts *o, const cli_flag *f, const char *val) {
     return 0;
 }
 
+/* A size in bytes: a whole number with an optional binary suffix K, M or G (KiB = 1024 bytes, MiB,
+   GiB; "512M", "1.5G", "65536"); must be > 0. */
+static int set_size(cli_opts *o, const cli_flag *f, const char *val) {
+    char num[64];
+    size_t n = strlen(val);
+    double v, unit = 1;
+    if (n > 0 && n < sizeof num) {
+        switch (val[n - 1]) {
+        case 'K': case 'k': unit = 1024.0; break;
+        case 'M': case 'm': unit = 1024.0 * 1024; break;
+        case 'G': case 'g': unit = 1024.0 * 1024 * 1024; break;
+        default: break;
+        }
+    }
+    if (n == 0 || n >= sizeof num) return cli_error("%s: expected a size such as 65536, 512K, 64M or 2G, got '%s'", f->name, val);
+    memcpy(num, val, n + 1);
+    if (unit > 1) num[n - 1] = '\0';
+    if (!parse_double(num, &v) || !(v * unit >= 1) || v * unit > 1e18)
+        return cli_error("%s: expected a size >= 1 byte such as 65536, 512K, 64M or 2G, got '%s'", f->name, val);
+    *CLI_FIELD(o, f, double) = v * unit;
+    return 0;
+}
+
 static int set_summary(cli_opts *o, const cli_flag *f, const char *val) {
     if (strcmp(val, "tsv") == 0) o->tsv = 1;
     else if (strcmp(val, "table") == 0) o->tsv = 0;
@@ -204,14 +237,25 @@ static int set_advance(cli_opts *o, const cli_flag *f, const char *val) {
 
 #define OFF(field) offsetof(cli_opts, field)
 #define SC (CMD_SIM | CMD_COMPARE)
+#define T CMD_TUNE
 static const cli_flag cli_flags[] = {
-    {"--schedule", set_schedule, 0, 0, 0, SC, "NAME", "afab|1f1b|advance|interleaved|zbh1; compare takes a comma list"},
+    {"--profile", set_str, OFF(profile), 0, 0, T, "FILE", "runtime profile (avgpipe_run_write/append_profile), two micro-batch sizes"},
+    {"--batch", set_int, OFF(batch), 1, CLI_MAX_BATCH, T, "B", "samples per batch of one pipeline (required)"},
+    {"--mem-limit", set_size, OFF(mem_limit), 0, 0, T, "SIZE", "bytes per rank (required); suffix K, M, G = KiB, MiB, GiB (x1024)"},
+    {"--top", set_int, OFF(top), 0, INT_MAX, T, "N", "rows to print, best first; 0 = all (default 10)"},
+    {"--max-pipes", set_int, OFF(max_pipes), 1, CLI_MAX_PIPES, T, "N", "parallel pipelines tried: 1..N (default 4)"},
+    {"--opt-bytes-per-param", set_num, OFF(opt_bytes), 0, 1e6, T, "X", "optimizer state per parameter and pipeline (Adam: 8; default 0)"},
+    {"--no-continuous", set_switch, OFF(no_continuous), 0, 0, T, NULL, "synchronous rounds only (default: both round modes)"},
+    {"--max-advance", set_int, OFF(max_advance), 0, INT_MAX, T, "K", "largest K of advance tried (default 0: up to all forwards first)"},
+    {"--cores", set_num, OFF(cores), 0, 1e6, T, "C", "cores the ranks' stage threads share (CPU); 0 = one per rank (default)"},
+    {"--min-micro", set_int, OFF(min_micro), 1, CLI_MAX_BATCH, T, "SAMPLES", "smallest micro-batch tried, in samples (default 1)"},
+    {"--schedule", set_schedule, 0, 0, 0, SC | T, "NAME", "afab|1f1b|advance|interleaved|zbh1; compare and tune take a comma list"},
     {"--stages", set_int, OFF(stages), 1, INT_MAX, SC, "S", "pipeline stages = ranks (default 4)"},
     {"--micro", set_int, OFF(micro), 1, INT_MAX, SC, "M", "micro-batches per batch (default 8)"},
     {"--pipes", set_int, OFF(pipes), 1, 32767, SC, "N", "parallel pipelines (default 1)"},
     {"--chunks", set_int, OFF(chunks), 1, INT_MAX, SC, "V", "model chunks per rank, interleaved only (default 2)"},
     {"--advance", set_advance, 0, 0, 0, SC, "K", "extra warm-up forwards of advance; compare: K or a range A..B"},
-    {"--rounds", set_int, OFF(rounds), 1, INT_MAX, SC, "R", "rounds (default 1)"},
+    {"--rounds", set_int, OFF(rounds), 1, INT_MAX, SC | T, "R", "rounds (per iteration for tune; default 1)"},
     {"--continuous", set_switch, OFF(continuous), 0, 0, SC, NULL, "continuous rounds (default synchronous)"},
     {"--cost-f", set_num, OFF(cost_f), CLI_POSITIVE, 1e12, SC, "T", "forward time of a stage (default 1)"},
     {"--cost-b", set_num, OFF(cost_b), CLI_POSITIVE, 1e12, SC, "T", "full backward time (default 2)"},
@@ -224,11 +268,12 @@ static const cli_flag cli_flags[] = {
     {"--svg", set_str, OFF(svg), 0, 0, CMD_SIM, "FILE", "write an SVG timeline"},
     {"--csv", set_str, OFF(csv), 0, 0, CMD_SIM, "FILE", "write the generated compute schedule as text/CSV"},
     {"--width", set_int, OFF(width), 10, 100000, CMD_SIM, "N", "columns of the ASCII timeline (default 100)"},
-    {"--summary", set_summary, 0, 0, 0, SC, "FMT", "table (default) or tsv: a header line, one row per schedule"},
+    {"--summary", set_summary, 0, 0, 0, SC | T, "FMT", "table (default) or tsv: a header line, one row per schedule"},
     {"--quiet", set_switch, OFF(quiet), 0, 0, CMD_SIM | CMD_VALIDATE, NULL, "sim: no timeline; validate: exit status only"},
     {"--lower", set_switch, OFF(lower), 0, 0, CMD_VALIDATE, NULL, "also print the schedule with SEND/RECV ops"},
     {"--help", set_switch, OFF(help), 0, 0, CMD_ALL, NULL, "print this help"},
 };
+#undef T
 #undef SC
 #undef OFF
 #define CLI_NFLAGS (sizeof cli_flags / sizeof cli_flags[0])
@@ -256,6 +301,20 @@ static const cli_command cli_commands[] = {
      "interleaved only. TSV columns: schedule stages micro pipes chunks advance makespan bubble peak_act_max\n"
      "peak_act_stage0 valid rounds continuous (bubble a fraction; peak_act_* the simulator's peak stash).\n"
      "Exit status: 0 ok, 1 a schedule fails validation, 2 bad arguments or a library error.\n"},
+    {"tune", CMD_TUNE, "--profile FILE --batch B --mem-limit SIZE [options]",
+     "fit a cost model to a runtime profile and rank every setting (schedule, M, N, K, round mode)",
+     "The profile is what avgpipe_run_write_profile / avgpipe_run_append_profile write: profile one setting\n"
+     "at two micro-batch sizes (two sections in one file) so that each stage's op time is fitted as\n"
+     "a + b x samples per micro-batch; with one size the times are taken as proportional to the samples.\n"
+     "Every candidate (default schedules afab, 1f1b, advance with each K that changes a warm-up, zbh1;\n"
+     "M a divisor of B; N = 1..--max-pipes; synchronous and continuous rounds) is simulated with the\n"
+     "fitted costs; its memory per rank is the runtime's boundary buffers and averaging buffers plus N x\n"
+     "parameters x (4 + --opt-bytes-per-param) bytes. Candidates that fit --mem-limit come first, each\n"
+     "group fastest per sample first. Sizes: plain bytes or a suffix K, M, G (binary: 1K = 1024 bytes).\n"
+     "TSV columns: rank schedule micro pipes advance continuous samples pred_time_per_sample pred_seconds\n"
+     "pred_peak_bytes fits (times in seconds; pred_seconds is one iteration of R rounds).\n"
+     "Exit status: 0 ok, 1 no setting fits the memory limit, 2 bad arguments, a profile that cannot be\n"
+     "read or parsed (the message names the line), or a library error.\n"},
 };
 #define CLI_NCOMMANDS (sizeof cli_commands / sizeof cli_commands[0])
 
@@ -264,7 +323,8 @@ static void print_usage(FILE *f) {
     fprintf(f, "usage: avgpipe COMMAND [options]\n       avgpipe --help | --version\n\ncommands:\n");
     for (i = 0; i < CLI_NCOMMANDS; i++) fprintf(f, "  %-10s %s\n", cli_commands[i].name, cli_commands[i].about);
     fprintf(f, "\n'avgpipe COMMAND --help' lists the options of a command.\n"
-               "Exit status: 0 ok, 1 a schedule fails validation, 2 bad arguments or input.\n");
+               "Exit status: 0 ok, 1 a schedule fails validation (tune: nothing fits the memory limit),\n"
+               "2 bad arguments or input.\n");
 }
 
 static void print_command_help(const cli_command *c) {
@@ -272,10 +332,10 @@ static void print_command_help(const cli_command *c) {
     printf("usage: avgpipe %s %s\n%s\n\noptions:\n", c->name, c->args, c->about);
     for (i = 0; i < CLI_NFLAGS; i++) {
         const char *arg = cli_flags[i].arg;
-        char lhs[40];
+        char lhs[48];
         if (!(cli_flags[i].cmds & c->cmd)) continue;
         snprintf(lhs, sizeof lhs, "%s%s%s", cli_flags[i].name, arg ? " " : "", arg ? arg : "");
-        printf("  %-20s %s\n", lhs, cli_flags[i].help);
+        printf("  %-24s %s\n", lhs, cli_flags[i].help);
     }
     printf("\n%s", c->notes);
 }
@@ -315,6 +375,8 @@ static void default_opts(cli_opts *o, unsigned cmd) {
     o->cost_f = 1;
     o->cost_b = 2;
     o->cost_w = 1;
+    o->top = 10;
+    o->max_pipes = 4;
 }
 
 /* Parse argv[2..] into *o. Returns 0 or CLI_EXIT_USAGE (message printed). Stops at --help. */
@@ -338,6 +400,10 @@ static int parse_args(cli_opts *o, int argc, char **argv) {
         }
     }
     if (o->cmd == CMD_VALIDATE && !o->file) return cli_error("validate: missing FILE (see 'avgpipe validate --help')");
+    if (o->cmd == CMD_TUNE) {
+        const char *missing = !o->profile ? "--profile FILE" : !o->batch ? "--batch B" : o->mem_limit <= 0 ? "--mem-limit SIZE" : NULL;
+        if (missing) return cli_error("tune: missing %s (see 'avgpipe tune --help')", missing);
+    }
     return 0;
 }
 
@@ -676,6 +742,177 @@ static int cmd_validate(avgpipe_context *ctx, const cli_opts *o) {
     return rc;
 }
 
+/* ---- tune ------------------------------------------------------------------------------------ */
+
+/* "12.3 KiB" style, for the text table's summary lines. */
+static const char *human_bytes(double b, char *buf, size_t cap) {
+    static const char *const unit[] = {"bytes", "KiB", "MiB", "GiB", "TiB"};
+    int u = 0;
+    while (b >= 1024 && u < 4) b /= 1024, u++;
+    if (u == 0) snprintf(buf, cap, "%.0f bytes", b);
+    else snprintf(buf, cap, "%.3g %s", b, unit[u]);
+    return buf;
+}
+
+/* The fitted model, one line per stage: what the ranking rests on. Times in microseconds. */
+static void print_cost_model(const cli_opts *o, const avgpipe_profile *p, const avgpipe_cost_model *m) {
+    int g, K = AVGPIPE_OP_KIND_COUNT;
+    printf("cost model fitted to '%s': %d section%s, %zu ops, %d stages; micro-batches of %g", o->profile, p->nsections,
+           p->nsections == 1 ? "" : "s", p->nops, m->nstages, m->samples_lo);
+    if (m->samples_hi > m->samples_lo) printf(" and %g", m->samples_hi);
+    printf(" samples\n");
+    if (m->samples_hi <= m->samples_lo) printf("  (one micro-batch size: op times taken as proportional to the samples)\n");
+    for (g = 0; g < m->nstages; g++)
+        printf("  stage %d: F %.4g + %.4g x samples us, B %.4g + %.4g x samples us; %.0f params, %.4g activation bytes/sample\n", g,
+               1e6 * m->a[g * K + AVGPIPE_OP_F], 1e6 * m->b[g * K + AVGPIPE_OP_F], 1e6 * m->a[g * K + AVGPIPE_OP_B],
+               1e6 * m->b[g * K + AVGPIPE_OP_B], m->param_floats[g], m->act_bytes_per_sample[g]);
+    printf("  transfer latency %.4g us\n", 1e6 * m->latency);
+    if (m->cores > 0 && m->cores < m->nstages)
+        printf("  the %d ranks share %g cores: an iteration lasts at least all ranks' compute / %g\n", m->nstages, m->cores, m->cores);
+}
+
+static void print_tune_row(const cli_opts *o, int rank, const avgpipe_tune_candidate *c) {
+    const avgpipe_sched_desc *d = &c->sched;
+    if (o->tsv) {
+        printf("%d\t%s\t%d\t%d\t%d\t%d\t%.10g\t%.9g\t%.9g\t%.0f\t%d\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
+               d->advance, d->continuous, c->samples, c->time_per_sample, c->seconds, c->peak_bytes, c->fits);
+        return;
+    }
+    printf("%4d  %-8s %5d %5d %7d %10s %14.4f %12.4f %14.0f  %s\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
+           d->advance, d->continuous ? "yes" : "no", 1e6 * c->time_per_sample, 1e3 * c->seconds, c->peak_bytes, c->fits ? "yes" : "NO");
+}
+
+/* The search description from the options; kinds from --schedule (interleaved is refused: the
+   profile fixes one stage partition per rank). */
+static int make_tune_desc(const cli_opts *o, avgpipe_tune_desc *td) {
+    int i;
+    memset(td, 0, sizeof *td);
+    td->batch = o->batch;
+    td->max_pipes = o->max_pipes;
+    td->rounds = o->rounds;
+    td->mem_limit = o->mem_limit;
+    td->opt_bytes_per_param = o->opt_bytes;
+    td->no_continuous = o->no_continuous;
+    td->max_advance = o->max_advance;
+    td->min_micro = o->min_micro;
+    for (i = 0; i < o->nkinds; i++) {
+        if (o->kinds[i] == AVGPIPE_SCHED_INTERLEAVED)
+            return cli_error("--schedule: tune does not search interleaved (the profile fixes one stage partition per rank)");
+        td->kinds |= 1u << o->kinds[i];
+    }
+    return 0;
+}
+
+/* Ops the search will simulate, summed over its candidates (an upper bound: advance counts every K up
+   to N x M, the library skips those that change no warm-up). */
+static double tune_work(const avgpipe_tune_desc *td, int stages) {
+    unsigned kinds = td->kinds ? td->kinds
+                               : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
+    double work = 0;
+    int M, N, plain = 0, k;
+    for (k = AVGPIPE_SCHED_AFAB; k <= AVGPIPE_SCHED_ZBH1; k++)
+        plain += k != AVGPIPE_SCHED_ADVANCE && k != AVGPIPE_SCHED_INTERLEAVED && (kinds & (1u << k));
+    for (M = 1; M <= td->batch; M++) {
+        if (td->batch % M || td->batch / M < (td->min_micro > 0 ? td->min_micro : 1)) continue;
+        for (N = 1; N <= td->max_pipes; N++) {
+            double nk = plain, tm = (double)N * M;
+            if (kinds & (1u << AVGPIPE_SCHED_ADVANCE)) nk += td->max_advance > 0 && td->max_advance < tm ? td->max_advance : tm;
+            work += nk * (td->no_continuous ? 1 : 2) * stages * tm * td->rounds;
+        }
+    }
+    return work;
+}
+
+static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL;
+    int n = 0, i, nfit = 0, rc, shown;
+    char b1[32], b2[32];
+    FILE *f = fopen(o->profile, "rb"); /* first, for the system's reason (the library names none) */
+    int bad = !f || (fgetc(f) == EOF && ferror(f));
+    if (bad) rc = cli_error("cannot read '%s': %s", o->profile, strerror(errno));
+    if (f) fclose(f);
+    if (bad) return rc;
+    if ((rc = make_tune_desc(o, &td)) != 0) return rc;
+    if (o->min_micro > o->batch)
+        return cli_error("--min-micro %d is larger than --batch %d: no micro-batch size to try", o->min_micro, o->batch);
+    if (avgpipe_profile_load(ctx, o->profile, &p) != AVGPIPE_OK) return lib_error(ctx);
+    for (i = 0; i < p.nsections; i++) { /* the fit keeps a table of (pipe, stage, micro-batch) per section */
+        const avgpipe_shape *sh = &p.sections[i].shape;
+        double items = (double)p.sections[i].nstages * sh->pipes * sh->micro * sh->rounds;
+        if (p.sections[i].nstages > CLI_MAX_STAGES) {
+            rc = cli_error("%s: %d stages: this tool tunes at most %d", o->profile, p.sections[i].nstages, CLI_MAX_STAGES);
+            break;
+        }
+        if (sh->micro < 1 || sh->pipes < 1 || sh->rounds < 1 || items > (double)CLI_MAX_ITEMS) {
+            rc = cli_error("%s: section %d: stages x pipes x micro x rounds is out of range (this tool reads at most %lld)",
+                           o->profile, i + 1, CLI_MAX_ITEMS);
+            break;
+        }
+    }
+    if (rc) {
+        avgpipe_profile_free(ctx, &p);
+        return rc;
+    }
+    if ((double)p.sections[0].nstages * o->max_pipes * o->batch * o->rounds > (double)CLI_MAX_ITEMS) {
+        rc = cli_error("stages x --max-pipes x --batch x --rounds = %.0f: this tool simulates at most %lld",
+                       (double)p.sections[0].nstages * o->max_pipes * o->batch * o->rounds, CLI_MAX_ITEMS);
+        avgpipe_profile_free(ctx, &p);
+        return rc;
+    }
+    if (tune_work(&td, p.sections[0].nstages) > CLI_MAX_TUNE_WORK) {
+        rc = cli_error("this search would simulate about %.2g ops (this tool stops at %.0g): lower --batch, --max-pipes or "
+                       "--rounds, or set --min-micro or --max-advance", tune_work(&td, p.sections[0].nstages), CLI_MAX_TUNE_WORK);
+        avgpipe_profile_free(ctx, &p);
+        return rc;
+    }
+    rc = avgpipe_tune_fit(ctx, &p, &m) != AVGPIPE_OK ? lib_error(ctx) : 0;
+    if (rc) {
+        avgpipe_profile_free(ctx, &p);
+        return rc;
+    }
+    m.cores = o->cores;
+    if (avgpipe_tune_search(ctx, &m, &td, &c, &n) != AVGPIPE_OK) rc = lib_error(ctx);
+    for (i = 0; !rc && i < n; i++) nfit += c[i].fits;
+    shown = o->top > 0 && o->top < n ? o->top : n;
+    if (!rc && o->tsv) {
+        printf("rank\tschedule\tmicro\tpipes\tadvance\tcontinuous\tsamples\tpred_time_per_sample\tpred_seconds\tpred_peak_bytes\tfits\n");
+        for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i]);
+    } else if (!rc) {
+        print_cost_model(o, &p, &m);
+        printf("\nbatch %d per pipeline, %d round%s per iteration, memory limit %s per rank, optimizer %g bytes/param: "
+               "%d settings, %d fit\n", o->batch, o->rounds, o->rounds == 1 ? "" : "s", human_bytes(o->mem_limit, b1, sizeof b1),
+               o->opt_bytes, n, nfit);
+        printf("%4s  %-8s %5s %5s %7s %10s %14s %12s %14s  %s\n", "rank", "schedule", "micro", "pipes", "advance", "continuous",
+               "us_per_sample", "iteration_ms", "peak_bytes", "fits");
+        for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i]);
+        if (shown < n) printf("  ... %d more (--top 0 lists all)\n", n - shown);
+        if (nfit > 0)
+            printf("best: %s M=%d N=%d K=%d %s rounds, %g samples per micro-batch: %.4g us/sample (%.4g samples/s), peak %s "
+                   "of %s per rank\n", avgpipe_sched_kind_name(c[0].sched.kind), c[0].sched.micro, c[0].sched.pipes,
+                   c[0].sched.advance, c[0].sched.continuous ? "continuous" : "synchronous", c[0].samples,
+                   1e6 * c[0].time_per_sample, 1 / c[0].time_per_sample, human_bytes(c[0].peak_bytes, b1, sizeof b1),
+                   human_bytes(o->mem_limit, b2, sizeof b2));
+        if (n > 0 && (c[0].samples < m.samples_lo || c[0].samples > m.samples_hi))
+            printf("note: %g samples per micro-batch is outside the profiled %g..%g: its op times are extrapolated\n",
+                   c[0].samples, m.samples_lo, m.samples_hi);
+    }
+    if (!rc && nfit == 0) {
+        double least = n > 0 ? c[n - 1].peak_bytes : 0;
+        for (i = 0; i < n; i++)
+            if (c[i].peak_bytes < least) least = c[i].peak_bytes;
+        fprintf(stderr, "avgpipe: no setting fits --mem-limit %s per rank (the smallest needs %.0f bytes)\n",
+                human_bytes(o->mem_limit, b1, sizeof b1), least);
+        rc = CLI_EXIT_INVALID;
+    }
+    avgpipe_free(ctx, c);
+    avgpipe_cost_model_free(ctx, &m);
+    avgpipe_profile_free(ctx, &p);
+    return rc;
+}
+
 /* ---- main ------------------------------------------------------------------------------------ */
 
 static int run_command(const cli_command *c, int argc, char **argv) {
@@ -688,7 +925,7 @@ static int run_command(const cli_command *c, int argc, char **argv) {
         print_command_help(c);
         return 0;
     }
-    if (o.nkinds == 0) {
+    if (o.nkinds == 0 && c->cmd != CMD_TUNE) {
         static const avgpipe_sched_kind dflt[] = {AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
                                                   AVGPIPE_SCHED_ZBH1};
         o.nkinds = c->cmd == CMD_SIM ? 1 : 4;
@@ -697,12 +934,13 @@ static int run_command(const cli_command *c, int argc, char **argv) {
     if (avgpipe_context_init(&ctx, NULL) != AVGPIPE_OK) return cli_error("cannot initialise the library context");
     if (c->cmd == CMD_SIM) return cmd_sim(&ctx, &o);
     if (c->cmd == CMD_VALIDATE) return cmd_validate(&ctx, &o);
+    if (c->cmd == CMD_TUNE) return cmd_tune(&ctx, &o);
     return cmd_compare(&ctx, &o);
 }
 
 int main(int argc, char **argv) {
     size_t i;
-    if (argc < 2) return cli_error("missing command (expected sim, validate or compare; see 'avgpipe --help')");
+    if (argc < 2) return cli_error("missing command (expected sim, validate, compare or tune; see 'avgpipe --help')");
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0 || strcmp(argv[1], "help") == 0) {
         print_usage(stdout);
         return 0;
@@ -717,5 +955,5 @@ int main(int argc, char **argv) {
             if (fflush(stdout) != 0 || ferror(stdout)) return cli_error("cannot write the standard output");
             return rc;
         }
-    return cli_error("unknown command '%s' (expected sim, validate or compare; see 'avgpipe --help')", argv[1]);
+    return cli_error("unknown command '%s' (expected sim, validate, compare or tune; see 'avgpipe --help')", argv[1]);
 }

@@ -1,0 +1,544 @@
+/* bench_tune_regret — how good are the tuner's predictions on a real model?
+
+   The Fashion-MNIST MLP of examples/mlp.h trains on CPU stage threads (the runtime's workers, OpenBLAS
+   single-threaded inside each). ONE setting (advance K = 1, N = 2) is profiled at two micro-batch sizes
+   (M = 4 and M = 8) into one profile; the tuner fits its cost model to it. Then every setting of a grid
+   (schedules 1f1b, advance K = 1, afab, zbh1; M in {2, 4, 8, 16}; N in {1, 2, 3}) is measured (median
+   iteration time over a few iterations) and compared with the tuner's prediction:
+     - per setting: measured and predicted time per sample, relative error, and the predicted peak
+       memory per rank against what the runtime allocated plus parameters and Adam state;
+     - mean absolute relative error, Spearman rank correlation of predicted vs measured;
+     - regret: measured time of the tuner's choice within the grid over the best measured, minus 1;
+     - the tuner's overall choice (all divisors M of the batch, N <= 3), measured too;
+     - tuning time (fit + search) as a fraction of the time the grid took to measure.
+   Targets: regret <= 5%, rank correlation >= 0.9, tuning time < 1% of the grid's; the last lines say
+   whether each was met.
+
+   The grid is measured in two passes (every setting once per pass, WARMUP + --iters iterations each);
+   a setting's time is the median of its timed iterations of both passes, so that a slow spell of the
+   machine does not land on one setting only. The search covers the grid's micro-batch sizes and larger
+   (at least B/16 samples per micro-batch), N = 1..3, every K that changes a warm-up and both round
+   modes; the default full search (down to 1 sample per micro-batch) is timed too.
+
+   Usage: bench_tune_regret [--stages S] [--limit N] [--iters I] [--batch B] [--rounds R] [--sync]
+                            [--hidden LIST] [--data DIR]
+   Defaults: S = 4 with 4 or more cores, else 2 (the simulator gives every stage its own core); 8192
+   training samples; 9 timed iterations per pass after 2 warm-up ones; B = 128; R = 2 continuous rounds. */
+#define _POSIX_C_SOURCE 200809L
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+#define MLP_IMPLEMENTATION
+#include "examples/mlp.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
+
+#define PROG "bench_tune_regret"
+#define MAXN 4
+#define WARMUP 2
+#define MAXITERS 64
+#define PASSES 2
+
+typedef struct options {
+    int stages, limit, iters, batch, rounds, continuous;
+    const char *hidden, *data;
+} options;
+
+/* The model and data, shared by every setting. */
+static options O;
+static mlp_model MODEL;
+static mlp_data TRAIN;
+static size_t ACT_BYTES[MLP_MAX_LAYERS];
+
+/* State of one setting's run, reached by the callbacks through op->user. */
+typedef struct app {
+    int G, N, mb;
+    float loss_scale;
+    mlp_order order;
+    mlp_adam_hp adam;
+    mlp_net nets[MAXN];
+    float *params[MAXN * MLP_MAX_LAYERS];
+    int slots[MLP_MAX_LAYERS];
+    mlp_stash *stash[MLP_MAX_LAYERS];
+    mlp_perm perm[MLP_MAX_LAYERS];
+} app;
+
+static void die(const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fputs(PROG ": ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+    exit(2);
+}
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+/* ---- callbacks (as examples/fashion_mnist.c) ----------------------------------------------------- */
+
+static mlp_stash *stash_of(app *A, const avgpipe_op_ctx *op) { return &A->stash[op->stage][op->slot]; }
+
+static int cb_forward(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    mlp_stash *st = stash_of(A, op);
+    int last = op->stage == A->G - 1;
+    if (op->stage == 0 || last) {
+        const uint32_t *idx = mlp_order_micro(&A->order, &A->perm[op->stage], op->pipe, op->round, op->micro, A->mb);
+        if (!idx || mlp_stash_load(st, &TRAIN, idx, A->mb) != 0) return 1;
+    }
+    if (mlp_stage_forward(&MODEL, op->stage, op->params, st, (const float *)op->input, last ? NULL : (float *)op->output, A->mb))
+        return 1;
+    if (last) op->loss = mlp_stage_loss(&MODEL, st, NULL);
+    return last && !isfinite(op->loss);
+}
+
+static int cb_backward(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    return mlp_stage_backward(&MODEL, op->stage, op->params, stash_of(A, op), (const float *)op->input,
+                              (const float *)op->grad_output, (float *)op->grad_input, A->nets[op->pipe].grad[op->stage],
+                              A->loss_scale) != 0;
+}
+
+static int cb_backward_input(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    return mlp_stage_backward_input(&MODEL, op->stage, op->params, stash_of(A, op), (const float *)op->grad_output,
+                                    (float *)op->grad_input, A->loss_scale) != 0;
+}
+
+static int cb_backward_weight(avgpipe_op_ctx *op) {
+    app *A = (app *)op->user;
+    return mlp_stage_backward_weight(&MODEL, op->stage, stash_of(A, op), (const float *)op->input,
+                                     A->nets[op->pipe].grad[op->stage]) != 0;
+}
+
+static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
+    app *A = (app *)user;
+    (void)rank, (void)round;
+    mlp_adam_step(&A->nets[pipe].adam[stage], &A->adam, params, A->nets[pipe].grad[stage]);
+    return 0;
+}
+
+/* ---- one setting --------------------------------------------------------------------------------- */
+
+static void app_init(app *A, int M, int N) {
+    char err[256];
+    int i, g;
+    memset(A, 0, sizeof *A);
+    A->G = MODEL.stages;
+    A->N = N;
+    A->mb = O.batch / M;
+    A->loss_scale = 1.0f / (float)O.batch;
+    A->adam = mlp_adam_defaults();
+    if (mlp_order_init(&A->order, TRAIN.n, O.batch, N, O.rounds, 1, err, sizeof err) != 0) die("%s", err);
+    for (i = 0; i < N; i++) {
+        if (mlp_net_init(&A->nets[i], &MODEL, 1) != 0) die("out of memory");
+        for (g = 0; g < A->G; g++) A->params[i * A->G + g] = A->nets[i].params[g];
+    }
+    if (mlp_perm_init(&A->perm[0], TRAIN.n) != 0 || mlp_perm_init(&A->perm[A->G - 1], TRAIN.n) != 0) die("out of memory");
+}
+
+static void app_stashes(app *A, const avgpipe_run *run) {
+    int g, s;
+    for (g = 0; g < A->G; g++) {
+        int want = avgpipe_run_slots(run, g);
+        if (want <= A->slots[g]) continue;
+        A->stash[g] = (mlp_stash *)realloc(A->stash[g], sizeof(mlp_stash) * (size_t)want);
+        if (!A->stash[g]) die("out of memory");
+        for (s = A->slots[g]; s < want; s++)
+            if (mlp_stash_init(&A->stash[g][s], &MODEL, g, A->mb) != 0) die("out of memory");
+        A->slots[g] = want;
+    }
+}
+
+static void app_free(app *A) {
+    int i, g;
+    for (g = 0; g < MLP_MAX_LAYERS; g++) {
+        for (i = 0; i < A->slots[g]; i++) mlp_stash_free(&A->stash[g][i]);
+        free(A->stash[g]);
+        mlp_perm_free(&A->perm[g]);
+    }
+    for (i = 0; i < A->N; i++) mlp_net_free(&A->nets[i]);
+}
+
+typedef struct setting {
+    avgpipe_sched_kind kind;
+    int micro, pipes, advance, continuous;
+    /* results */
+    double times[PASSES * MAXITERS]; /* timed iterations of every pass so far */
+    int ntimes;
+    double measured, spread, predicted, pred_peak, real_peak, wall;
+} setting;
+
+static int cmp_double(const void *x, const void *y) {
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+static avgpipe_sched_desc sched_of(const setting *s) {
+    avgpipe_sched_desc d;
+    memset(&d, 0, sizeof d);
+    d.kind = s->kind;
+    d.stages = MODEL.stages;
+    d.micro = s->micro;
+    d.pipes = s->pipes;
+    d.advance = s->advance;
+    d.rounds = O.rounds;
+    d.continuous = s->continuous;
+    return d;
+}
+
+/* Append the file `from` to `to`, without its header line unless `to` is empty. */
+static void append_file(const char *from, const char *to) {
+    FILE *in = fopen(from, "rb"), *out = fopen(to, "ab");
+    char line[512];
+    int first = 1;
+    if (!in || !out) die("cannot copy '%s' to '%s': %s", from, to, strerror(errno));
+    fseek(out, 0, SEEK_END);
+    while (fgets(line, sizeof line, in)) {
+        if (!first || ftell(out) == 0) fputs(line, out);
+        first = 0;
+    }
+    fclose(in);
+    if (fclose(out) != 0) die("cannot write '%s'", to);
+}
+
+/* Run setting s: WARMUP + O.iters iterations, their times added to s->times; s->measured = the median
+   of s->times per sample. With a profile path, the profiles of this run's timed iterations within 3% of
+   its median are appended to it (a typical iteration's op times; one iteration's can stray when another
+   program takes a core). */
+static void run_setting(avgpipe_context *ctx, setting *s, const char *profile, int *kept) {
+    app *A = (app *)calloc(1, sizeof(app));
+    avgpipe_run_desc rd;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    double t[MAXITERS], sorted[PASSES * MAXITERS], t0 = now(), med;
+    char tmp[MAXITERS][40];
+    int i, g, r;
+    if (!A) die("out of memory");
+    app_init(A, s->micro, s->pipes);
+    for (g = 0; g + 1 < MODEL.stages; g++) /* boundary g|g+1: one micro-batch's activation */
+        ACT_BYTES[g] = (size_t)A->mb * (size_t)mlp_stage_out_width(&MODEL, g) * sizeof(float);
+    memset(&rd, 0, sizeof rd);
+    rd.sched = sched_of(s);
+    rd.cb.forward = cb_forward;
+    rd.cb.backward = cb_backward;
+    rd.cb.backward_input = cb_backward_input;
+    rd.cb.backward_weight = cb_backward_weight;
+    rd.cb.step = cb_step;
+    rd.cb.user = A;
+    rd.act_bytes = ACT_BYTES;
+    rd.params = (float *const *)A->params;
+    rd.param_count = MODEL.count;
+    rd.profile = profile != NULL;
+    rd.micro_samples = A->mb;
+    if (avgpipe_run_create(ctx, &rd, &run) != AVGPIPE_OK) die("avgpipe_run_create: %s", avgpipe_last_error(ctx));
+    app_stashes(A, run);
+    s->real_peak = 0; /* what the runtime allocated, plus the weights and Adam's two moments of N models */
+    for (r = 0; r < MODEL.stages; r++) {
+        double b = avgpipe_run_bytes(run, r);
+        for (g = r; g < MODEL.stages; g += MODEL.stages) b += (double)s->pipes * (double)MODEL.count[g] * (4 + 8);
+        if (b > s->real_peak) s->real_peak = b;
+    }
+    for (i = 0; i < WARMUP + O.iters; i++) {
+        int k = i - WARMUP;
+        if (avgpipe_run_iteration(run, &st) != AVGPIPE_OK) die("iteration: %s", avgpipe_last_error(ctx));
+        if (k < 0) continue;
+        t[k] = st.seconds;
+        if (profile) {
+            int fd;
+            snprintf(tmp[k], sizeof tmp[k], "/tmp/" PROG "_XXXXXX");
+            if ((fd = mkstemp(tmp[k])) < 0) die("mkstemp: %s", strerror(errno));
+            close(fd);
+            if (avgpipe_run_write_profile(run, tmp[k]) != AVGPIPE_OK) die("profile: %s", avgpipe_last_error(ctx));
+        }
+    }
+    avgpipe_run_destroy(run);
+    memcpy(sorted, t, sizeof(double) * (size_t)O.iters);
+    qsort(sorted, (size_t)O.iters, sizeof(double), cmp_double);
+    med = sorted[O.iters / 2]; /* this run's */
+    memcpy(s->times + s->ntimes, t, sizeof(double) * (size_t)O.iters);
+    s->ntimes += O.iters;
+    memcpy(sorted, s->times, sizeof(double) * (size_t)s->ntimes);
+    qsort(sorted, (size_t)s->ntimes, sizeof(double), cmp_double);
+    s->spread = sorted[s->ntimes - 1] / sorted[0];
+    s->measured = sorted[s->ntimes / 2] / ((double)O.rounds * s->pipes * O.batch);
+    for (i = 0; profile && i < O.iters; i++) {
+        if (fabs(t[i] / med - 1) <= 0.03) {
+            append_file(tmp[i], profile);
+            ++*kept;
+        }
+        remove(tmp[i]);
+    }
+    app_free(A);
+    free(A);
+    s->wall += now() - t0;
+}
+
+/* The 1-minute load average (-1 where /proc/loadavg cannot be read): the measurements assume an otherwise
+   idle machine, and say so when it was not. */
+static double loadavg(void) {
+    FILE *f = fopen("/proc/loadavg", "r");
+    double l = -1;
+    if (f) {
+        if (fscanf(f, "%lf", &l) != 1) l = -1;
+        fclose(f);
+    }
+    return l;
+}
+
+static int same(const avgpipe_tune_candidate *c, const setting *s) {
+    return c->sched.kind == s->kind && c->sched.micro == s->micro && c->sched.pipes == s->pipes && c->sched.advance == s->advance &&
+           c->sched.continuous == s->continuous;
+}
+
+/* ---- statistics ------------------------------------------------------------------------------------ */
+
+/* Ranks 1..n, ties get the mean of their ranks. */
+static void ranks(const double *x, int n, double *rk) {
+    int i, j;
+    for (i = 0; i < n; i++) {
+        double less = 0, equal = 0;
+        for (j = 0; j < n; j++) less += x[j] < x[i], equal += x[j] == x[i];
+        rk[i] = less + (equal + 1) / 2;
+    }
+}
+
+static double spearman(const double *x, const double *y, int n) {
+    double rx[256], ry[256], mx = 0, my = 0, sxy = 0, sxx = 0, syy = 0;
+    int i;
+    ranks(x, n, rx);
+    ranks(y, n, ry);
+    for (i = 0; i < n; i++) mx += rx[i] / n, my += ry[i] / n;
+    for (i = 0; i < n; i++) sxy += (rx[i] - mx) * (ry[i] - my), sxx += (rx[i] - mx) * (rx[i] - mx), syy += (ry[i] - my) * (ry[i] - my);
+    return sxx > 0 && syy > 0 ? sxy / sqrt(sxx * syy) : 0;
+}
+
+/* ---- main ------------------------------------------------------------------------------------------ */
+
+static long arg_long(const char *flag, const char *v, long lo, long hi) {
+    char *end;
+    long x;
+    errno = 0;
+    x = strtol(v, &end, 10);
+    if (end == v || *end || errno || x < lo || x > hi) die("%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, v);
+    return x;
+}
+
+static void parse(int argc, char **argv) {
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    int i;
+    O.stages = cores >= 4 ? 4 : 2;
+    O.limit = 8192;
+    O.iters = 9;
+    O.batch = 128;
+    O.rounds = 2;
+    O.continuous = 1;
+    O.hidden = "512,256,128";
+    O.data = "/usr/share/datasets/fashion-mnist";
+    for (i = 1; i < argc; i++) {
+        const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
+            printf("usage: " PROG " [--stages S] [--limit N] [--iters I] [--batch B] [--rounds R] [--sync] [--hidden LIST] "
+                   "[--data DIR]\n");
+            exit(0);
+        }
+        if (!strcmp(f, "--sync")) {
+            O.continuous = 0;
+            continue;
+        }
+        if (!v) die("unknown option or missing value: '%s' (try --help)", f);
+        if (!strcmp(f, "--stages")) O.stages = (int)arg_long(f, v, 1, MLP_MAX_LAYERS);
+        else if (!strcmp(f, "--limit")) O.limit = (int)arg_long(f, v, 1, 1 << 24);
+        else if (!strcmp(f, "--iters")) O.iters = (int)arg_long(f, v, 1, MAXITERS);
+        else if (!strcmp(f, "--batch")) O.batch = (int)arg_long(f, v, 16, 1 << 16);
+        else if (!strcmp(f, "--rounds")) O.rounds = (int)arg_long(f, v, 1, 64);
+        else if (!strcmp(f, "--hidden")) O.hidden = v;
+        else if (!strcmp(f, "--data")) O.data = v;
+        else die("unknown option '%s' (try --help)", f);
+        i++;
+    }
+    if (O.batch % 16) die("--batch %d: must be a multiple of 16 (the grid's largest M)", O.batch);
+}
+
+int main(int argc, char **argv) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_ZBH1};
+    static const int micros[] = {2, 4, 8, 16};
+    static setting grid[64];
+    avgpipe_context ctx;
+    mlp_data test;
+    char err[512], desc[256], prof[] = "/tmp/" PROG "_profile_XXXXXX";
+    int ng = 0, i, j, g, kept[2] = {0, 0}, fd, K = AVGPIPE_OP_KIND_COUNT, cand_n, full_n, pass, best_meas = 0, pick = -1, mem_exact = 1, met = 0;
+    double load0, load1, grid_time = 0, t_prof, t_fit, t_search, t_full, mae = 0, meas[64], pred[64], rho, regret;
+    setting profiled[2], overall;
+    long ncores;
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *cand;
+
+    parse(argc, argv);
+    load0 = loadavg();
+    ncores = sysconf(_SC_NPROCESSORS_ONLN);
+    openblas_set_num_threads(1);
+    avgpipe_context_init(&ctx, NULL);
+    if (mlp_data_load_fashion(O.data, &TRAIN, &test, err, sizeof err) != 0) die("%s", err);
+    mlp_data_free(&test);
+    {
+        float mean, sd;
+        mlp_data_stats(&TRAIN, &mean, &sd);
+        mlp_data_normalize(&TRAIN, mean, sd);
+    }
+    mlp_data_truncate(&TRAIN, O.limit);
+    if (TRAIN.n < 3 * O.batch * O.rounds) die("--limit %d: too few samples for 3 pipelines x %d rounds x %d", TRAIN.n, O.rounds, O.batch);
+    if (mlp_model_parse(&MODEL, TRAIN.dim, O.hidden, O.stages, err, sizeof err) != 0) die("%s", err);
+    mlp_model_describe(&MODEL, desc, sizeof desc);
+    printf(PROG ": model %s\n", desc);
+    printf("S=%d stage threads on %ld cores, batch %d per pipeline, R=%d %s rounds per iteration, %d training samples, "
+           "median of %d passes x %d iterations (each after %d warm-up)\n",
+           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, PASSES,
+           O.iters, WARMUP);
+
+    /* 1. Profile one setting at two micro-batch sizes into one file. */
+    if ((fd = mkstemp(prof)) < 0) die("mkstemp: %s", strerror(errno));
+    close(fd);
+    t_prof = now();
+    for (i = 0; i < 2; i++) {
+        memset(&profiled[i], 0, sizeof profiled[i]);
+        profiled[i].kind = AVGPIPE_SCHED_ADVANCE;
+        profiled[i].micro = i == 0 ? 4 : 8;
+        profiled[i].pipes = 2;
+        profiled[i].advance = 1;
+        profiled[i].continuous = O.continuous;
+        run_setting(&ctx, &profiled[i], prof, &kept[i]);
+    }
+    t_prof = now() - t_prof;
+    printf("profiled advance K=1 N=2 at M=4 and M=8 (%d and %d samples per micro-batch): %d + %d typical iterations kept, %.1f s\n",
+           O.batch / 4, O.batch / 8, kept[0], kept[1], t_prof);
+
+    /* 2. Fit and search (timed: the tuning cost). */
+    t_fit = now();
+    if (avgpipe_profile_load(&ctx, prof, &p) != AVGPIPE_OK || avgpipe_tune_fit(&ctx, &p, &m) != AVGPIPE_OK)
+        die("%s", avgpipe_last_error(&ctx));
+    if (ncores < MODEL.stages) m.cores = (double)ncores; /* the stage threads share the cores */
+    t_fit = now() - t_fit;
+    remove(prof);
+    memset(&td, 0, sizeof td);
+    td.batch = O.batch;
+    td.max_pipes = 3;
+    td.rounds = O.rounds;
+    td.opt_bytes_per_param = 8; /* Adam */
+    t_full = now();             /* the default search space: every M dividing B */
+    if (avgpipe_tune_search(&ctx, &m, &td, &cand, &full_n) != AVGPIPE_OK) die("search: %s", avgpipe_last_error(&ctx));
+    t_full = now() - t_full;
+    avgpipe_free(&ctx, cand);
+    td.min_micro = O.batch / 16; /* the grid's micro-batch sizes and larger */
+    t_search = now();
+    if (avgpipe_tune_search(&ctx, &m, &td, &cand, &cand_n) != AVGPIPE_OK) die("search: %s", avgpipe_last_error(&ctx));
+    t_search = now() - t_search;
+    printf("fitted cost model (op time = a + b x samples, us; STEP constant):\n");
+    for (g = 0; g < m.nstages; g++)
+        printf("  stage %d: F %.1f + %.2f x, B %.1f + %.2f x, STEP %.1f\n", g, 1e6 * m.a[g * K + AVGPIPE_OP_F], 1e6 * m.b[g * K + AVGPIPE_OP_F],
+               1e6 * m.a[g * K + AVGPIPE_OP_B], 1e6 * m.b[g * K + AVGPIPE_OP_B], 1e6 * m.a[g * K + AVGPIPE_OP_STEP]);
+    printf("  transfer latency %.1f us%s\n", 1e6 * m.latency, m.cores > 0 ? "; stage threads share the cores (cost_model.cores)" : "");
+
+    /* 3. The grid: measure every setting (PASSES passes, the second in reverse order), then predict. */
+    for (i = 0; i < 4; i++)
+        for (j = 0; j < 4; j++)
+            for (g = 1; g <= 3; g++) {
+                setting *s = &grid[ng++];
+                memset(s, 0, sizeof *s);
+                s->kind = kinds[i];
+                s->micro = micros[j];
+                s->pipes = g;
+                s->advance = kinds[i] == AVGPIPE_SCHED_ADVANCE ? 1 : 0;
+                s->continuous = O.continuous;
+            }
+    for (pass = 0; pass < PASSES; pass++)
+        for (i = 0; i < ng; i++) run_setting(&ctx, &grid[pass % 2 ? ng - 1 - i : i], NULL, NULL);
+    printf("\n%-8s %2s %3s %2s %14s %14s %8s %7s %14s %14s\n", "schedule", "K", "M", "N", "meas_us/sample", "pred_us/sample", "error",
+           "spread", "pred_peak", "runtime_peak");
+    for (i = 0; i < ng; i++) {
+        setting *s = &grid[i];
+        avgpipe_sched_desc sd = sched_of(s);
+        double sec;
+        grid_time += s->wall;
+        if (avgpipe_tune_predict(&ctx, &m, &sd, (double)O.batch / s->micro, &sec) != AVGPIPE_OK) die("%s", avgpipe_last_error(&ctx));
+        s->predicted = sec / ((double)O.rounds * s->pipes * O.batch);
+        for (j = 0; j < cand_n; j++) /* the search's own memory figure for this setting */
+            if (same(&cand[j], s)) s->pred_peak = cand[j].peak_bytes;
+        mem_exact &= s->pred_peak == s->real_peak;
+        meas[i] = s->measured;
+        pred[i] = s->predicted;
+        mae += fabs(s->predicted / s->measured - 1) / ng;
+        if (s->measured < grid[best_meas].measured) best_meas = i;
+        printf("%-8s %2d %3d %2d %14.2f %14.2f %+7.1f%% %7.2f %14.0f %14.0f\n", avgpipe_sched_kind_name(s->kind), s->advance, s->micro,
+               s->pipes, 1e6 * s->measured, 1e6 * s->predicted, 100 * (s->predicted / s->measured - 1), s->spread, s->pred_peak,
+               s->real_peak);
+    }
+
+    /* 4. The tuner's choice within the grid: the first of its ranking that the grid holds. */
+    for (j = 0; j < cand_n && pick < 0; j++)
+        for (i = 0; i < ng; i++)
+            if (same(&cand[j], &grid[i])) {
+                pick = i;
+                break;
+            }
+    if (pick < 0) die("the search's ranking holds no grid setting");
+    rho = spearman(meas, pred, ng);
+    regret = grid[pick].measured / grid[best_meas].measured - 1;
+
+    /* 5. The tuner's overall choice, measured as the grid was. */
+    memset(&overall, 0, sizeof overall);
+    overall.kind = cand[0].sched.kind;
+    overall.micro = cand[0].sched.micro;
+    overall.pipes = cand[0].sched.pipes;
+    overall.advance = cand[0].sched.advance;
+    overall.continuous = cand[0].sched.continuous;
+    for (pass = 0; pass < PASSES; pass++) run_setting(&ctx, &overall, NULL, NULL);
+
+    printf("\nmean absolute relative error of the predictions: %.1f%% (over %d settings)\n", 100 * mae, ng);
+    printf("Spearman rank correlation, predicted vs measured: %.3f (target >= 0.9: %s)\n", rho, rho >= 0.9 ? "met" : "NOT met");
+    met += rho >= 0.9;
+    printf("tuner's choice within the grid: %s K=%d M=%d N=%d, measured %.2f us/sample (predicted %.2f); best measured: %s K=%d "
+           "M=%d N=%d, %.2f us/sample\n", avgpipe_sched_kind_name(grid[pick].kind), grid[pick].advance, grid[pick].micro,
+           grid[pick].pipes, 1e6 * grid[pick].measured, 1e6 * grid[pick].predicted, avgpipe_sched_kind_name(grid[best_meas].kind),
+           grid[best_meas].advance, grid[best_meas].micro, grid[best_meas].pipes, 1e6 * grid[best_meas].measured);
+    printf("regret: %.1f%% (target <= 5%%: %s)\n", 100 * regret, regret <= 0.05 ? "met" : "NOT met");
+    met += regret <= 0.05;
+    printf("tuner's overall choice (%d candidates: M dividing %d with >= %d samples, N <= 3): %s K=%d M=%d N=%d %s, predicted %.2f "
+           "us/sample", cand_n, O.batch, O.batch / 16, avgpipe_sched_kind_name(cand[0].sched.kind), cand[0].sched.advance, cand[0].sched.micro,
+           cand[0].sched.pipes, cand[0].sched.continuous ? "continuous" : "synchronous", 1e6 * cand[0].time_per_sample);
+    printf(", measured %.2f (%+.1f%% vs the best measured in the grid)\n", 1e6 * overall.measured,
+           100 * (overall.measured / grid[best_meas].measured - 1));
+    printf("tuning time: fit %.1f ms + search %.1f ms = %.3f%% of the %.1f s the grid took to measure (target < 1%%: %s)\n",
+           1e3 * t_fit, 1e3 * t_search, 100 * (t_fit + t_search) / grid_time, grid_time,
+           (t_fit + t_search) < 0.01 * grid_time ? "met" : "NOT met");
+    printf("  (the default search, down to 1 sample per micro-batch: %d candidates in %.1f ms, %.3f%% of the grid's time)\n", full_n,
+           1e3 * t_full, 100 * (t_fit + t_full) / grid_time);
+    met += (t_fit + t_search) < 0.01 * grid_time;
+    printf("memory: predicted peak bytes per rank (runtime buffers + weights + Adam state) %s the runtime's for every setting\n",
+           mem_exact ? "equal" : "DIFFER from");
+    load1 = loadavg();
+    printf("targets met: %d of 3\n", met);
+    if (load0 > ncores || load1 > ncores)
+        printf("note: the machine was busy (1-minute load average %.1f at the start, %.1f at the end, %ld cores): other programs' "
+               "threads took cores from the stage threads, which the measurements include and the model does not\n", load0, load1, ncores);
+    avgpipe_free(&ctx, cand);
+    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_profile_free(&ctx, &p);
+    mlp_data_free(&TRAIN);
+    return 0;
+}

@@ -1,0 +1,782 @@
+/* Tests of the tuner (section 11) and the profile it reads (section 10):
+     - the memory model (avgpipe_run_memory) equals what the CPU runtime allocates, exactly, over a grid of
+       settings: against avgpipe_run_bytes and against the bytes a counting allocator handed out for the
+       runtime's own buffers;
+     - predicting a profiled setting reproduces its measured iteration time (a toy model whose callbacks
+       sleep a + b x samples);
+     - on synthetic profiles with a known optimum, avgpipe_tune_search ranks it first, and never ranks a
+       setting over the memory limit as fitting;
+     - the profile parser refuses broken input naming the line. */
+#define _POSIX_C_SOURCE 200809L
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
+
+#include <criterion/criterion.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+static int has(const char *msg, const char *part) { return strstr(msg, part) != NULL; }
+
+/* ---- a counting allocator ---------------------------------------------------------------------- */
+/* While `logging` is on, the size of every allocation is appended to a log (in call order). A header
+   in front of each block keeps its size, so live bytes are known at any time. */
+
+#define LOG_MAX 200000
+typedef struct counter {
+    pthread_mutex_t mu;
+    int logging, nlog;
+    size_t log[LOG_MAX];
+    double live;
+} counter;
+static counter CNT = {PTHREAD_MUTEX_INITIALIZER, 0, 0, {0}, 0};
+
+typedef union hdr {
+    size_t size;
+    max_align_t align;
+} hdr;
+
+static void *count_alloc(size_t n, void *user) {
+    counter *c = (counter *)user;
+    hdr *h = (hdr *)malloc(sizeof(hdr) + n);
+    if (!h) return NULL;
+    h->size = n;
+    pthread_mutex_lock(&c->mu);
+    if (c->logging) {
+        cr_assert(c->nlog < LOG_MAX, "allocation log full");
+        c->log[c->nlog++] = n;
+    }
+    c->live += (double)n;
+    pthread_mutex_unlock(&c->mu);
+    return h + 1;
+}
+
+static void count_free(void *p, void *user) {
+    counter *c = (counter *)user;
+    hdr *h;
+    if (!p) return;
+    h = (hdr *)p - 1;
+    pthread_mutex_lock(&c->mu);
+    c->live -= (double)h->size;
+    pthread_mutex_unlock(&c->mu);
+    free(h);
+}
+
+static void counting_context(avgpipe_context *ctx) {
+    avgpipe_context_desc cd;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = count_alloc;
+    cd.allocator.free = count_free;
+    cd.allocator.user = &CNT;
+    cr_assert_eq(avgpipe_context_init(ctx, &cd), AVGPIPE_OK);
+}
+
+/* ---- the memory model --------------------------------------------------------------------------- */
+
+static int noop_cb(avgpipe_op_ctx *op) {
+    (void)op;
+    return 0;
+}
+
+#define MAXG 8 /* S <= 4, V <= 2 */
+#define MAXN 3
+static float PARAMS[MAXN * MAXG][512];
+
+/* Create a run from rd with the allocation log on; the sizes, in order, go to out (n of them). */
+static avgpipe_run *create_logged(avgpipe_context *ctx, const avgpipe_run_desc *rd, size_t *out, int *n, const char *what) {
+    avgpipe_run *run = NULL;
+    avgpipe_result r;
+    pthread_mutex_lock(&CNT.mu);
+    CNT.nlog = 0;
+    CNT.logging = 1;
+    pthread_mutex_unlock(&CNT.mu);
+    r = avgpipe_run_create(ctx, rd, &run);
+    pthread_mutex_lock(&CNT.mu);
+    CNT.logging = 0;
+    *n = CNT.nlog;
+    memcpy(out, CNT.log, (size_t)CNT.nlog * sizeof *out);
+    pthread_mutex_unlock(&CNT.mu);
+    cr_assert_eq(r, AVGPIPE_OK, "%s: avgpipe_run_create: %s", what, avgpipe_last_error(ctx));
+    return run;
+}
+
+static size_t LOG_A[LOG_MAX], LOG_B[LOG_MAX];
+
+/* One setting: avgpipe_run_memory == avgpipe_run_bytes per rank, and == the buffer bytes the allocator
+   handed out in total.
+
+   Which allocations are "the runtime's buffers"? The runtime also allocates bookkeeping (schedules, slot
+   tables, job queues, the comm and device state), none of which depends on the byte sizes of the
+   activations or on the parameter counts, only on the shape. So the run is created twice with the same
+   shape: once with act_bytes / param_count, once with every entry a little larger. avgpipe_run_create
+   allocates in a fixed order (one thread; the workers allocate nothing before the first iteration), so
+   the two allocation logs pair up one to one; the allocations whose size changed are exactly the
+   boundary-buffer blocks and the averaging buffers, and the sum of their sizes in the first run is what
+   the allocator handed out for the runtime's buffers. (Per rank, this test relies on run_bytes; the
+   allocator cannot tell which rank a block is for.) */
+static void check_memory(avgpipe_context *ctx, avgpipe_sched_kind kind, int S, int M, int N, int K, int cont,
+                         avgpipe_ea_mode mode) {
+    int V = kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, G = S * V, g, p, r, i, na, nb;
+    size_t act[MAXG], act2[MAXG], pc[MAXG], pc2[MAXG];
+    float *params[MAXN * MAXG];
+    avgpipe_run_desc rd;
+    avgpipe_run *run;
+    double model[4], model_sum = 0, seen = 0, live0;
+    char what[160];
+    snprintf(what, sizeof what, "%s S=%d M=%d N=%d K=%d %s, ea mode %d", avgpipe_sched_kind_name(kind), S, M, N, K,
+             cont ? "continuous" : "synchronous", (int)mode);
+    for (p = 0; p < N; p++)
+        for (g = 0; g < G; g++) params[p * G + g] = PARAMS[p * MAXG + g];
+    for (g = 0; g < G; g++) { /* a different size at every boundary and stage */
+        act[g] = 1000 + 24 * (size_t)g;
+        act2[g] = act[g] + 8;
+        pc[g] = 100 + 7 * (size_t)g;
+        pc2[g] = pc[g] + 3;
+    }
+    memset(&rd, 0, sizeof rd);
+    rd.sched.kind = kind;
+    rd.sched.stages = S;
+    rd.sched.chunks = V;
+    rd.sched.micro = M;
+    rd.sched.pipes = N;
+    rd.sched.rounds = 2;
+    rd.sched.advance = K;
+    rd.sched.continuous = cont;
+    rd.cb.forward = noop_cb;
+    rd.cb.backward = noop_cb;
+    rd.act_bytes = act;
+    rd.params = params;
+    rd.param_count = pc;
+    rd.ea_mode = mode;
+    if (mode == AVGPIPE_EA_ELASTIC) rd.momentum = 0.5f; /* a fourth averaging buffer */
+
+    cr_assert_eq(avgpipe_run_memory(ctx, &rd, model), AVGPIPE_OK, "%s: avgpipe_run_memory: %s", what, avgpipe_last_error(ctx));
+    live0 = CNT.live;
+    run = create_logged(ctx, &rd, LOG_A, &na, what);
+    for (r = 0; r < S; r++) {
+        double rb = avgpipe_run_bytes(run, r);
+        cr_assert(rb == model[r], "%s, rank %d: avgpipe_run_memory %.0f bytes, avgpipe_run_bytes %.0f", what, r, model[r], rb);
+        model_sum += model[r];
+    }
+    avgpipe_run_destroy(run);
+    cr_assert(CNT.live == live0, "%s: %.0f bytes still allocated after avgpipe_run_destroy", what, CNT.live - live0);
+
+    rd.act_bytes = act2;
+    rd.param_count = pc2;
+    run = create_logged(ctx, &rd, LOG_B, &nb, what);
+    avgpipe_run_destroy(run);
+    cr_assert_eq(na, nb, "%s: %d allocations, %d with larger buffers: the logs do not pair up", what, na, nb);
+    for (i = 0; i < na; i++)
+        if (LOG_A[i] != LOG_B[i]) seen += (double)LOG_A[i];
+    cr_assert(seen == model_sum, "%s: the allocator handed out %.0f bytes of buffers, the memory model says %.0f (%+.0f)", what,
+              seen, model_sum, seen - model_sum);
+}
+
+Test(memory, model_equals_runtime_allocation_over_a_grid) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_ZBH1,
+                                               AVGPIPE_SCHED_INTERLEAVED};
+    avgpipe_context ctx;
+    int ki, S, M, N, K, cont, n = 0;
+    counting_context(&ctx);
+    for (ki = 0; ki < 5; ki++)
+        for (S = 1; S <= 4; S++)
+            for (M = 1; M <= 8; M++)
+                for (N = 1; N <= 3; N++)
+                    for (cont = 0; cont <= 1; cont++)
+                        for (K = 0; K <= (kinds[ki] == AVGPIPE_SCHED_ADVANCE ? 3 : 0); K++) {
+                            if (kinds[ki] == AVGPIPE_SCHED_INTERLEAVED && M % S) continue; /* Megatron-LM's grouping */
+                            check_memory(&ctx, kinds[ki], S, M, N, K, cont, (S + M + N) % 3 == 0 ? AVGPIPE_EA_ELASTIC : AVGPIPE_EA_MEAN);
+                            n++;
+                        }
+    cr_assert_gt(n, 1000);
+}
+
+Test(memory, zero_byte_boundaries_cost_nothing) {
+    avgpipe_context ctx;
+    avgpipe_run_desc rd;
+    avgpipe_run *run;
+    size_t act[2] = {0, 0}, pc[2] = {1, 1};
+    float *params[2] = {PARAMS[0], PARAMS[1]};
+    double model[2];
+    avgpipe_ea_desc ed;
+    avgpipe_ea_memory_info mi;
+    counting_context(&ctx);
+    memset(&rd, 0, sizeof rd);
+    rd.sched.kind = AVGPIPE_SCHED_1F1B;
+    rd.sched.stages = 2;
+    rd.sched.micro = 4;
+    rd.cb.forward = noop_cb;
+    rd.cb.backward = noop_cb;
+    rd.act_bytes = act;
+    rd.params = params;
+    rd.param_count = pc;
+    memset(&ed, 0, sizeof ed);
+    ed.count = 1;
+    ed.pipes = 1;
+    cr_assert_eq(avgpipe_ea_memory_bytes(&ctx, &ed, &mi), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_run_memory(&ctx, &rd, model), AVGPIPE_OK);
+    cr_expect(model[0] == (double)mi.device_bytes && model[1] == (double)mi.device_bytes,
+              "zero-byte boundaries: %.0f and %.0f bytes, expected the averaging buffers' %zu", model[0], model[1], mi.device_bytes);
+    cr_assert_eq(avgpipe_run_create(&ctx, &rd, &run), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(model[0] == avgpipe_run_bytes(run, 0) && model[1] == avgpipe_run_bytes(run, 1));
+    avgpipe_run_destroy(run);
+}
+
+/* ---- prediction of a profiled setting ----------------------------------------------------------- */
+/* The callbacks sleep (they do not spin: on a 2-core machine spinning stage threads and the averaging
+   threads would take each other's cores, and the simulator's one compute resource per rank would no
+   longer describe the machine). Op time = a + b x samples per micro-batch. */
+
+#define SLEEP_F_A 600e-6
+#define SLEEP_F_B 40e-6
+#define SLEEP_B_A 1200e-6
+#define SLEEP_B_B 80e-6
+
+typedef struct sleepy {
+    double samples;
+} sleepy;
+
+static void nap(double s) {
+    struct timespec ts;
+    ts.tv_sec = (time_t)s;
+    ts.tv_nsec = (long)((s - (double)ts.tv_sec) * 1e9);
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+static int sleepy_forward(avgpipe_op_ctx *op) {
+    const sleepy *m = (const sleepy *)op->user;
+    nap((op->stage == 0 ? 1.5 : 1.0) * (SLEEP_F_A + SLEEP_F_B * m->samples)); /* stage 0 is the heavier one */
+    return 0;
+}
+
+static int sleepy_backward(avgpipe_op_ctx *op) {
+    const sleepy *m = (const sleepy *)op->user;
+    nap((op->stage == 0 ? 1.5 : 1.0) * (SLEEP_B_A + SLEEP_B_B * m->samples));
+    return 0;
+}
+
+static int cmp_double(const void *x, const void *y) {
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+#define WARMUP_ITERS 2
+#define TIMED_ITERS 7
+#define TIMED_BATCH 64
+
+/* Append the file `from` to the file `to`, without its first line (the profile header) unless `to` is
+   still empty. */
+static void append_section(const char *from, const char *to) {
+    FILE *in = fopen(from, "rb"), *out = fopen(to, "ab");
+    char line[512];
+    int first = 1;
+    long pos;
+    cr_assert(in && out);
+    fseek(out, 0, SEEK_END);
+    pos = ftell(out);
+    while (fgets(line, sizeof line, in)) {
+        if (!(first && pos > 0)) fputs(line, out);
+        first = 0;
+    }
+    fclose(in);
+    cr_assert_eq(fclose(out), 0);
+}
+
+/* Run the toy model with desc sd (S = 2) for WARMUP_ITERS + TIMED_ITERS iterations; return the median
+   time of the timed ones, and append to path the profiles of those timed iterations that lasted within
+   3% of that median (one section each; at least the median iteration itself).
+
+   Why several iterations, and only typical ones: on a loaded machine (this one has 2 cores, and meson
+   runs other test programs beside this one) a sleeping stage thread that wakes up waits for a core, so
+   each op lasts its sleep plus a run-queue delay that follows the load, not the micro-batch size; one
+   iteration's op times can be 50% above the next one's. The fit draws a least-squares line through all
+   ops of all sections, so the profile should hold the iterations that the median describes. */
+static double profile_setting(avgpipe_context *ctx, const avgpipe_sched_desc *sd, const char *path, double *spread) {
+    static float w[4][8];
+    float *params[4] = {w[0], w[1], w[2], w[3]};
+    size_t act[2], pc[2] = {8, 8};
+    sleepy model;
+    avgpipe_run_desc rd;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    double t[TIMED_ITERS], sorted[TIMED_ITERS], med;
+    char tmp[TIMED_ITERS][40];
+    int i;
+    model.samples = (double)TIMED_BATCH / sd->micro;
+    act[0] = (size_t)(64 * model.samples);
+    act[1] = 0;
+    memset(&rd, 0, sizeof rd);
+    rd.sched = *sd;
+    rd.cb.forward = sleepy_forward;
+    rd.cb.backward = sleepy_backward;
+    rd.cb.user = &model;
+    rd.act_bytes = act;
+    rd.params = params;
+    rd.param_count = pc;
+    rd.profile = 1;
+    rd.micro_samples = model.samples;
+    cr_assert_eq(avgpipe_run_create(ctx, &rd, &run), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    for (i = 0; i < WARMUP_ITERS + TIMED_ITERS; i++) {
+        int k = i - WARMUP_ITERS, fd;
+        cr_assert_eq(avgpipe_run_iteration(run, &st), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+        if (k < 0) continue;
+        t[k] = st.seconds;
+        snprintf(tmp[k], sizeof tmp[k], "/tmp/avgpipe_test_tune_XXXXXX");
+        fd = mkstemp(tmp[k]);
+        cr_assert(fd >= 0);
+        close(fd);
+        cr_assert_eq(avgpipe_run_write_profile(run, tmp[k]), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    }
+    avgpipe_run_destroy(run);
+    memcpy(sorted, t, sizeof t);
+    qsort(sorted, TIMED_ITERS, sizeof(double), cmp_double);
+    med = sorted[TIMED_ITERS / 2];
+    *spread = sorted[TIMED_ITERS - 1] / sorted[0];
+    for (i = 0; i < TIMED_ITERS; i++) {
+        if (fabs(t[i] / med - 1) <= 0.03) append_section(tmp[i], path);
+        remove(tmp[i]);
+    }
+    return med;
+}
+
+typedef struct attempt {
+    double measured[2], predicted[2], spread[2], slope_err;
+} attempt;
+
+/* Profile S = 2, N = 2, advance K = 1 at M = 4 and M = 8 (16 and 8 samples per micro-batch) into one
+   file, fit, predict both settings. */
+static void predict_attempt(avgpipe_context *ctx, avgpipe_sched_desc *sd, attempt *a) {
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    char path[] = "/tmp/avgpipe_test_tune_XXXXXX";
+    int fd = mkstemp(path), i, g;
+    cr_assert(fd >= 0);
+    close(fd); /* empty: the first append writes the header */
+    for (i = 0; i < 2; i++) {
+        memset(&sd[i], 0, sizeof sd[i]);
+        sd[i].kind = AVGPIPE_SCHED_ADVANCE;
+        sd[i].stages = 2;
+        sd[i].micro = i == 0 ? 4 : 8;
+        sd[i].pipes = 2;
+        sd[i].advance = 1;
+        sd[i].rounds = 1;
+        a->measured[i] = profile_setting(ctx, &sd[i], path, &a->spread[i]);
+    }
+    cr_assert_eq(avgpipe_profile_load(ctx, path, &p), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    remove(path);
+    cr_assert(p.nsections >= 2 && p.nsections <= 2 * TIMED_ITERS);
+    cr_assert_eq(p.sections[0].samples, 16);
+    cr_assert_eq(p.sections[p.nsections - 1].samples, 8);
+    cr_assert_eq(avgpipe_tune_fit(ctx, &p, &m), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    a->slope_err = 0; /* the fit sees the sleeps, plus a roughly constant oversleep in a */
+    for (g = 0; g < 2; g++) {
+        double s = g == 0 ? 1.5 : 1.0, ef = m.b[g * AVGPIPE_OP_KIND_COUNT + AVGPIPE_OP_F] / (s * SLEEP_F_B) - 1,
+               eb = m.b[g * AVGPIPE_OP_KIND_COUNT + AVGPIPE_OP_B] / (s * SLEEP_B_B) - 1;
+        a->slope_err = fmax(a->slope_err, fmax(fabs(ef), fabs(eb)));
+    }
+    for (i = 0; i < 2; i++) {
+        cr_assert_eq(avgpipe_tune_predict(ctx, &m, &sd[i], (double)TIMED_BATCH / sd[i].micro, &a->predicted[i]), AVGPIPE_OK, "%s",
+                     avgpipe_last_error(ctx));
+        if (getenv("AVGPIPE_TEST_VERBOSE"))
+            fprintf(stderr, "M=%d: measured median %.3f ms (max/min %.2f), predicted %.3f ms (%+.2f%%); fit F0 %.1f + %.2f x, "
+                    "B0 %.1f + %.2f x us, latency %.1f us\n", sd[i].micro, a->measured[i] * 1e3, a->spread[i], a->predicted[i] * 1e3,
+                    100 * (a->predicted[i] / a->measured[i] - 1), 1e6 * m.a[AVGPIPE_OP_F], 1e6 * m.b[AVGPIPE_OP_F],
+                    1e6 * m.a[AVGPIPE_OP_B], 1e6 * m.b[AVGPIPE_OP_B], 1e6 * m.latency);
+    }
+    avgpipe_cost_model_free(ctx, &m);
+    avgpipe_profile_free(ctx, &p);
+}
+
+static int attempt_ok(const attempt *a) {
+    return a->slope_err < 0.15 && fabs(a->predicted[0] / a->measured[0] - 1) <= 0.05 &&
+           fabs(a->predicted[1] / a->measured[1] - 1) <= 0.05;
+}
+
+/* Up to 3 attempts: a burst of load from another program during one attempt (see profile_setting) can
+   make the measured median differ from what the same load did to the profiled op times; a real error
+   of the model fails every attempt. */
+Test(predict, profiled_settings_are_reproduced_within_5_percent) {
+    avgpipe_context ctx;
+    avgpipe_sched_desc sd[2];
+    attempt a;
+    int k, i;
+    avgpipe_context_init(&ctx, NULL);
+    for (k = 0; k < 3; k++) {
+        predict_attempt(&ctx, sd, &a);
+        if (attempt_ok(&a)) break;
+    }
+    cr_expect(a.slope_err < 0.15, "fitted slopes off by %.0f%% from the sleeps", 100 * a.slope_err);
+    for (i = 0; i < 2; i++)
+        cr_expect(fabs(a.predicted[i] / a.measured[i] - 1) <= 0.05,
+                  "M=%d, %d attempts: measured median %.3f ms (slowest/fastest iteration %.2f), predicted %.3f ms (%+.1f%%)",
+                  sd[i].micro, k < 3 ? k + 1 : 3, a.measured[i] * 1e3, a.spread[i], a.predicted[i] * 1e3, 100 * (a.predicted[i] / a.measured[i] - 1));
+}
+
+/* ---- synthetic profiles ------------------------------------------------------------------------- */
+
+typedef struct synth {
+    int stages;
+    double fa, fb, ba, bb;   /* F = fa + fb x samples, B = ba + bb x samples (seconds), every stage */
+    double latency;          /* > 0: RECV_F waits that end latency after their producer */
+    double param_floats;
+    double act_per_sample;   /* bytes at each boundary, per sample */
+} synth;
+
+typedef struct sbuf {
+    char *p;
+    size_t len, cap;
+} sbuf;
+
+static void sb_printf(sbuf *b, const char *fmt, ...) {
+    va_list ap;
+    int n;
+    for (;;) {
+        va_start(ap, fmt);
+        n = vsnprintf(b->p ? b->p + b->len : NULL, b->p ? b->cap - b->len : 0, fmt, ap);
+        va_end(ap);
+        cr_assert(n >= 0);
+        if (b->p && b->len + (size_t)n < b->cap) break;
+        b->cap = (b->cap + (size_t)n) * 2 + 256;
+        b->p = (char *)realloc(b->p, b->cap);
+        cr_assert(b->p != NULL);
+    }
+    b->len += (size_t)n;
+}
+
+/* A profile as avgpipe_run_append_profile writes it: two sections (4 and 8 samples per micro-batch, one
+   pipeline, 1F1B), every op exactly as long as the model says; ops laid end to end on each rank. */
+static char *synth_profile(const synth *s) {
+    sbuf b = {NULL, 0, 0};
+    int k, g, u;
+    sb_printf(&b, "# avgpipe profile v1\n");
+    for (k = 0; k < 2; k++) {
+        double x = k == 0 ? 4 : 8, f = s->fa + s->fb * x, bw = s->ba + s->bb * x;
+        int M = (int)(32 / x);
+        sb_printf(&b, "shape kind=1f1b stages=%d chunks=1 micro=%d pipes=1 rounds=1 advance=0 continuous=0 samples=%g seconds=%.9f\n",
+                  s->stages, M, x, M * (f + bw) * s->stages);
+        for (g = 0; g < s->stages; g++)
+            sb_printf(&b, "stage %d param_floats=%.0f act_bytes=%.0f slots=%d\n", g, s->param_floats,
+                      g + 1 < s->stages ? s->act_per_sample * x : 0, s->stages - g);
+        for (g = 0; g < s->stages; g++)
+            for (u = 0; u < M; u++) {
+                double t0 = (g * M + u) * (f + bw); /* rank g's F(u) starts here */
+                sb_printf(&b, "op rank=%d kind=F pipe=0 stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, g, u, t0, t0 + f);
+                sb_printf(&b, "op rank=%d kind=B pipe=0 stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, g, u, t0 + f,
+                          t0 + f + bw);
+                if (s->latency > 0 && g + 1 < s->stages) /* the next rank waited for this forward's output */
+                    sb_printf(&b, "op rank=%d kind=RECV_F pipe=0 stage=%d micro=%d start=%.9f end=%.9f bytes=%.0f\n", g + 1, g + 1,
+                              u, t0 + f - 1e-3 > 0 ? t0 + f - 1e-3 : 0, t0 + f + s->latency, s->act_per_sample * x);
+            }
+    }
+    return b.p;
+}
+
+static void fit_synth(avgpipe_context *ctx, const synth *s, avgpipe_cost_model *m) {
+    char *text = synth_profile(s);
+    avgpipe_profile p;
+    cr_assert_eq(avgpipe_profile_parse(ctx, text, strlen(text), &p), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    cr_assert_eq(avgpipe_tune_fit(ctx, &p, m), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    avgpipe_profile_free(ctx, &p);
+    free(text);
+}
+
+static int close_rel(double got, double want) { return fabs(got - want) <= 1e-6 * fabs(want) + 1e-12; }
+
+Test(search, fit_recovers_the_synthetic_costs) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    synth s = {3, 100e-6, 5e-6, 200e-6, 10e-6, 20e-6, 5000, 128};
+    int g, K = AVGPIPE_OP_KIND_COUNT;
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    cr_assert_eq(m.nstages, 3);
+    for (g = 0; g < 3; g++) {
+        cr_expect(close_rel(m.a[g * K + AVGPIPE_OP_F], s.fa) && close_rel(m.b[g * K + AVGPIPE_OP_F], s.fb), "stage %d F: %g + %g x", g,
+                  m.a[g * K + AVGPIPE_OP_F], m.b[g * K + AVGPIPE_OP_F]);
+        cr_expect(close_rel(m.a[g * K + AVGPIPE_OP_B], s.ba) && close_rel(m.b[g * K + AVGPIPE_OP_B], s.bb), "stage %d B: %g + %g x", g,
+                  m.a[g * K + AVGPIPE_OP_B], m.b[g * K + AVGPIPE_OP_B]);
+        cr_expect(m.param_floats[g] == 5000);
+    }
+    cr_expect(m.act_bytes_per_sample[0] == 128 && m.act_bytes_per_sample[2] == 0);
+    cr_expect(close_rel(m.latency, 20e-6), "latency %g", m.latency);
+    cr_expect(m.samples_lo == 4 && m.samples_hi == 8);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+/* Every candidate: fits == (peak_bytes <= limit); fitting ones first; each group fastest per sample
+   first; peak_bytes = the memory model's buffers + N x params x (4 + opt) on the worst rank; seconds
+   = avgpipe_tune_predict of the same setting. Returns the number that fit. */
+static int check_ranking(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
+                         const avgpipe_tune_candidate *c, int n) {
+    int i, nfit = 0, r, g;
+    for (i = 0; i < n; i++) {
+        const avgpipe_tune_candidate *x = &c[i];
+        avgpipe_run_desc rd;
+        size_t act[16], pc[16];
+        double mem[16], peak = 0, sec;
+        int S = x->sched.stages;
+        cr_assert(x->fits == (td->mem_limit <= 0 || x->peak_bytes <= td->mem_limit),
+                  "candidate %d: fits %d with peak %.0f, limit %.0f", i, x->fits, x->peak_bytes, td->mem_limit);
+        nfit += x->fits;
+        if (i > 0) {
+            cr_assert(!(x->fits && !c[i - 1].fits), "candidate %d fits but follows one that does not", i);
+            if (x->fits == c[i - 1].fits)
+                cr_assert(x->time_per_sample >= c[i - 1].time_per_sample, "candidate %d is faster than candidate %d", i, i - 1);
+        }
+        cr_assert(x->samples * x->sched.micro == td->batch);
+        cr_assert(close_rel(x->time_per_sample, x->seconds / ((double)x->sched.rounds * x->sched.pipes * td->batch)));
+        if (i % 7 != 0 && i > 20) continue; /* the cross-checks below on a sample of the list */
+        memset(&rd, 0, sizeof rd);
+        rd.sched = x->sched;
+        for (g = 0; g < S; g++) {
+            act[g] = (size_t)(m->act_bytes_per_sample[g] * x->samples + 0.5);
+            pc[g] = (size_t)m->param_floats[g];
+        }
+        rd.act_bytes = act;
+        rd.param_count = pc;
+        cr_assert_eq(avgpipe_run_memory(ctx, &rd, mem), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+        for (r = 0; r < S; r++) {
+            double b = mem[r] + (double)x->sched.pipes * (double)pc[r] * (4 + td->opt_bytes_per_param);
+            if (b > peak) peak = b;
+        }
+        cr_assert(peak == x->peak_bytes, "candidate %d: peak_bytes %.0f, memory model + parameters %.0f", i, x->peak_bytes, peak);
+        cr_assert_eq(avgpipe_tune_predict(ctx, m, &x->sched, x->samples, &sec), AVGPIPE_OK);
+        cr_assert(close_rel(sec, x->seconds), "candidate %d: seconds %g, avgpipe_tune_predict %g", i, x->seconds, sec);
+    }
+    return nfit;
+}
+
+/* A large constant per op: fewer, bigger micro-batches win (M = 1), and more pipelines fill the bubbles
+   (N = max_pipes). */
+Test(search, per_op_overhead_favours_one_micro_batch_and_most_pipes) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c;
+    int n, i;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 32;
+    td.max_pipes = 3;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_gt(n, 100);
+    cr_expect_eq(check_ranking(&ctx, &m, &td, c, n), n); /* no limit: all fit */
+    cr_expect_eq(c[0].sched.micro, 1, "best: %s M=%d N=%d", avgpipe_sched_kind_name(c[0].sched.kind), c[0].sched.micro, c[0].sched.pipes);
+    cr_expect_eq(c[0].sched.pipes, 3);
+    for (i = 1; i < n; i++) cr_assert(c[i].time_per_sample >= c[0].time_per_sample);
+    avgpipe_free(&ctx, c);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+/* Op times proportional to the samples, one pipeline, free transfers: the bubble (S-1)/(M+S-1) shrinks
+   with M, so the smallest micro-batches (M = B) win. */
+Test(search, proportional_costs_favour_the_most_micro_batches) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c;
+    int n;
+    synth s = {4, 0, 10e-6, 0, 20e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 16;
+    td.max_pipes = 1;
+    td.no_continuous = 1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    check_ranking(&ctx, &m, &td, c, n);
+    cr_expect_eq(c[0].sched.micro, 16, "best: %s M=%d", avgpipe_sched_kind_name(c[0].sched.kind), c[0].sched.micro);
+    avgpipe_free(&ctx, c);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+/* Large models: a memory limit between the peaks of N = 2 and N = 3 excludes the otherwise fastest
+   setting (M = 1, N = 3); the best that fits is M = 1, N = 2, and nothing over the limit fits. */
+Test(search, memory_limit_excludes_the_fastest) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c;
+    int n, nfit, i;
+    double peak3 = 0;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 5e-6, 1 << 20, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 32;
+    td.max_pipes = 3;
+    td.opt_bytes_per_param = 8; /* Adam */
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(c[0].sched.pipes == 3 && c[0].sched.micro == 1);
+    for (i = 0; i < n; i++)
+        if (c[i].sched.pipes == 3 && (peak3 == 0 || c[i].peak_bytes < peak3)) peak3 = c[i].peak_bytes;
+    cr_assert(peak3 > 3.0 * (1 << 20) * 12, "N = 3 holds 3 x 12 bytes per parameter: %.0f", peak3);
+    avgpipe_free(&ctx, c);
+
+    td.mem_limit = peak3 - 1; /* no N = 3 setting fits */
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    nfit = check_ranking(&ctx, &m, &td, c, n);
+    cr_assert(nfit > 0 && nfit < n);
+    for (i = 0; i < n; i++) cr_assert(!(c[i].sched.pipes == 3 && c[i].fits), "candidate %d: N = 3 over the limit fits", i);
+    cr_expect(c[0].fits && c[0].sched.pipes == 2 && c[0].sched.micro == 1, "best: %s M=%d N=%d fits %d",
+              avgpipe_sched_kind_name(c[0].sched.kind), c[0].sched.micro, c[0].sched.pipes, c[0].fits);
+    avgpipe_free(&ctx, c);
+
+    td.mem_limit = 1000; /* nothing fits: all listed, none fitting, fastest first */
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect_eq(check_ranking(&ctx, &m, &td, c, n), 0);
+    avgpipe_free(&ctx, c);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+Test(search, bad_descriptions) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL;
+    int n = -1;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG); /* batch 0 */
+    cr_expect(has(avgpipe_last_error(&ctx), "batch"));
+    td.batch = 8;
+    td.mem_limit = -1;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_tune_search(&ctx, NULL, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+/* ---- the parser --------------------------------------------------------------------------------- */
+
+static const char *GOOD =
+    "# avgpipe profile v1\n"                                                                                        /* 1 */
+    "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=8 seconds=0.01\n" /* 2 */
+    "stage 0 param_floats=16 act_bytes=256 slots=2\n"                                                               /* 3 */
+    "stage 1 param_floats=16 act_bytes=0 slots=1\n"                                                                 /* 4 */
+    "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0.000100000 end=0.001100000 bytes=0\n"                           /* 5 */
+    "op rank=1 kind=RECV_F pipe=0 stage=1 micro=0 start=0.000000000 end=0.001120000 bytes=256\n"                    /* 6 */
+    "op rank=1 kind=F pipe=0 stage=1 micro=0 start=0.001120000 end=0.002000000 bytes=0\n"                           /* 7 */
+    "op rank=1 kind=B pipe=0 stage=1 micro=0 start=0.002000000 end=0.004000000 bytes=0\n";                          /* 8 */
+
+/* GOOD with line `line` (1-based) replaced by `with` (NULL: deleted). */
+static char *edit_line(int line, const char *with) {
+    sbuf b = {NULL, 0, 0};
+    const char *p = GOOD;
+    int l = 1;
+    while (*p) {
+        const char *e = strchr(p, '\n');
+        size_t n = e ? (size_t)(e - p) + 1 : strlen(p);
+        if (l == line) {
+            if (with) sb_printf(&b, "%s\n", with);
+        } else {
+            sb_printf(&b, "%.*s", (int)n, p);
+        }
+        p += n;
+        l++;
+    }
+    if (!b.p) sb_printf(&b, "%s", "");
+    return b.p;
+}
+
+static void expect_parse_error(const char *text, size_t len, const char *where, const char *field, const char *what) {
+    avgpipe_context ctx;
+    avgpipe_profile p;
+    avgpipe_result r;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&p, 0xab, sizeof p);
+    r = avgpipe_profile_parse(&ctx, text, len, &p);
+    cr_expect_eq(r, AVGPIPE_PARSE_ERROR, "%s: got %s (%s)", what, avgpipe_result_string(r), avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), where), "%s: '%s' does not name '%s'", what, avgpipe_last_error(&ctx), where);
+    if (field) cr_expect(has(avgpipe_last_error(&ctx), field), "%s: '%s' does not name '%s'", what, avgpipe_last_error(&ctx), field);
+    if (r == AVGPIPE_OK) avgpipe_profile_free(&ctx, &p);
+    else cr_expect(p.nsections == 0 && p.sections == NULL && p.ops == NULL, "%s: *out not left empty", what);
+}
+
+static void expect_line_error(int line, const char *with, const char *field, const char *what) {
+    char *t = edit_line(line, with), where[32];
+    snprintf(where, sizeof where, "line %d", line);
+    expect_parse_error(t, strlen(t), where, field, what);
+    free(t);
+}
+
+Test(parse, good_profile_parses) {
+    avgpipe_context ctx;
+    avgpipe_profile p;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, GOOD, strlen(GOOD), &p), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect_eq(p.nsections, 1);
+    cr_expect_eq(p.nops, 4);
+    cr_expect_eq(p.sections[0].shape.kind, AVGPIPE_SCHED_ADVANCE);
+    cr_expect_eq(p.sections[0].samples, 8);
+    cr_expect_eq(p.sections[0].act_bytes[0], 256);
+    cr_expect_eq(p.ops[1].kind, AVGPIPE_OP_RECV_F);
+    avgpipe_profile_free(&ctx, &p);
+}
+
+Test(parse, errors_name_the_line) {
+    static const char binary[] = "\001\377\376garbage\000\n\342\202";
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0.0001 bytes=0", "end", "missing end");
+    expect_line_error(3, "stage 0 act_bytes=256 slots=2", "param_floats", "missing param_floats");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 seconds=0.01", "samples",
+                      "missing samples");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0.1 end=1.1ms bytes=0", "end", "wrong units");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=-0.5 end=0.1 bytes=0", "start", "negative start");
+    expect_line_error(6, "op rank=1 kind=RECV_F pipe=0 stage=1 micro=0 start=0 end=0.001 bytes=-256", "bytes", "negative bytes");
+    expect_line_error(7, "op rank=1 kind=F pipe=0 stage=1 micro=0 start=0.002 end=0.001 bytes=0", "end", "end before start");
+    expect_line_error(8, "op rank=1 kind=Q pipe=0 stage=1 micro=0 start=0.002 end=0.004 bytes=0", "kind", "unknown op kind");
+    expect_line_error(8, "op rank=1 pipe=0 stage=1 micro=0 start=0.002 end=0.004 bytes=0", "kind", "missing op kind");
+    expect_line_error(2, "shape kind=pipedream stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=8 seconds=0.01",
+                      "kind", "unknown schedule kind");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=nan end=0.1 bytes=0", "start", "nan");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0 end=inf bytes=0", "end", "inf");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=zero end=0.1 bytes=0", "start", "non-numeric");
+    expect_line_error(5, "op rank=5 kind=F pipe=0 stage=0 micro=0 start=0 end=0.1 bytes=0", NULL, "rank out of range");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=9 micro=0 start=0 end=0.1 bytes=0", NULL, "stage out of range");
+    expect_line_error(4, "stage 7 param_floats=16 act_bytes=0", NULL, "stage index out of range");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 garbage stage=0 micro=0 start=0 end=0.1 bytes=0", NULL, "garbage field");
+    expect_line_error(6, "hello world", NULL, "unknown record");
+    expect_line_error(1, "# some other file", NULL, "no header");
+    expect_line_error(2, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0 end=0.1 bytes=0", "shape", "op before shape");
+    expect_line_error(2, "stage 0 param_floats=16 act_bytes=256", "shape", "stage before shape");
+    expect_line_error(2, "shape kind=advance stages=0 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=8 seconds=0.01",
+                      NULL, "zero stages");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=0 seconds=0.01",
+                      NULL, "zero samples");
+    expect_parse_error(binary, sizeof binary - 1, "line 1", NULL, "binary garbage");
+}
+
+Test(parse, structural_errors) {
+    avgpipe_context ctx;
+    avgpipe_profile p;
+    char *t;
+    avgpipe_context_init(&ctx, NULL);
+    cr_expect_eq(avgpipe_profile_parse(&ctx, "", 0, &p), AVGPIPE_PARSE_ERROR); /* no shape at all */
+    cr_expect(has(avgpipe_last_error(&ctx), "shape"), "%s", avgpipe_last_error(&ctx));
+    t = edit_line(4, NULL); /* a section without its stage 1 line */
+    cr_expect_eq(avgpipe_profile_parse(&ctx, t, strlen(t), &p), AVGPIPE_PARSE_ERROR);
+    cr_expect(has(avgpipe_last_error(&ctx), "stage 1"), "%s", avgpipe_last_error(&ctx));
+    free(t);
+    cr_expect_eq(avgpipe_profile_parse(&ctx, NULL, 0, &p), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_profile_load(&ctx, "/nonexistent/avgpipe.prof", &p), AVGPIPE_IO_ERROR);
+}
+
+/* The shape's counts are bounded ("and sane"), so that a few bytes of text cannot make the fit allocate
+   a table of pipes x stages x micro x rounds cells: a shape line beyond the bounds is a parse error
+   naming its line, not AVGPIPE_OUT_OF_MEMORY (or undefined behaviour: rounds above INT_MAX are cast to
+   int) from avgpipe_tune_fit. */
+Test(parse, huge_shapes_are_refused_at_parse_time) {
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1e20 advance=1 continuous=0 samples=8 seconds=0.01",
+                      "rounds", "rounds 1e20");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1e12 continuous=0 samples=8 seconds=0.01",
+                      "advance", "advance 1e12");
+}
