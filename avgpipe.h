@@ -4885,8 +4885,10 @@ static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     if (res) return res;
     res = avgpipe__add_steps(ctx, &run->base);
     if (res) return res;
-    res = avgpipe_sched_validate(ctx, &run->base, NULL, &rep);
-    if (res) return avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
+    if (!run->plan_only || run->d.schedule) { /* generated schedules are valid by construction; the planner trusts them */
+        res = avgpipe_sched_validate(ctx, &run->base, NULL, &rep);
+        if (res) return avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
+    }
     if (run->base.has_comm) res = avgpipe_sched_copy(ctx, &run->base, &run->low);
     else res = avgpipe_sched_lower(ctx, &run->base, &run->low);
     if (res) return res;
@@ -5699,7 +5701,7 @@ typedef struct avgpipe__kv {
 } avgpipe__kv;
 
 static int avgpipe__split_kv(const char *p, const char *end, avgpipe__kv *kv, int max, int *bad) {
-    int n = 0;
+    int n = 0, i;
     *bad = 0;
     while (p < end) {
         const char *k0, *eq, *v0;
@@ -5709,7 +5711,7 @@ static int avgpipe__split_kv(const char *p, const char *end, avgpipe__kv *kv, in
         while (p < end && !avgpipe__is_space(*p)) p++;
         eq = (const char *)memchr(k0, '=', (size_t)(p - k0));
         if (!eq || eq == k0 || (size_t)(eq - k0) >= sizeof kv->key || (size_t)(p - eq - 1) >= sizeof kv->val || n >= max) {
-            *bad = 1;
+            *bad = 1; /* no '=', an empty or over-long key or value, or too many fields */
             return n;
         }
         v0 = eq + 1;
@@ -5717,9 +5719,15 @@ static int avgpipe__split_kv(const char *p, const char *end, avgpipe__kv *kv, in
         kv[n].key[eq - k0] = 0;
         memcpy(kv[n].val, v0, (size_t)(p - v0));
         kv[n].val[p - v0] = 0;
+        for (i = 0; i < n; i++)
+            if (strcmp(kv[i].key, kv[n].key) == 0) *bad = 2; /* a field given twice */
         n++;
     }
     return n;
+}
+
+static const char *avgpipe__kv_problem(int bad) {
+    return bad == 2 ? "a field is given twice" : "a field is not key=value (or its key or value is over 23/39 characters)";
 }
 
 static const char *avgpipe__kv_get(const avgpipe__kv *kv, int n, const char *key) {
@@ -5747,16 +5755,32 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
     return 1;
 }
 
+/* An integer field in [lo, hi]. */
+static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double lo, double hi, double *out) {
+    if (!avgpipe__kv_num(ctx, kv, n, key, line, out)) return 0;
+    if (*out != floor(*out) || *out < lo || *out > hi) {
+        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a whole number in %.0f..%.0f, got '%s'", line, key,
+                      lo, hi, avgpipe__kv_get(kv, n, key));
+        return 0;
+    }
+    return 1;
+}
+
 static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
     avgpipe_profile_section *sec, *ns;
     double v[9];
     static const char *const keys[9] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous", "samples", "seconds"};
     const char *kind = avgpipe__kv_get(kv, n, "kind");
     int i;
-    for (i = 0; i < 9; i++)
+    static const double lo[7] = {1, 1, 1, 1, 1, 0, 0}, hi[7] = {AVGPIPE__MAX_STAGES, 64, 1e6, 32767, 1e6, 1e9, 1};
+    for (i = 0; i < 7; i++)
+        if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, lo[i], hi[i], &v[i])) return AVGPIPE_PARSE_ERROR;
+    for (i = 7; i < 9; i++)
         if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
-    if (v[0] < 1 || v[1] < 1 || v[2] < 1 || v[3] < 1 || v[4] < 1 || v[7] <= 0 || v[0] * v[1] > AVGPIPE__MAX_STAGES || v[2] > 1e9 || v[3] > 32767)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stages, chunks, micro, pipes, rounds and samples must be >= 1 (and sane)", line);
+    if (v[7] <= 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'samples' must be > 0", line);
+    if (v[0] * v[1] > AVGPIPE__MAX_STAGES || v[0] * v[1] * v[2] * v[3] * v[4] > 5e7)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
+                             "profile line %d: stages x chunks x micro x pipes x rounds is too large for a profile (at most 5e7)", line);
     ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, ((size_t)p->nsections + 1) * sizeof *ns);
     if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
     p->sections = ns;
@@ -5805,12 +5829,15 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
     const char *kind = avgpipe__kv_get(kv, n, "kind");
     int i, k = -1;
     if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'op' before any 'shape' line", line);
-    for (i = 0; i < 7; i++)
+    for (i = 0; i < 4; i++)
+        if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, 0, 2e9, &v[i])) return AVGPIPE_PARSE_ERROR;
+    for (i = 4; i < 7; i++)
         if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
     for (i = 1; kind && i < AVGPIPE_OP_KIND_COUNT; i++)
         if (strcmp(kind, avgpipe__op_names[i]) == 0) k = i;
     if (k < 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'kind' missing or unknown", line);
-    if (v[0] >= sec->shape.stages || v[1] >= sec->shape.pipes || v[2] >= sec->nstages || v[3] > 2e9)
+    if (v[0] >= sec->shape.stages || v[1] >= sec->shape.pipes || v[2] >= sec->nstages ||
+        v[3] >= (double)sec->shape.micro * sec->shape.rounds)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: rank, pipe or stage out of range for its shape line", line);
     if (v[5] < v[4]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: end %g is before start %g (wrong units?)", line, v[5], v[4]);
     if (p->nops == *cap) {
@@ -5855,7 +5882,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             if (line == 1 && (size_t)(e - p) >= 20 && memcmp(p, "# avgpipe profile v1", 20) == 0) have_header = 1;
         } else if ((size_t)(w - p) == 5 && memcmp(p, "shape", 5) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: malformed key=value field", line)
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
                       : avgpipe__profile_shape(ctx, out, kv, n, line);
         } else if ((size_t)(w - p) == 5 && memcmp(p, "stage", 5) == 0) {
             const char *idx = w;
@@ -5863,11 +5890,11 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             w = idx;
             while (w < e && !avgpipe__is_space(*w)) w++;
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: malformed key=value field", line)
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
                       : avgpipe__profile_stage(ctx, out, idx, kv, n, line);
         } else if ((size_t)(w - p) == 2 && memcmp(p, "op", 2) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: malformed key=value field", line)
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
                       : avgpipe__profile_op(ctx, out, &cap, kv, n, line);
         } else {
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: unknown record '%s'", line, avgpipe__quote(p, (size_t)(w - p), q, sizeof q));
