@@ -307,7 +307,7 @@ broken "garbage line" "line 9: unknown record" '9s/^op/qp/'
 broken "no header" "line 1" '1d'
 broken "op before shape" "line 2: 'op' before any 'shape' line" '2,4d'
 broken "nan" "line 5" '5s/start=[^ ]*/start=nan/'
-broken "huge shape" "out of range" '2s/micro=8/micro=1000000000/'
+broken "huge shape" "whole number in 1..1000000" '2s/micro=8/micro=1000000000/'
 printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.prof"
 usage_error "tune binary garbage" "line 1" tune --profile "$TMP/garbage.prof" --batch 32 --mem-limit 1M
 : >"$TMP/empty.prof"
