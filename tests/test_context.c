@@ -9,6 +9,7 @@
 #include "avgpipe.h"
 
 #include <criterion/criterion.h>
+#include "tests/sched_helpers.h"
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -93,20 +94,6 @@ static void assert_all_freed(const char *what) {
     cr_assert_eq(g_counter->foreign, 0, "%s: %ld frees of pointers the allocator never gave (or twice)", what, g_counter->foreign);
     cr_assert_eq(g_counter->live, 0, "%s: %ld of %ld allocations never freed", what, g_counter->live, g_counter->allocs);
     cr_assert_eq(g_counter->allocs, g_counter->frees, "%s: %ld allocations, %ld frees", what, g_counter->allocs, g_counter->frees);
-}
-
-static avgpipe_sched_desc desc_of(avgpipe_sched_kind kind, int S, int M, int N, int V, int R, int K, int cont) {
-    avgpipe_sched_desc d;
-    memset(&d, 0, sizeof d);
-    d.kind = kind;
-    d.stages = S;
-    d.micro = M;
-    d.pipes = N;
-    d.chunks = V;
-    d.rounds = R;
-    d.advance = K;
-    d.continuous = cont;
-    return d;
 }
 
 /* ---- context ------------------------------------------------------------------------------------ */

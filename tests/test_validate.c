@@ -11,37 +11,12 @@
 #include "avgpipe.h"
 
 #include <criterion/criterion.h>
+#include "tests/sched_helpers.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 /* ---- helpers --------------------------------------------------------------------------------- */
-
-static avgpipe_sched_desc desc_of(avgpipe_sched_kind kind, int S, int M, int N, int V, int R, int K, int cont) {
-    avgpipe_sched_desc d;
-    memset(&d, 0, sizeof d);
-    d.kind = kind;
-    d.stages = S;
-    d.micro = M;
-    d.pipes = N;
-    d.chunks = V;
-    d.rounds = R;
-    d.advance = K;
-    d.continuous = cont;
-    return d;
-}
-
-static const char *shape_str(const avgpipe_sched_desc *d) {
-    static char buf[160];
-    snprintf(buf, sizeof buf, "%s S=%d M=%d N=%d V=%d R=%d K=%d continuous=%d", avgpipe_sched_kind_name(d->kind), d->stages,
-             d->micro, d->pipes, d->chunks, d->rounds, d->advance, d->continuous);
-    return buf;
-}
-
-static void gen(const avgpipe_sched_desc *d, avgpipe_schedule *s) {
-    avgpipe_result r = avgpipe_sched_generate(NULL, d, s);
-    cr_assert_eq(r, AVGPIPE_OK, "generate %s: %s (%s)", shape_str(d), avgpipe_result_string(r), avgpipe_last_error(NULL));
-}
 
 static void import_text(const char *text, avgpipe_schedule *s) {
     avgpipe_result r = avgpipe_sched_import(NULL, text, strlen(text), s);
