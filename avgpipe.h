@@ -11,7 +11,12 @@
        and blocking sends), a timed discrete-event simulator, and timelines (ASCII, Chrome trace, SVG);
      - text import/export compatible with PyTorch's torch.distributed.pipelining CSV schedules;
      - elastic averaging of the N parallel models (AvgPipe's "reference keeps the average", or EASGD),
-       one fused memory pass per contribution, asynchronous, behind a device backend table (CPU here).
+       one fused memory pass per contribution, asynchronous, behind a device backend table (CPU here);
+     - a runtime that executes schedules on stage threads over a comm backend table (in-process threads
+       built in), calling your forward/backward/step callbacks, with per-op profiling and AvgPipe's
+       adaptive advance forward;
+     - a tuner: one profiled run -> a cost model -> every setting simulated -> a ranking under a memory
+       limit.
    The method follows "Elastic Averaging for Efficient Pipelined DNN Training" (AvgPipe, PPoPP 2023).
 
    QUICK START
@@ -39,7 +44,7 @@
      AVGPIPE_IMPLEMENTATION   compile the implementation into this translation unit (once per program).
      AVGPIPE_STATIC           make every function static (private copy per translation unit).
      AVGPIPE_ASSERT(c)        internal assertions; default assert() from <assert.h>.
-     AVGPIPE_MALLOC/REALLOC/FREE  default allocator when none is given in avgpipe_context_desc.
+     AVGPIPE_MALLOC/AVGPIPE_FREE  default allocator when none is given in avgpipe_context_desc.
      AVGPIPE_NO_STDIO         leave out the functions that take FILE* or paths.
      AVGPIPE_COMM_SPIN        pause instructions the in-process comm spins before a wait sleeps (256).
 
@@ -56,7 +61,8 @@
    A context may be used by one thread at a time. Schedules and simulation results are plain data:
    read them from any number of threads; functions that write one need exclusive access to it. An
    averaging module (avgpipe_ea) takes contributions from several threads at once; each function's
-   comment says what it allows.
+   comment says what it allows. A run (avgpipe_run) is driven by one thread; its callbacks run on one
+   worker thread per rank (see avgpipe_run_iteration).
 
    LINKING
    -------
