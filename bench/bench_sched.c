@@ -95,6 +95,6 @@ int main(int argc, char **argv) {
                    sm * 1e3, t * 1e3, p * 1e3, ops / sm, sm / p);
         }
     }
-    printf("(validate includes lowering and two deadlock replays, async and blocking; checksum %lld)\n", sum % 10);
+    printf("(validate = static checks + lowering to SEND/RECV + a blocking-send deadlock replay of the lowered lists; checksum %lld)\n", sum % 10);
     return 0;
 }
