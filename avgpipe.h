@@ -2453,6 +2453,8 @@ typedef struct avgpipe__sim {
     long long flows;
     double makespan;
     int stuck_rank, stuck_pos; /* after a deadlock: the first stuck rank and its op */
+    int kind_cost_ready;       /* costs depend on the kind only: kind_cost holds them */
+    double kind_cost[AVGPIPE_OP_KIND_COUNT];
 } avgpipe__sim;
 
 static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -2460,6 +2462,7 @@ static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 
 static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
     const avgpipe_sim_desc *d = m->d;
     double c;
+    if (m->kind_cost_ready) return m->kind_cost[op->kind]; /* the common case: one cost per kind */
     if (d->cost_fn) return d->cost_fn(op, d->cost_user);
     if (d->stage_cost) c = d->stage_cost[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
     else {
@@ -2518,8 +2521,10 @@ static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int src, 
     c->link_free = xe;
     if (xe > m->makespan) m->makespan = xe;
     m->res->transfers++;
-    *ok &= avgpipe__event(m, op, src, 1, dst, flow, xs, xe);
-    *ok &= avgpipe__event(m, op, dst, 2, src, flow, xs, xe);
+    if (m->d->record_events) {
+        *ok &= avgpipe__event(m, op, src, 1, dst, flow, xs, xe);
+        *ok &= avgpipe__event(m, op, dst, 2, src, flow, xs, xe);
+    }
     return xe;
 }
 
@@ -2617,7 +2622,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         st->busy += c;
         m->t[r] = end;
         m->res->ops++;
-        if (k != AVGPIPE_OP_IDLE) ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
+        if (k != AVGPIPE_OP_IDLE && d->record_events) ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
         if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
             double ab = d->stage_act_bytes ? d->stage_act_bytes[op->stage] : d->act_bytes;
             int sign = k == AVGPIPE_OP_F ? 1 : -1;
@@ -2788,6 +2793,14 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         goto done;
     }
     for (i = 0; i < (long long)cells; i++) m.f_end[i] = m.b_end[i] = m.act_in[i] = m.grad_in[i] = -1;
+    if (!desc->cost_fn && !desc->stage_cost) {
+        int k;
+        for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
+            avgpipe_op probe = avgpipe__op(k, 0, 0, 0);
+            m.kind_cost[k] = avgpipe__cost(&m, &probe);
+        }
+        m.kind_cost_ready = 1;
+    }
     for (r = m.S - 1; r >= 0; r--) m.stack[m.nstack++] = r;
     while (m.nstack > 0) {
         r = m.stack[--m.nstack];
