@@ -30,6 +30,7 @@
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
+#include "tests/delaycomm.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -58,14 +59,6 @@ static double median(const double *v, int n) {
 static void spin_until(double t) {
     while (now() < t) {
     }
-}
-static void nap_until(double t) {
-    double left;
-    while ((left = t - now()) > 1e-4) {
-        struct timespec ts = {0, (long)((left - 8e-5) * 1e9)};
-        nanosleep(&ts, NULL);
-    }
-    spin_until(t);
 }
 static void die(const char *what, avgpipe_context *ctx) {
     fprintf(stderr, "bench_runtime: %s: %s\n", what, avgpipe_last_error(ctx));
@@ -181,110 +174,6 @@ static int busy_w(avgpipe_op_ctx *op) {
     return 0;
 }
 
-/* Delivery delay: message k on link (src, dst) is due at max(sent, link free) + delay; the
-   receiver's wait returns once the message is there and due. */
-#define RING 4096
-typedef struct dreq {
-    avgpipe_comm_request inner;
-    double *due;
-    int recv, done;
-} dreq;
-typedef struct delaycomm {
-    avgpipe_comm inner;
-    double delay;
-    int S;
-    double *due, *link_free;
-    long *nsend, *nrecv;
-    dreq *req;
-} delaycomm;
-
-static avgpipe_result dl_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *out) {
-    delaycomm *c = (delaycomm *)user;
-    int ch = self * c->S + peer;
-    long k = c->nsend[ch]++ % RING;
-    double t = now(), start = t > c->link_free[ch] ? t : c->link_free[ch];
-    dreq *r = &c->req[((size_t)ch * RING + (size_t)k) * 2];
-    c->link_free[ch] = start + c->delay;
-    c->due[(size_t)ch * RING + (size_t)k] = start + c->delay; /* the inner backend's lock publishes it */
-    r->recv = 0, r->done = 0, r->due = NULL;
-    *out = (avgpipe_comm_request)(void *)r;
-    return c->inner.isend(c->inner.user, self, peer, buf, bytes, &r->inner);
-}
-static avgpipe_result dl_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *out) {
-    delaycomm *c = (delaycomm *)user;
-    int ch = peer * c->S + self;
-    long k = c->nrecv[ch]++ % RING;
-    dreq *r = &c->req[((size_t)ch * RING + (size_t)k) * 2 + 1];
-    r->recv = 1, r->done = 0, r->due = &c->due[(size_t)ch * RING + (size_t)k];
-    *out = (avgpipe_comm_request)(void *)r;
-    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, &r->inner);
-}
-static avgpipe_result dl_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
-    delaycomm *c = (delaycomm *)user;
-    dreq *r = (dreq *)(void *)req;
-    avgpipe_result res = AVGPIPE_OK;
-    if (!r->done) res = c->inner.wait(c->inner.user, self, r->inner, timeout_s);
-    if (res) return res;
-    r->done = 1;
-    if (r->recv) nap_until(*r->due); /* sleep (the other stage threads may need the core), spin the last bit */
-    return AVGPIPE_OK;
-}
-static avgpipe_result dl_test(void *user, int self, avgpipe_comm_request req, int *done) {
-    delaycomm *c = (delaycomm *)user;
-    dreq *r = (dreq *)(void *)req;
-    *done = 0;
-    if (!r->done) {
-        int d = 0;
-        avgpipe_result res = c->inner.test(c->inner.user, self, r->inner, &d);
-        if (res || !d) return res;
-        r->done = 1;
-    }
-    *done = !r->recv || now() >= *r->due;
-    return AVGPIPE_OK;
-}
-static avgpipe_result dl_barrier(void *user, int self, double timeout_s) {
-    delaycomm *c = (delaycomm *)user;
-    return c->inner.barrier(c->inner.user, self, timeout_s);
-}
-static void dl_abort(void *user, avgpipe_result why, const char *message) {
-    delaycomm *c = (delaycomm *)user;
-    c->inner.abort(c->inner.user, why, message);
-}
-static const char *dl_last_error(void *user, int self) {
-    delaycomm *c = (delaycomm *)user;
-    return c->inner.last_error ? c->inner.last_error(c->inner.user, self) : "";
-}
-static void delaycomm_init(delaycomm *c, int S, double delay, avgpipe_comm *table) {
-    memset(c, 0, sizeof *c);
-    if (avgpipe_comm_local_create(NULL, S, &c->inner)) die("avgpipe_comm_local_create", NULL);
-    c->S = S;
-    c->delay = delay;
-    c->due = (double *)calloc((size_t)S * S * RING, sizeof(double));
-    c->link_free = (double *)calloc((size_t)S * S, sizeof(double));
-    c->nsend = (long *)calloc((size_t)S * S, sizeof(long));
-    c->nrecv = (long *)calloc((size_t)S * S, sizeof(long));
-    c->req = (dreq *)calloc((size_t)S * S * RING * 2, sizeof(dreq));
-    if (!c->due || !c->link_free || !c->nsend || !c->nrecv || !c->req) {
-        fprintf(stderr, "bench_runtime: out of memory\n");
-        exit(1);
-    }
-    memset(table, 0, sizeof *table);
-    table->name = "delayed";
-    table->size = S;
-    table->isend = dl_isend;
-    table->irecv = dl_irecv;
-    table->test = dl_test;
-    table->wait = dl_wait;
-    table->barrier = dl_barrier;
-    table->abort = dl_abort;
-    table->last_error = dl_last_error;
-    table->user = c;
-}
-static void delaycomm_free(delaycomm *c) {
-    avgpipe_comm_destroy(&c->inner);
-    free(c->due), free(c->link_free), free(c->nsend), free(c->nrecv), free(c->req);
-}
-
 #define NSCHED 4
 #define MAXS 8
 #define BIGP 4096          /* floats per stage partition (averaging buffers show in the memory) */
@@ -315,7 +204,7 @@ static void case_create(sched_case *c, int S, int M, double delay) {
         c->act[g] = ACTB;
         c->pc[g] = BIGP;
     }
-    delaycomm_init(&c->dc, S, delay, &c->table);
+    if (delaycomm_init(&c->dc, S, delay, &c->table)) die("delaycomm_init", NULL);
     c->d.sched.kind = c->kind;
     c->d.sched.stages = S;
     c->d.sched.micro = M;

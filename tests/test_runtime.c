@@ -17,6 +17,7 @@
 #include "avgpipe.h"
 
 #include <criterion/criterion.h>
+#include "tests/delaycomm.h"
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -1174,114 +1175,6 @@ Test(runtime, no_profile_no_events) {
 
 /* ---- adaptive advance ------------------------------------------------------------------------- */
 
-/* A comm table around the in-process one that delivers each message `delay` seconds after it was
-   sent, serialised per link (like the simulator's link: start = max(sent, link free), end = start +
-   delay): a receive's wait returns once the message is due. */
-#define RING 4096
-typedef struct delaycomm {
-    avgpipe_comm inner;
-    double delay;
-    int S;
-    double *due;       /* [S * S][RING]: due time of message k on channel (src, dst), written by src */
-    double *link_free; /* [S * S], src's */
-    long *nsend, *nrecv;
-    struct dreq {
-        avgpipe_comm_request inner;
-        double *due;
-        int recv, done;
-    } *req; /* [S * S][RING][2] */
-} delaycomm;
-
-static avgpipe_result dl_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *out) {
-    delaycomm *c = (delaycomm *)user;
-    int ch = self * c->S + peer;
-    long k = c->nsend[ch]++ % RING;
-    double t = now_s(), start = t > c->link_free[ch] ? t : c->link_free[ch];
-    struct dreq *r = &c->req[((size_t)ch * RING + k) * 2];
-    c->link_free[ch] = start + c->delay;
-    c->due[(size_t)ch * RING + k] = start + c->delay; /* published to the receiver by the inner backend's lock */
-    r->recv = 0, r->done = 0, r->due = NULL;
-    *out = (avgpipe_comm_request)(void *)r;
-    return c->inner.isend(c->inner.user, self, peer, buf, bytes, &r->inner);
-}
-static avgpipe_result dl_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *out) {
-    delaycomm *c = (delaycomm *)user;
-    int ch = peer * c->S + self;
-    long k = c->nrecv[ch]++ % RING;
-    struct dreq *r = &c->req[((size_t)ch * RING + k) * 2 + 1];
-    r->recv = 1, r->done = 0, r->due = &c->due[(size_t)ch * RING + k];
-    *out = (avgpipe_comm_request)(void *)r;
-    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, &r->inner);
-}
-static void wait_until(double t) {
-    double left;
-    while ((left = t - now_s()) > 0)
-        if (left > 2e-4) nap_us((long)((left - 1e-4) * 1e6));
-}
-static avgpipe_result dl_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
-    delaycomm *c = (delaycomm *)user;
-    struct dreq *r = (struct dreq *)(void *)req;
-    avgpipe_result res = AVGPIPE_OK;
-    if (!r->done) res = c->inner.wait(c->inner.user, self, r->inner, timeout_s);
-    if (res) return res;
-    r->done = 1;
-    if (r->recv) wait_until(*r->due);
-    return AVGPIPE_OK;
-}
-static avgpipe_result dl_test(void *user, int self, avgpipe_comm_request req, int *done) {
-    delaycomm *c = (delaycomm *)user;
-    struct dreq *r = (struct dreq *)(void *)req;
-    avgpipe_result res = AVGPIPE_OK;
-    *done = 0;
-    if (!r->done) {
-        int d = 0;
-        res = c->inner.test(c->inner.user, self, r->inner, &d);
-        if (res || !d) return res;
-        r->done = 1;
-    }
-    *done = !r->recv || now_s() >= *r->due;
-    return AVGPIPE_OK;
-}
-static avgpipe_result dl_barrier(void *user, int self, double timeout_s) {
-    delaycomm *c = (delaycomm *)user;
-    return c->inner.barrier(c->inner.user, self, timeout_s);
-}
-static void dl_abort(void *user, avgpipe_result why, const char *message) {
-    delaycomm *c = (delaycomm *)user;
-    c->inner.abort(c->inner.user, why, message);
-}
-static const char *dl_last_error(void *user, int self) {
-    delaycomm *c = (delaycomm *)user;
-    return c->inner.last_error ? c->inner.last_error(c->inner.user, self) : "";
-}
-static void delaycomm_init(delaycomm *c, int S, double delay, avgpipe_comm *table) {
-    memset(c, 0, sizeof *c);
-    cr_assert_eq(avgpipe_comm_local_create(NULL, S, &c->inner), AVGPIPE_OK);
-    c->S = S;
-    c->delay = delay;
-    c->due = (double *)calloc((size_t)S * S * RING, sizeof(double));
-    c->link_free = (double *)calloc((size_t)S * S, sizeof(double));
-    c->nsend = (long *)calloc((size_t)S * S, sizeof(long));
-    c->nrecv = (long *)calloc((size_t)S * S, sizeof(long));
-    c->req = (struct dreq *)calloc((size_t)S * S * RING * 2, sizeof(struct dreq));
-    cr_assert(c->due && c->link_free && c->nsend && c->nrecv && c->req);
-    memset(table, 0, sizeof *table);
-    table->name = "delayed";
-    table->size = S;
-    table->isend = dl_isend;
-    table->irecv = dl_irecv;
-    table->test = dl_test;
-    table->wait = dl_wait;
-    table->barrier = dl_barrier;
-    table->abort = dl_abort;
-    table->last_error = dl_last_error;
-    table->user = c;
-}
-static void delaycomm_free(delaycomm *c) {
-    avgpipe_comm_destroy(&c->inner);
-    free(c->due), free(c->link_free), free(c->nsend), free(c->nrecv), free(c->req);
-}
-
 /* Stashed activation bytes of rank r with advance K, by the memory model: peak stashed micro-batches
    (avgpipe_sched_peak_stash) times the bytes one of them holds there, its input and output
    activations. For S = 4, M = 8 the peaks are, by K = 0..3: rank 0 4+K; rank 1 4, 4, 4, 5;
@@ -1313,7 +1206,7 @@ Test(runtime, adaptive_advance_respects_memory_and_settles) {
     int it, ks[32], maxk = 0, j;
     double limit = stash_bytes_max(S, M, 2);
     avgpipe_context_init(&ctx, NULL);
-    delaycomm_init(&dc, S, 1e-3, &table);
+    cr_assert_eq(delaycomm_init(&dc, S, 1e-3, &table), AVGPIPE_OK);
     reset_state(S, M, 1);
     T.op_sleep_us = 200;
     setup_init(&s, S, 1);
