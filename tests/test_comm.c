@@ -227,20 +227,26 @@ static void *barrier_thread(void *arg) {
     return NULL;
 }
 
-Test(comm, barrier_four_threads) {
-    avgpipe_comm c = make(NT);
+/* Run fn on NT threads, rank r on thread r, then fail on the first rank that reported a problem. */
+static void run_team(avgpipe_comm *c, void *(*fn)(void *), int *arrived, pthread_mutex_t *mu) {
     pthread_t th[NT];
     team t[NT];
-    int arrived[NROUNDS] = {0}, r;
-    pthread_mutex_t mu;
-    pthread_mutex_init(&mu, NULL);
+    int r;
     for (r = 0; r < NT; r++) {
         memset(&t[r], 0, sizeof t[r]);
-        t[r].c = &c, t[r].rank = r, t[r].arrived = arrived, t[r].mu = &mu;
-        cr_assert_eq(pthread_create(&th[r], NULL, barrier_thread, &t[r]), 0);
+        t[r].c = c, t[r].rank = r, t[r].arrived = arrived, t[r].mu = mu;
+        cr_assert_eq(pthread_create(&th[r], NULL, fn, &t[r]), 0);
     }
     for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
     for (r = 0; r < NT; r++) cr_assert(!t[r].bad, "%s", t[r].msg);
+}
+
+Test(comm, barrier_four_threads) {
+    avgpipe_comm c = make(NT);
+    int arrived[NROUNDS] = {0}, r;
+    pthread_mutex_t mu;
+    pthread_mutex_init(&mu, NULL);
+    run_team(&c, barrier_thread, arrived, &mu);
     for (r = 0; r < NROUNDS; r++) cr_assert_eq(arrived[r], NT);
     pthread_mutex_destroy(&mu);
     avgpipe_comm_destroy(&c);
@@ -294,16 +300,7 @@ static void *allreduce_thread(void *arg) {
 
 Test(comm, allreduce_sum_four_threads) {
     avgpipe_comm c = make(NT);
-    pthread_t th[NT];
-    team t[NT];
-    int r;
-    for (r = 0; r < NT; r++) {
-        memset(&t[r], 0, sizeof t[r]);
-        t[r].c = &c, t[r].rank = r;
-        cr_assert_eq(pthread_create(&th[r], NULL, allreduce_thread, &t[r]), 0);
-    }
-    for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
-    for (r = 0; r < NT; r++) cr_assert(!t[r].bad, "%s", t[r].msg);
+    run_team(&c, allreduce_thread, NULL, NULL);
     avgpipe_comm_destroy(&c);
 }
 
@@ -346,16 +343,7 @@ static void *stream_thread(void *arg) {
 
 Test(comm, concurrent_streams_stay_in_order) {
     avgpipe_comm c = make(NT);
-    pthread_t th[NT];
-    team t[NT];
-    int r;
-    for (r = 0; r < NT; r++) {
-        memset(&t[r], 0, sizeof t[r]);
-        t[r].c = &c, t[r].rank = r;
-        cr_assert_eq(pthread_create(&th[r], NULL, stream_thread, &t[r]), 0);
-    }
-    for (r = 0; r < NT; r++) pthread_join(th[r], NULL);
-    for (r = 0; r < NT; r++) cr_assert(!t[r].bad, "%s", t[r].msg);
+    run_team(&c, stream_thread, NULL, NULL);
     avgpipe_comm_destroy(&c);
 }
 
