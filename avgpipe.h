@@ -73,8 +73,8 @@
      1. Basics          avgpipe_result, avgpipe_context (allocator, logger, last error), avgpipe_buf
      2. Schedule IR     avgpipe_op, avgpipe_schedule, text import/export          (avgpipe_sched_*)
      3. Generators      AFAB, 1F1B, advance, interleaved, ZB-H1, greedy, lowering (avgpipe_sched_*)
-     4. Validation      invariants and deadlock replay                              (avgpipe_sched_validate)
-     5. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
+     4. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
+     5. Validation      invariants and deadlock replay                              (avgpipe_sched_validate)
      6. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
      7. Device backend  function-pointer table; the CPU device                      (avgpipe_device_*)
      8. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
@@ -173,6 +173,11 @@ typedef struct avgpipe_context_desc {
 
 #define AVGPIPE_ERROR_MAX 1024
 
+/* Descriptions are zero-initialised, and a zero field means "the documented default". Where a zero
+   is also a meaningful value (an elasticity alpha of 0: no pull; an op that costs nothing), the field
+   takes AVGPIPE_ZERO to mean exactly zero. It is the one spelling of "exactly zero" everywhere. */
+#define AVGPIPE_ZERO (-1.0f)
+
 /* A context: resolved hooks and the last-error buffer. Plain data the user owns (stack or heap);
    initialise with avgpipe_context_init(), nothing to free. */
 typedef struct avgpipe_context {
@@ -253,22 +258,24 @@ typedef enum avgpipe_sched_kind {
     AVGPIPE_SCHED_KIND_COUNT
 } avgpipe_sched_kind;
 
-/* The shape a schedule was made for; kept in the schedule and written to its text header. */
-typedef struct avgpipe_shape {
+/* A schedule's shape: what the generators take (avgpipe_sched_generate, section 3), what a schedule
+   keeps (avgpipe_schedule.shape) and writes to its text header, and what a profile records. One type
+   for all of them. Zero fields mean the defaults avgpipe_sched_resolve documents. */
+typedef struct avgpipe_sched_desc {
     avgpipe_sched_kind kind;
-    int stages;     /* S: ranks */
-    int chunks;     /* V: stage partitions per rank */
+    int stages;     /* S: ranks of one pipeline group */
     int micro;      /* M: micro-batches per batch */
     int pipes;      /* N: parallel pipelines */
+    int chunks;     /* V: stage partitions per rank */
     int rounds;     /* R */
     int advance;    /* K (advance forward only) */
-    int continuous; /* 1: continuous rounds, 0: synchronous rounds */
-} avgpipe_shape;
+    int continuous; /* 0 synchronous, 1 continuous rounds */
+} avgpipe_sched_desc;
 
 /* A schedule: ops[r][0 .. len[r]-1] for each rank r < nranks. Owned by the library's allocator:
    release with avgpipe_sched_free(). has_comm is 1 when the lists carry SEND/RECV ops. */
 typedef struct avgpipe_schedule {
-    avgpipe_shape shape;
+    avgpipe_sched_desc shape;
     int nranks;
     int nstages; /* G = S·V */
     int has_comm;
@@ -283,7 +290,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_copy(avgpipe_context *ctx, const avgpip
                                               avgpipe_schedule *dst);
 /* An empty schedule of nranks lists (then append with avgpipe_sched_push). shape may be NULL. */
 AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_schedule *s, int nranks,
-                                              const avgpipe_shape *shape);
+                                              const avgpipe_sched_desc *shape);
 /* Append one op to rank r's list. */
 AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_schedule *s, int rank,
                                               avgpipe_op op);
@@ -332,7 +339,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 /* ============================================================================================ */
 /* 3. Generators                                                                                 */
 /* ============================================================================================ */
-/* Zero-initialise; zero fields mean:
+/* A generator takes an avgpipe_sched_desc (section 2). Zero-initialise; zero fields mean:
      stages, micro  required (>= 1)
      pipes 0 -> 1, chunks 0 -> 1 (2 for INTERLEAVED), rounds 0 -> 1, advance 0 -> 0 (1F1B)
    Supported shapes: chunks > 1 only for INTERLEAVED, which needs micro % stages == 0 (Megatron-LM's
@@ -345,16 +352,6 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
    Continuous rounds: the stream never drains; the forward of batch (i, t+1) on a stage waits only
    for STEP(i, t) on that stage. STEP(i, t) follows the last backward work of batch (i, t) on its
    stage at once, AVG(i, t) right after it (AVG for every N, so N = 1 with α = 0 is plain training). */
-typedef struct avgpipe_sched_desc {
-    avgpipe_sched_kind kind;
-    int stages;     /* S */
-    int micro;      /* M */
-    int pipes;      /* N */
-    int chunks;     /* V */
-    int rounds;     /* R */
-    int advance;    /* K */
-    int continuous; /* 0 synchronous, 1 continuous rounds */
-} avgpipe_sched_desc;
 
 /* Resolve defaults and check the shape; *out gets the resolved description. Errors name the field. */
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
@@ -377,7 +374,7 @@ AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int ran
    where a forward is ready only while the rank's in-flight micro-batches (forward done, backward
    not finished) stay under the cap. Backwards are taken oldest first, forwards in stream order.
    Zero fields: priority {0} -> B (or I), F, W; cap NULL -> S - s (1F1B's memory);
-   cost 0 -> F 1, B 2, I 1, W 1.  kind of the output is CUSTOM. */
+   cost 0 -> F 1, B 2, I 1, W 1 (AVGPIPE_ZERO: exactly 0).  kind of the output is CUSTOM. */
 typedef struct avgpipe_greedy_desc {
     int stages, micro, pipes, rounds, continuous;
     int split_backward;                 /* 1: emit I and W instead of B */
@@ -397,40 +394,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
                                                avgpipe_schedule *out);
 
 /* ============================================================================================ */
-/* 4. Validation                                                                                 */
-/* ============================================================================================ */
-/* Checks (DESIGN §3): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
-   its W, each op on the rank that holds its stage; forward/backward data dependencies; each channel
-   (src, dst) carries the same sequence on both ends (matched per peer without tags, as NCCL does);
-   SEND after its producer, RECV before its consumer; STEP after all backward work of its batch on
-   its stage and before the next batch's forwards, AVG after STEP; a lockstep replay under async and
-   under blocking sends progresses (no deadlock); peak stashed activations per rank equal the memory
-   model when the schedule carries a generator's shape. Compute-only schedules are lowered first
-   for the replay. */
-typedef struct avgpipe_validate_report {
-    avgpipe_result result; /* AVGPIPE_OK, AVGPIPE_INVALID_SCHEDULE or AVGPIPE_DEADLOCK */
-    int rank, pos;         /* the offending op (-1 if none); pos indexes the schedule's own list */
-    char op_text[64];
-    char message[512];     /* also copied to the context's last error */
-    int peak_stash[256];   /* per rank (first 256 ranks), from the replay */
-} avgpipe_validate_report;
-
-typedef struct avgpipe_validate_desc {
-    int skip_replay;  /* 1: static checks only */
-    int skip_memory;  /* 1: do not compare peak stash with the memory model */
-} avgpipe_validate_desc;
-
-/* desc may be NULL. Returns report->result (also when report is NULL). */
-AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const avgpipe_schedule *s,
-                                                  const avgpipe_validate_desc *desc,
-                                                  avgpipe_validate_report *report);
-/* ASCII grid of the op lists (one row per rank, one column per position); the op at
-   (mark_rank, mark_pos) is shown as ">op<". mark_rank -1: no mark. */
-AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const avgpipe_schedule *s,
-                                                     int mark_rank, int mark_pos, avgpipe_buf *out);
-
-/* ============================================================================================ */
-/* 5. Simulation                                                                                 */
+/* 4. Simulation                                                                                 */
 /* ============================================================================================ */
 /* Model: per rank one compute resource that runs its ops in list order, and a full-duplex link
    between each pair of ranks (one resource per direction, FIFO in the sender's order). A transfer
@@ -440,10 +404,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
    blocking sends are asked for). Event times follow from the dependencies in causal order (every
    resource serves its ops in a fixed order), so the result is exactly that of a discrete-event run.
    Zero fields mean: cost F 1, B 2, I 1, W 1, STEP/AVG/others 0; latency 0; bytes 0; bandwidth 0
-   (= no bandwidth term); micro_size 1; act_bytes 0. A negative cost means a cost of exactly zero
-   (0 itself selects the default). */
+   (= no bandwidth term); micro_size 1; act_bytes 0. cost[k] = AVGPIPE_ZERO: that kind costs exactly
+   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero). */
 typedef struct avgpipe_sim_desc {
-    double cost[AVGPIPE_OP_KIND_COUNT]; /* per kind, all stages; 0 -> default above */
+    double cost[AVGPIPE_OP_KIND_COUNT]; /* per kind, all stages; 0 -> default above, AVGPIPE_ZERO -> 0 */
     const double *stage_cost;   /* optional [stage * AVGPIPE_OP_KIND_COUNT + kind], overrides cost */
     double (*cost_fn)(const avgpipe_op *op, void *user); /* optional, overrides both */
     void *cost_user;
@@ -492,6 +456,39 @@ typedef struct avgpipe_sim_result {
 AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_schedule *s,
                                            const avgpipe_sim_desc *desc, avgpipe_sim_result *out);
 AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_result *r);
+
+/* ============================================================================================ */
+/* 5. Validation                                                                                 */
+/* ============================================================================================ */
+/* Checks (DESIGN §3): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
+   its W, each op on the rank that holds its stage; forward/backward data dependencies; each channel
+   (src, dst) carries the same sequence on both ends (matched per peer without tags, as NCCL does);
+   SEND after its producer, RECV before its consumer; STEP after all backward work of its batch on
+   its stage and before the next batch's forwards, AVG after STEP; a lockstep replay under async and
+   under blocking sends progresses (no deadlock); peak stashed activations per rank equal the memory
+   model when the schedule carries a generator's shape. Compute-only schedules are lowered first
+   for the replay. */
+typedef struct avgpipe_validate_report {
+    avgpipe_result result; /* AVGPIPE_OK, AVGPIPE_INVALID_SCHEDULE or AVGPIPE_DEADLOCK */
+    int rank, pos;         /* the offending op (-1 if none); pos indexes the schedule's own list */
+    char op_text[64];
+    char message[512];     /* also copied to the context's last error */
+    int peak_stash[256];   /* per rank (first 256 ranks), from the replay */
+} avgpipe_validate_report;
+
+typedef struct avgpipe_validate_desc {
+    int skip_replay;  /* 1: static checks only */
+    int skip_memory;  /* 1: do not compare peak stash with the memory model */
+} avgpipe_validate_desc;
+
+/* desc may be NULL. Returns report->result (also when report is NULL). */
+AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                                  const avgpipe_validate_desc *desc,
+                                                  avgpipe_validate_report *report);
+/* ASCII grid of the op lists (one row per rank, one column per position); the op at
+   (mark_rank, mark_pos) is shown as ">op<". mark_rank -1: no mark. */
+AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const avgpipe_schedule *s,
+                                                     int mark_rank, int mark_pos, avgpipe_buf *out);
 
 /* ============================================================================================ */
 /* 6. Rendering                                                                                  */
@@ -683,8 +680,8 @@ typedef struct avgpipe_ea avgpipe_ea; /* opaque */
 
 /* Description of one stage partition's averaging. Zero-initialise; zero fields mean:
      mode            0 -> AVGPIPE_EA_MEAN
-     alpha           0 -> 0.1, the published default (Crossbow; AvgPipe follows it). For alpha = 0 exactly
-                     (no pull: with N = 1 this is plain training), set zero_alpha instead.
+     alpha           0 -> 0.1, the published default (Crossbow; AvgPipe follows it). AVGPIPE_ZERO for
+                     alpha = 0 exactly (no pull: with N = 1 this is plain training).
      momentum        0 -> none. mu in [0, 1); AVGPIPE_EA_ELASTIC only.
      device          NULL -> a single-threaded CPU device created for (and owned by) the module
      stage           only used in messages (0 -> stage 0)
@@ -695,8 +692,7 @@ typedef struct avgpipe_ea_desc {
     size_t count;
     int pipes;
     avgpipe_ea_mode mode;
-    float alpha;
-    int zero_alpha; /* nonzero: alpha = 0 exactly; alpha must be left 0 */
+    float alpha;    /* in [0, 1]; 0 -> 0.1, AVGPIPE_ZERO -> exactly 0 */
     float momentum;
     const float *initial;
     const avgpipe_device *device; /* the table is copied; its user state must outlive the module */
@@ -727,7 +723,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_memory_bytes(avgpipe_context *ctx, const a
 /* Create the averaging state: resolve and validate desc, allocate the buffers, copy desc->initial
    into the reference (z0 = initial; with momentum also z_prev = initial). Round 0 is open.
    Errors: AVGPIPE_INVALID_ARG naming the field (count 0, pipes < 1, mode unknown, alpha outside [0, 1]
-   or NaN, zero_alpha with alpha != 0, momentum outside [0, 1) or with MEAN, initial NULL, an
+   or NaN, momentum outside [0, 1) or with MEAN, initial NULL, an
    incomplete device table, desc or out NULL), AVGPIPE_OUT_OF_MEMORY, AVGPIPE_BACKEND_ERROR. On error
    *out is NULL and nothing is left allocated.
    Thread-safety: touches only ctx and *out; the device must be usable from this thread. */
@@ -892,10 +888,9 @@ typedef struct avgpipe_run_desc {
                                           (may be NULL when G = 1) */
     float *const *params;              /* [pipe * G + stage]: each parallel model's parameters */
     const size_t *param_count;         /* [G]: floats per stage partition */
-    /* Averaging: mode 0 -> MEAN, alpha 0 -> 0.1 (zero_alpha = 1 for exactly 0), momentum (ELASTIC). */
+    /* Averaging: mode 0 -> MEAN, alpha 0 -> 0.1 (AVGPIPE_ZERO for exactly 0), momentum (ELASTIC). */
     avgpipe_ea_mode ea_mode;
     float alpha;
-    int zero_alpha;
     float momentum;
     int deterministic;    /* 1: each AVG waits for the previous round's reference (reproducible) */
     double timeout_s;     /* every wait; 0 -> 60 s */
@@ -977,7 +972,7 @@ typedef struct avgpipe_profile_op {
 } avgpipe_profile_op;
 
 typedef struct avgpipe_profile_section {
-    avgpipe_shape shape;
+    avgpipe_sched_desc shape;
     double samples;      /* samples per micro-batch */
     double seconds;      /* measured iteration time */
     int nstages;
@@ -1051,7 +1046,6 @@ typedef struct avgpipe_tune_candidate {
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count);
 
-/*@@SECTIONS_DECL@@*/
 
 #ifdef __cplusplus
 } /* extern "C" */
@@ -1266,6 +1260,56 @@ static int avgpipe__buf_printf(avgpipe_context *ctx, avgpipe_buf *b, const char 
     return 1;
 }
 
+/* The AVGPIPE_ZERO convention: 0 -> dflt, AVGPIPE_ZERO -> 0, anything else as given. */
+static double avgpipe__or_default(double v, double dflt) {
+    if (v == 0) return dflt;
+    if (v == (double)AVGPIPE_ZERO) return 0;
+    return v;
+}
+/* A field that is >= 0 or AVGPIPE_ZERO (and not NaN). */
+static int avgpipe__zero_ok(double v) { return v >= 0 || v == (double)AVGPIPE_ZERO; }
+
+/* ---- clocks, deadlines, atomics (used by the averaging, comm and runtime sections) ---- */
+
+/* Flags written under a mutex are also read lock-free (spinning waits, the runtime's abort flag). */
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define AVGPIPE__STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#else
+#define AVGPIPE__LOAD(p) (*(volatile int *)(p))
+#define AVGPIPE__STORE(p, v) (*(volatile int *)(p) = (v))
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
+#define AVGPIPE__RELAX() __builtin_ia32_pause()
+#else
+#define AVGPIPE__RELAX() ((void)0)
+#endif
+
+/* Absolute deadline `seconds` from now (CLOCK_REALTIME, as pthread_cond_timedwait wants). */
+static struct timespec avgpipe__deadline(double seconds) {
+    struct timespec ts;
+    double whole;
+    timespec_get(&ts, TIME_UTC); /* the clock pthread_cond_timedwait measures by default */
+    if (seconds < 0) seconds = 0;
+    if (seconds > 1e7) seconds = 1e7;
+    whole = floor(seconds);
+    ts.tv_sec += (time_t)whole;
+    ts.tv_nsec += (long)((seconds - whole) * 1e9);
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
+/* Seconds, for durations. C11's timespec_get (clock_gettime needs POSIX feature macros that a
+   header included after the user's own cannot set). */
+static double avgpipe__now(void) {
+    struct timespec ts;
+    timespec_get(&ts, TIME_UTC);
+    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
 /* --- 2. Schedule IR ---------------------------------------------------------------------------- */
 
 static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
@@ -1339,7 +1383,7 @@ AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s) {
 }
 
 AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_schedule *s, int nranks,
-                                              const avgpipe_shape *shape) {
+                                              const avgpipe_sched_desc *shape) {
     if (!s) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_init: s is NULL");
     memset(s, 0, sizeof *s);
     if (nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_init: nranks must be >= 1 (got %d)", nranks);
@@ -1427,6 +1471,42 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
     if (avgpipe__has_micro(op->kind))
         return snprintf(out, cap, "%s%d%s%d", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind), op->micro);
     return snprintf(out, cap, "%s%d%s", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind));
+}
+
+/* Check every op's kind, stage placement, pipeline and micro-batch, and count the pipelines and the
+   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep. */
+static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
+    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
+    long long U = 1;
+    *npipes = 1;
+    *nmicro = 1;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            char txt[64];
+            if (op->kind == AVGPIPE_OP_IDLE) continue;
+            if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
+                op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
+                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
+            if (op->kind >= AVGPIPE_OP_KIND_COUNT)
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d: unknown op kind %d", r, i, op->kind);
+            if (op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r)
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d does not live on rank %d", r,
+                                     i, txt, op->stage, r);
+            if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
+            if (op->pipe >= N) N = op->pipe + 1;
+            if (avgpipe__has_micro(op->kind)) {
+                if (op->micro < 0)
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative micro-batch", r, i, txt);
+                if (op->kind != AVGPIPE_OP_STEP && op->kind != AVGPIPE_OP_AVG && op->micro + 1LL > U) U = op->micro + 1LL;
+            }
+        }
+    if ((long long)N * s->nstages * U > 200000000LL)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
+                             N, s->nstages, U);
+    *npipes = N;
+    *nmicro = U;
+    return AVGPIPE_OK;
 }
 
 /* ---- export ---- */
@@ -1569,7 +1649,7 @@ static const char *avgpipe__quote(const char *p, size_t n, char *out, size_t cap
 }
 
 static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p, const char *end, int line,
-                                            avgpipe_shape *sh) {
+                                            avgpipe_sched_desc *sh) {
     /* "# avgpipe key=value ..." */
     while (p < end) {
         const char *k0, *k1, *v0;
@@ -1709,7 +1789,7 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len, avgpipe_schedule *out) {
     const char *p, *end;
     int nlines = 0, line = 0, r = 0, have_header = 0;
-    avgpipe_shape sh;
+    avgpipe_sched_desc sh;
     avgpipe_result res;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_import: NULL argument");
     memset(out, 0, sizeof *out);
@@ -1981,17 +2061,7 @@ static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sche
 }
 
 static avgpipe_result avgpipe__shape_sched(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
-    avgpipe_shape sh;
-    memset(&sh, 0, sizeof sh);
-    sh.kind = d->kind;
-    sh.stages = d->stages;
-    sh.chunks = d->chunks;
-    sh.micro = d->micro;
-    sh.pipes = d->pipes;
-    sh.rounds = d->rounds;
-    sh.advance = d->advance;
-    sh.continuous = d->continuous;
-    return avgpipe_sched_init(ctx, out, d->stages, &sh);
+    return avgpipe_sched_init(ctx, out, d->stages, d);
 }
 
 AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
@@ -2039,8 +2109,8 @@ static avgpipe_result avgpipe__greedy_check(avgpipe_context *ctx, const avgpipe_
     if (g->pipes < 0 || g->pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: must be in 1..32767 (got %d)", g->pipes);
     if (g->rounds < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "rounds: must be >= 1 (got %d)", g->rounds);
     if (g->stages > AVGPIPE__MAX_STAGES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: at most %d", AVGPIPE__MAX_STAGES);
-    if (g->cost_f < 0 || g->cost_b < 0 || g->cost_i < 0 || g->cost_w < 0)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost: op costs must be >= 0");
+    if (!avgpipe__zero_ok(g->cost_f) || !avgpipe__zero_ok(g->cost_b) || !avgpipe__zero_ok(g->cost_i) || !avgpipe__zero_ok(g->cost_w))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost: op costs must be >= 0 (or AVGPIPE_ZERO)");
     for (i = 0; i < 3; i++) {
         int k = g->priority[i];
         if (k != 0 && k != AVGPIPE_OP_F && k != AVGPIPE_OP_B && k != AVGPIPE_OP_I && k != AVGPIPE_OP_W)
@@ -2067,10 +2137,10 @@ static avgpipe_result avgpipe__greedy_run(avgpipe_context *ctx, const avgpipe_gr
     if (res) return res;
     if (!g.pipes) g.pipes = 1;
     if (!g.rounds) g.rounds = 1;
-    if (g.cost_f == 0) g.cost_f = 1;
-    if (g.cost_b == 0) g.cost_b = 2;
-    if (g.cost_i == 0) g.cost_i = 1;
-    if (g.cost_w == 0) g.cost_w = 1;
+    g.cost_f = avgpipe__or_default(g.cost_f, 1);
+    g.cost_b = avgpipe__or_default(g.cost_b, 2);
+    g.cost_i = avgpipe__or_default(g.cost_i, 1);
+    g.cost_w = avgpipe__or_default(g.cost_w, 1);
     S = g.stages;
     split = g.split_backward != 0;
     /* priority list: given entries first, the rest in default order; B and I mean "the backward" */
@@ -2218,7 +2288,6 @@ AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgp
 
 /* ---- lowering ---- */
 
-static avgpipe_result avgpipe__sim_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro);
 
 
 
@@ -2268,7 +2337,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
-    res = avgpipe__sim_scan(ctx, in, &L.N, &L.U);
+    res = avgpipe__sched_scan(ctx, in, &L.N, &L.U);
     if (res) return res;
     L.in = in;
     L.S = in->nranks;
@@ -2431,7 +2500,7 @@ done:
 }
 
 
-/* --- 5. Simulation (the validator's replay uses it, so it comes first) ------------------------- */
+/* --- 4. Simulation ------------------------------------------------------------------------------ */
 
 typedef struct avgpipe__chan {
     double link_free;
@@ -2466,8 +2535,7 @@ static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
     if (d->cost_fn) return d->cost_fn(op, d->cost_user);
     if (d->stage_cost) c = d->stage_cost[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
     else {
-        c = d->cost[op->kind];
-        if (c == 0) c = avgpipe__default_cost[op->kind];
+        c = avgpipe__or_default(d->cost[op->kind], avgpipe__default_cost[op->kind]);
     }
     if (c < 0) c = 0;
     if (d->scale_by_micro_size && avgpipe__is_compute(op->kind)) c *= d->micro_size > 0 ? d->micro_size : 1;
@@ -2669,40 +2737,6 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
 }
 
 /* Sizes of the dependency tables, and a structural check the simulator relies on. */
-static avgpipe_result avgpipe__sim_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
-    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
-    long long U = 1;
-    *npipes = 1;
-    *nmicro = 1;
-    for (r = 0; r < s->nranks; r++)
-        for (i = 0; i < s->len[r]; i++) {
-            const avgpipe_op *op = &s->ops[r][i];
-            char txt[64];
-            if (op->kind == AVGPIPE_OP_IDLE) continue;
-            if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
-                op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
-                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
-            if (op->kind >= AVGPIPE_OP_KIND_COUNT)
-                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d: unknown op kind %d", r, i, op->kind);
-            if (op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r)
-                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d does not live on rank %d", r,
-                                     i, txt, op->stage, r);
-            if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
-            if (op->pipe >= N) N = op->pipe + 1;
-            if (avgpipe__has_micro(op->kind)) {
-                if (op->micro < 0)
-                    return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative micro-batch", r, i, txt);
-                if (op->kind != AVGPIPE_OP_STEP && op->kind != AVGPIPE_OP_AVG && op->micro + 1LL > U) U = op->micro + 1LL;
-            }
-        }
-    if ((long long)N * s->nstages * U > 200000000LL)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
-                             N, s->nstages, U);
-    *npipes = N;
-    *nmicro = U;
-    return AVGPIPE_OK;
-}
-
 static avgpipe_result avgpipe__sim_deadlock(avgpipe__sim *m) {
     char msg[AVGPIPE_ERROR_MAX];
     size_t n = 0;
@@ -2751,6 +2785,10 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     }
     if (desc->latency < 0 || desc->bytes < 0 || desc->bandwidth < 0 || desc->micro_size < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: latency, bytes, bandwidth and micro_size must be >= 0");
+    for (r = 0; r < AVGPIPE_OP_KIND_COUNT; r++)
+        if (!avgpipe__zero_ok(desc->cost[r]))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: cost[%s] is %g (a cost is >= 0, or AVGPIPE_ZERO for exactly 0)",
+                                 avgpipe_op_kind_name((avgpipe_op_kind)r), desc->cost[r]);
     if (desc->blocking_send && !s->has_comm) { /* blocking semantics need explicit receives */
         avgpipe_schedule low;
         res = avgpipe_sched_lower(ctx, s, &low);
@@ -2762,7 +2800,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         }
         avgpipe_sched_free(ctx, &low); /* nothing crosses ranks: blocking changes nothing */
     }
-    res = avgpipe__sim_scan(ctx, s, &N, &U);
+    res = avgpipe__sched_scan(ctx, s, &N, &U);
     if (res) return res;
     memset(&m, 0, sizeof m);
     m.ctx = ctx;
@@ -2831,7 +2869,7 @@ done:
     return res;
 }
 
-/* --- 4. Validation ------------------------------------------------------------------------------ */
+/* --- 5. Validation (its deadlock replay runs the simulator) ---------------------------------------- */
 
 typedef struct avgpipe__msg {
     uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
@@ -3072,21 +3110,11 @@ static void avgpipe__static_peaks(const avgpipe_schedule *s, int *peak, int nmax
 }
 
 static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
-    const avgpipe_shape *sh = &v->s->shape;
-    avgpipe_sched_desc d;
+    const avgpipe_sched_desc *sh = &v->s->shape;
     int r;
     if (sh->kind == AVGPIPE_SCHED_CUSTOM) return AVGPIPE_OK;
-    memset(&d, 0, sizeof d);
-    d.kind = sh->kind;
-    d.stages = sh->stages;
-    d.micro = sh->micro;
-    d.pipes = sh->pipes;
-    d.chunks = sh->chunks;
-    d.rounds = sh->rounds;
-    d.advance = sh->advance;
-    d.continuous = sh->continuous;
     for (r = 0; r < v->S && r < 256; r++) {
-        int model = avgpipe_sched_peak_stash(&d, r), got = v->rep->peak_stash[r];
+        int model = avgpipe_sched_peak_stash(sh, r), got = v->rep->peak_stash[r];
         if (model < 0) continue;
         if (got != model)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, -1,
@@ -3879,7 +3907,7 @@ AVGPIPE_API avgpipe_ea_desc avgpipe_ea_query_defaults(const avgpipe_ea_desc *des
     memset(&d, 0, sizeof d);
     if (desc) d = *desc;
     if (d.mode == AVGPIPE_EA_MODE_DEFAULT) d.mode = AVGPIPE_EA_MEAN;
-    if (d.alpha == 0.0f && !d.zero_alpha) d.alpha = 0.1f;
+    d.alpha = (float)avgpipe__or_default(d.alpha, 0.1);
     return d;
 }
 
@@ -3901,9 +3929,6 @@ static avgpipe_result avgpipe__ea_validate(avgpipe_context *ctx, const char *fn,
     if (!(d->alpha >= 0.0f && d->alpha <= 1.0f))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.alpha %g is outside [0, 1]", fn, d->stage,
                              (double)d->alpha);
-    if (d->zero_alpha && d->alpha != 0.0f)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.zero_alpha is set but desc.alpha is %g",
-                             fn, d->stage, (double)d->alpha);
     if (!(d->momentum >= 0.0f && d->momentum < 1.0f))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.momentum %g is outside [0, 1)", fn,
                              d->stage, (double)d->momentum);
@@ -4172,10 +4197,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_wait(avgpipe_context *ctx, avgpipe_ea *ea,
     if (timeout_ms < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_ea_wait: stage %d: timeout_ms is %lld (must be >= 0)",
                              ea->desc.stage, (long long)timeout_ms);
-    timespec_get(&until, TIME_UTC);
-    until.tv_sec += (time_t)(timeout_ms / 1000);
-    until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (until.tv_nsec >= 1000000000L) until.tv_sec++, until.tv_nsec -= 1000000000L;
+    until = avgpipe__deadline((double)timeout_ms * 1e-3);
     pthread_mutex_lock(&ea->lock);
     while (ea->completed <= round && !timed_out)
         timed_out = timeout_ms == 0 || pthread_cond_timedwait(&ea->done, &ea->lock, &until) != 0;
@@ -4253,47 +4275,10 @@ AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea) {
 
 /* --- 9. Comm backend: in-process threads ------------------------------------------------------ */
 
-/* Spin-then-sleep: flags written under the mutex are also read lock-free while spinning. */
+/* Spin-then-sleep waits: a flag written under the mutex is read lock-free while spinning. */
 #ifndef AVGPIPE_COMM_SPIN
 #define AVGPIPE_COMM_SPIN 256 /* pause instructions before a wait sleeps; 0 disables spinning */
 #endif
-#if defined(__GNUC__) || defined(__clang__)
-#define AVGPIPE__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
-#define AVGPIPE__STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
-#else
-#define AVGPIPE__LOAD(p) (*(volatile int *)(p))
-#define AVGPIPE__STORE(p, v) (*(volatile int *)(p) = (v))
-#endif
-#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || defined(__i386__))
-#define AVGPIPE__RELAX() __builtin_ia32_pause()
-#else
-#define AVGPIPE__RELAX() ((void)0)
-#endif
-
-/* Absolute deadline `seconds` from now (CLOCK_REALTIME, as pthread_cond_timedwait wants). */
-static struct timespec avgpipe__deadline(double seconds) {
-    struct timespec ts;
-    double whole;
-    timespec_get(&ts, TIME_UTC); /* the clock pthread_cond_timedwait measures by default */
-    if (seconds < 0) seconds = 0;
-    if (seconds > 1e7) seconds = 1e7;
-    whole = floor(seconds);
-    ts.tv_sec += (time_t)whole;
-    ts.tv_nsec += (long)((seconds - whole) * 1e9);
-    if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
-    }
-    return ts;
-}
-
-/* Seconds, for durations. C11's timespec_get (clock_gettime needs POSIX feature macros that a
-   header included after the user's own cannot set). */
-static double avgpipe__now(void) {
-    struct timespec ts;
-    timespec_get(&ts, TIME_UTC);
-    return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
-}
 
 struct avgpipe_comm_request_s {
     struct avgpipe_comm_request_s *next; /* in a channel queue, or in the free list */
@@ -5335,7 +5320,6 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
         ed.pipes = run->N;
         ed.mode = run->d.ea_mode;
         ed.alpha = run->d.alpha;
-        ed.zero_alpha = run->d.zero_alpha;
         ed.momentum = run->d.momentum;
         ed.initial = run->d.params[g];
         ed.device = &run->dev;
@@ -5651,7 +5635,7 @@ static avgpipe_result avgpipe__run_profile(avgpipe_run *run, const char *path, i
     FILE *f;
     size_t n, i;
     int g, bad;
-    const avgpipe_shape *sh;
+    const avgpipe_sched_desc *sh;
     if (!run || !path) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_write_profile: NULL argument");
     if (!run->d.profile) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_write_profile: create the run with profile = 1");
     n = avgpipe__gather_events(run);
@@ -6171,7 +6155,6 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
         ed.pipes = run->N;
         ed.mode = desc->ea_mode;
         ed.alpha = desc->alpha;
-        ed.zero_alpha = desc->zero_alpha;
         ed.momentum = desc->momentum;
         res = avgpipe_ea_memory_bytes(ctx, &ed, &mi);
         if (!res) per_rank[avgpipe__run_rank(run, g)] += (double)run->st[g].slot_bytes * run->st[g].nslots + (double)mi.device_bytes;
@@ -6309,7 +6292,6 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     return AVGPIPE_OK;
 }
 
-/*@@SECTIONS_IMPL@@*/
 
 #ifdef __cplusplus
 } /* extern "C" */

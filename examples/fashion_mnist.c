@@ -466,8 +466,7 @@ static avgpipe_run_desc make_run_desc(app *A) {
     d.act_bytes = A->act_bytes;
     d.params = (float *const *)A->params;
     d.param_count = A->model.count;
-    d.alpha = (float)o->alpha;
-    d.zero_alpha = o->alpha == 0.0;
+    d.alpha = o->alpha == 0.0 ? AVGPIPE_ZERO : (float)o->alpha;
     d.deterministic = o->deterministic;
     d.profile = o->trace || o->profile;
     return d;
@@ -743,18 +742,9 @@ static void print_cost_model(const avgpipe_cost_model *m) {
 static void print_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_profile *p, int section,
                         const double *measured) {
     const avgpipe_profile_section *sec = &p->sections[section];
-    avgpipe_sched_desc sd;
     double pred = 0, meas = median3(measured);
-    memset(&sd, 0, sizeof sd);
-    sd.kind = sec->shape.kind;
-    sd.stages = sec->shape.stages;
-    sd.micro = sec->shape.micro;
-    sd.pipes = sec->shape.pipes;
-    sd.rounds = sec->shape.rounds;
-    sd.advance = sec->shape.advance;
-    sd.continuous = sec->shape.continuous;
-    if (avgpipe_tune_predict(ctx, m, &sd, sec->samples, &pred) == AVGPIPE_OK && meas > 0)
-        fprintf(stderr, "  check M = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sd.micro, 1e3 * meas,
+    if (avgpipe_tune_predict(ctx, m, &sec->shape, sec->samples, &pred) == AVGPIPE_OK && meas > 0)
+        fprintf(stderr, "  check M = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sec->shape.micro, 1e3 * meas,
                 1e3 * pred, 100 * (pred / meas - 1));
 }
 

@@ -129,6 +129,9 @@ t "sim continuous" 0 sim --stages 3 --micro 3 --pipes 2 --rounds 2 --continuous 
     --comm-latency 0.5 --comm-bytes 100 --bandwidth 50 --cost-f 1.5 --cost-b 3 --cost-w 1.5 --quiet
 t "sim interleaved" 0 sim --schedule interleaved --stages 2 --micro 4 --chunks 3 --quiet
 t "sim --flag=value" 0 sim --stages=2 --micro=2 --quiet
+# a cost of 0 is free (AVGPIPE_ZERO), not the default: 1F1B S=2 M=2 with free backwards = 2 forwards + 1
+t "sim --cost-b 0" 0 sim --stages 2 --micro 2 --cost-b 0 --summary tsv
+eq "sim --cost-b 0 makespan" "$(column makespan)" "3"
 
 # ---- bad arguments: exit 2, one line naming the problem --------------------------------------------
 usage_error "--stages 0" "--stages" sim --stages 0
@@ -138,7 +141,7 @@ usage_error "--stages 100000" "stages" sim --stages 100000
 usage_error "--micro 999999999" "micro" sim --micro 999999999
 usage_error "--micro overflow" "--micro" sim --micro 99999999999999999999
 usage_error "--pipes -1" "--pipes" compare --pipes -1
-usage_error "--cost-b 0" "--cost-b" sim --cost-b 0
+usage_error "--cost-b -1" "--cost-b" sim --cost-b -1
 usage_error "--comm-latency nan" "--comm-latency" sim --comm-latency nan
 usage_error "--width 1" "--width" sim --width 1
 usage_error "unknown flag" "--bogus" sim --bogus

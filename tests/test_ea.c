@@ -70,8 +70,7 @@ static avgpipe_ea *make_ea(avgpipe_context *ctx, size_t count, int pipes, avgpip
     d.count = count;
     d.pipes = pipes;
     d.mode = mode;
-    d.alpha = alpha;
-    d.zero_alpha = alpha == 0.0f;
+    d.alpha = alpha == 0.0f ? AVGPIPE_ZERO : alpha;
     d.momentum = momentum;
     d.initial = initial;
     d.device = dev;
@@ -103,9 +102,8 @@ Test(ea, defaults_are_documented) {
     cr_assert_eq(q.no_finite_check, 0);
     q = avgpipe_ea_query_defaults(NULL);
     cr_assert_eq(q.alpha, 0.1f);
-    d.zero_alpha = 1;
+    d.alpha = AVGPIPE_ZERO;
     cr_assert_eq(avgpipe_ea_query_defaults(&d).alpha, 0.0f);
-    d.zero_alpha = 0;
     d.alpha = 0.25f;
     d.mode = AVGPIPE_EA_ELASTIC;
     q = avgpipe_ea_query_defaults(&d);
@@ -463,7 +461,7 @@ Test(ea, bad_arguments_are_refused_with_the_field_named) {
     d = good, d.alpha = 1.5f, expect_create_error(d, "desc.alpha");
     d = good, d.alpha = -0.1f, expect_create_error(d, "desc.alpha");
     d = good, d.alpha = NAN, expect_create_error(d, "desc.alpha");
-    d = good, d.alpha = 0.5f, d.zero_alpha = 1, expect_create_error(d, "desc.zero_alpha");
+    d = good, d.alpha = -2.0f, expect_create_error(d, "desc.alpha"); /* only AVGPIPE_ZERO (-1) means 0 */
     d = good, d.initial = NULL, expect_create_error(d, "desc.initial");
     d = good, d.mode = (avgpipe_ea_mode)7, expect_create_error(d, "desc.mode");
     d = good, d.momentum = 0.5f, expect_create_error(d, "desc.momentum"); /* MEAN has no momentum */

@@ -390,7 +390,7 @@ static void check_equivalence(setup *s, const char *name) {
     int it, g, j, G = T.G, M = T.M;
     double refloss;
     avgpipe_context_init(&ctx, NULL);
-    s->d.zero_alpha = 1;
+    s->d.alpha = AVGPIPE_ZERO;
     for (g = 0; g < G; g++) init_params(g, ref[g]);
     run = create_run(&ctx, s);
     for (it = 0; it < ITERS; it++) {
@@ -657,7 +657,7 @@ Test(runtime, zero_alpha_n2_models_train_independently) {
     s.d.sched.pipes = N;
     s.d.sched.rounds = R;
     s.d.sched.continuous = 1;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     run = create_run(&ctx, &s);
     for (i = 0; i < N; i++)
         for (g = 0; g < G; g++) init_params(g, ref[i][g]);
@@ -704,7 +704,7 @@ Test(runtime, callback_error_stops_every_rank) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 4;
     s.d.sched.micro = 8;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     s.d.timeout_s = 10;
     run = create_run(&ctx, &s);
     iterate(&ctx, run, &st); /* a good iteration first */
@@ -740,7 +740,7 @@ Test(runtime, step_error_is_a_callback_error) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 4;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     s.d.cb.step = cb_step_fails;
     s.d.timeout_s = 10;
     run = create_run(&ctx, &s);
@@ -890,7 +890,7 @@ Test(runtime, peer_that_never_sends_times_out) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 8;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     s.d.timeout_s = 0.5;
     s.d.comm = &table;
     run = create_run(&ctx, &s);
@@ -928,7 +928,7 @@ static void bad_base(setup *s) {
     s->d.sched.kind = AVGPIPE_SCHED_1F1B;
     s->d.sched.stages = 4;
     s->d.sched.micro = 4;
-    s->d.zero_alpha = 1;
+    s->d.alpha = AVGPIPE_ZERO;
 }
 
 Test(runtime, bad_desc_no_forward) {
@@ -1094,7 +1094,7 @@ Test(runtime, profile_events_and_files) {
     s.d.sched.kind = AVGPIPE_SCHED_ZBH1;
     s.d.sched.stages = 3;
     s.d.sched.micro = 4;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     s.d.profile = 1;
     use_split(&s, 0);
     run = create_run(&ctx, &s);
@@ -1164,7 +1164,7 @@ Test(runtime, no_profile_no_events) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 2;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     run = create_run(&ctx, &s);
     iterate(&ctx, run, NULL);
     cr_assert(avgpipe_run_events(run, &n) == NULL);
@@ -1213,7 +1213,7 @@ Test(runtime, adaptive_advance_respects_memory_and_settles) {
     s.d.sched.kind = AVGPIPE_SCHED_ADVANCE;
     s.d.sched.stages = S;
     s.d.sched.micro = M;
-    s.d.zero_alpha = 1;
+    s.d.alpha = AVGPIPE_ZERO;
     s.d.adaptive = 1;
     s.d.window = 2;
     cr_assert(stash_bytes_max(S, M, 3) > limit, "the memory model does not separate K = 2 from K = 3");

@@ -127,7 +127,6 @@ struct cli_flag {
 };
 
 #define CLI_FIELD(o, f, type) ((type *)(void *)((char *)(o) + (f)->off))
-#define CLI_POSITIVE (-1.0) /* lo of a number that must be > 0 */
 
 static int set_switch(cli_opts *o, const cli_flag *f, const char *val) {
     (void)val;
@@ -145,12 +144,10 @@ static int set_int(cli_opts *o, const cli_flag *f, const char *val) {
     return 0;
 }
 
-/* A number in [lo, hi], or in (0, hi] when lo is CLI_POSITIVE: a cost may not be zero, since the
-   simulator reads a zero cost as "use the default". */
+/* A number in [lo, hi] (lo is 0 for every number flag). */
 static int set_num(cli_opts *o, const cli_flag *f, const char *val) {
     double v;
-    int ok = parse_double(val, &v) && v <= f->hi && (f->lo == CLI_POSITIVE ? v > 0 : v >= f->lo);
-    if (!ok) return cli_error("%s: expected a number %s 0, got '%s'", f->name, f->lo == CLI_POSITIVE ? ">" : ">=", val);
+    if (!parse_double(val, &v) || !(v >= f->lo && v <= f->hi)) return cli_error("%s: expected a number >= 0, got '%s'", f->name, val);
     *CLI_FIELD(o, f, double) = v;
     return 0;
 }
@@ -257,9 +254,9 @@ static const cli_flag cli_flags[] = {
     {"--advance", set_advance, 0, 0, 0, SC, "K", "extra warm-up forwards of advance; compare: K or a range A..B"},
     {"--rounds", set_int, OFF(rounds), 1, INT_MAX, SC | T, "R", "rounds (per iteration for tune; default 1)"},
     {"--continuous", set_switch, OFF(continuous), 0, 0, SC, NULL, "continuous rounds (default synchronous)"},
-    {"--cost-f", set_num, OFF(cost_f), CLI_POSITIVE, 1e12, SC, "T", "forward time of a stage (default 1)"},
-    {"--cost-b", set_num, OFF(cost_b), CLI_POSITIVE, 1e12, SC, "T", "full backward time (default 2)"},
-    {"--cost-w", set_num, OFF(cost_w), CLI_POSITIVE, 1e12, SC, "T", "time of I and of W, split backward halves (default 1)"},
+    {"--cost-f", set_num, OFF(cost_f), 0, 1e12, SC, "T", "forward time of a stage (default 1)"},
+    {"--cost-b", set_num, OFF(cost_b), 0, 1e12, SC, "T", "full backward time (default 2)"},
+    {"--cost-w", set_num, OFF(cost_w), 0, 1e12, SC, "T", "time of I and of W, split backward halves (default 1)"},
     {"--comm-latency", set_num, OFF(latency), 0, 1e12, SC, "T", "latency per transfer (default 0)"},
     {"--comm-bytes", set_num, OFF(bytes), 0, 1e18, SC, "B", "bytes per transfer (default 0)"},
     {"--bandwidth", set_num, OFF(bandwidth), 0, 1e18, SC, "B/T", "link bandwidth; 0 = no bandwidth term (default)"},
@@ -429,10 +426,10 @@ static avgpipe_sched_desc make_sched_desc(const cli_opts *o, avgpipe_sched_kind 
 static avgpipe_sim_desc make_sim_desc(const cli_opts *o, int record, int chunks) {
     avgpipe_sim_desc d;
     memset(&d, 0, sizeof d);
-    d.cost[AVGPIPE_OP_F] = o->cost_f / chunks;
-    d.cost[AVGPIPE_OP_B] = o->cost_b / chunks;
-    d.cost[AVGPIPE_OP_I] = o->cost_w / chunks;
-    d.cost[AVGPIPE_OP_W] = o->cost_w / chunks;
+    d.cost[AVGPIPE_OP_F] = o->cost_f > 0 ? o->cost_f / chunks : AVGPIPE_ZERO; /* --cost-x 0: free, not the default */
+    d.cost[AVGPIPE_OP_B] = o->cost_b > 0 ? o->cost_b / chunks : AVGPIPE_ZERO;
+    d.cost[AVGPIPE_OP_I] = o->cost_w > 0 ? o->cost_w / chunks : AVGPIPE_ZERO;
+    d.cost[AVGPIPE_OP_W] = o->cost_w > 0 ? o->cost_w / chunks : AVGPIPE_ZERO;
     d.latency = o->latency;
     d.bytes = o->bytes;
     d.bandwidth = o->bandwidth;
@@ -717,7 +714,7 @@ static int print_invalid(avgpipe_context *ctx, const avgpipe_schedule *s, const 
 static int cmd_validate(avgpipe_context *ctx, const cli_opts *o) {
     avgpipe_schedule s;
     avgpipe_validate_report rep;
-    const avgpipe_shape *sh = &s.shape;
+    const avgpipe_sched_desc *sh = &s.shape;
     int rc = 0;
     if ((rc = load_schedule(ctx, o->file, &s)) != 0) return rc;
     if (s.nranks > CLI_MAX_STAGES) { /* a few bytes of text can ask the validator for S x S tables */
@@ -840,7 +837,7 @@ static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
         return cli_error("--min-micro %d is larger than --batch %d: no micro-batch size to try", o->min_micro, o->batch);
     if (avgpipe_profile_load(ctx, o->profile, &p) != AVGPIPE_OK) return lib_error(ctx);
     for (i = 0; i < p.nsections; i++) { /* the fit keeps a table of (pipe, stage, micro-batch) per section */
-        const avgpipe_shape *sh = &p.sections[i].shape;
+        const avgpipe_sched_desc *sh = &p.sections[i].shape;
         double items = (double)p.sections[i].nstages * sh->pipes * sh->micro * sh->rounds;
         if (p.sections[i].nstages > CLI_MAX_STAGES) {
             rc = cli_error("%s: %d stages: this tool tunes at most %d", o->profile, p.sections[i].nstages, CLI_MAX_STAGES);
