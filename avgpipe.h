@@ -131,13 +131,14 @@ extern "C" {
     X(AVGPIPE_CALLBACK_ERROR, -10, "user callback failed")                       \
     X(AVGPIPE_ABORTED, -11, "aborted")                                           \
     X(AVGPIPE_UNSUPPORTED, -12, "unsupported")                                   \
-    X(AVGPIPE_STATE_ERROR, -13, "call not valid in this state")
+    X(AVGPIPE_STATE_ERROR, -13, "call not valid in this state")                  \
+    X(AVGPIPE_MISMATCH, -14, "message mismatch")
 
 typedef enum avgpipe_result {
 #define AVGPIPE__RESULT_ENUM(name, value, text) name = value,
     AVGPIPE_RESULT_LIST(AVGPIPE__RESULT_ENUM)
 #undef AVGPIPE__RESULT_ENUM
-    AVGPIPE_RESULT_MIN_ = -13
+    AVGPIPE_RESULT_MIN_ = -14
 } avgpipe_result;
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
@@ -593,6 +594,8 @@ typedef struct avgpipe_device {
     avgpipe_result (*ea_pass)(void *user, const avgpipe_ea_pass *p, avgpipe_device_stream stream);
     avgpipe_result (*find_nonfinite)(void *user, const float *x, size_t count, size_t *index,
                                      avgpipe_device_stream stream);
+    /* Optional (needed for replica groups): x[i] = x[i] * factor in fp32, on `stream`. */
+    avgpipe_result (*scale)(void *user, float *x, float factor, size_t count, avgpipe_device_stream stream);
     /* The backend's text for its last failure ("" if none); may be NULL. */
     const char *(*error_string)(void *user);
     /* Release the backend's own state (called by avgpipe_device_destroy); may be NULL. */
@@ -630,7 +633,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cpu_create(avgpipe_context *ctx, const
    harmless. Not thread-safe: nothing may use the device during or after the call. */
 AVGPIPE_API void avgpipe_device_destroy(avgpipe_device *dev);
 
-/* Check that a device table is complete: every entry but error_string and destroy set. Returns
+/* Check that a device table is complete: every entry but the optional scale, error_string and destroy set. Returns
    AVGPIPE_INVALID_ARG naming the first missing entry. Useful when writing a backend. Thread-safe
    (writes only ctx). */
 AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgpipe_device *dev);
@@ -686,6 +689,10 @@ typedef struct avgpipe_ea avgpipe_ea; /* opaque */
      device          NULL -> a single-threaded CPU device created for (and owned by) the module
      stage           only used in messages (0 -> stage 0)
      no_finite_check 0 -> the non-finite guard is on
+     hold_every      0 -> never. H > 0: every round t with (t + 1) % H == 0 is held when its last
+                     contribution finalizes it: the new reference is not published (the round does not
+                     count as complete) until avgpipe_ea_publish, so the caller can change it in place
+                     first (avgpipe_ea_held); the runtime averages it across replica groups there.
    Required: count (P > 0), pipes (N >= 1), initial (z0: P floats in device memory, typically model
    0's starting weights; copied at creation). */
 typedef struct avgpipe_ea_desc {
@@ -698,6 +705,7 @@ typedef struct avgpipe_ea_desc {
     const avgpipe_device *device; /* the table is copied; its user state must outlive the module */
     int stage;
     int no_finite_check;
+    int hold_every;
 } avgpipe_ea_desc;
 
 /* What the module allocates. */
@@ -788,50 +796,106 @@ AVGPIPE_API const float *avgpipe_ea_reference(avgpipe_ea *ea, uint64_t *version)
 /* Number of completed rounds (= the index of the oldest open round); 0 if ea is NULL. Any thread. */
 AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea);
 
+/* With desc.hold_every: the finalized, not yet published reference of the held round (device memory,
+   P floats, writable until avgpipe_ea_publish), *round (may be NULL) its index; NULL when no round is
+   held. While a round is held, contributions to the next round are accepted (pulled toward the
+   previous reference) and the one after is refused. Any thread. */
+AVGPIPE_API float *avgpipe_ea_held(avgpipe_ea *ea, uint64_t *round);
+/* Publish the held round: it becomes the reference and counts as complete (avgpipe_ea_wait returns).
+   Later averaging work is ordered after `stream` (where the caller changed the held buffer).
+   Errors: AVGPIPE_INVALID_ARG (ea NULL), AVGPIPE_STATE_ERROR (no round is held), AVGPIPE_BACKEND_ERROR.
+   Any thread. */
+AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream);
+
 /* ============================================================================================ */
 /* 9. Comm backend   (avgpipe_comm_*)                                                            */
 /* ============================================================================================ */
-/* Point-to-point messages between ranks, matched per peer in posting order without tags (as NCCL
-   does), plus the collectives a trainer needs. A backend is this table plus `user`. `self` is the
-   calling rank: an in-process backend serves several ranks (threads) of one process, MPI and NCCL
-   one rank per process. Every wait takes a timeout; abort() wakes every waiter with AVGPIPE_ABORTED.
-   Thread-safety: different ranks may call concurrently; one rank's calls come from one thread. */
+/* Point-to-point messages between ranks plus the collectives a trainer needs. A backend is this table
+   plus `user`; `self` is the calling rank. An in-process backend serves several ranks (threads) of one
+   process; MPI (avgpipe_mpi.h) and NCCL (avgpipe_nccl.h) one rank per process.
+
+   Matching. Messages are matched per channel (sender, receiver) in posting order, whatever their tags,
+   as NCCL does: the k-th send from a to b meets the k-th receive b posted from a. The tag is a check,
+   not a selector: every message carries the sender's tag, and a receive whose message carries another
+   tag (a message was lost, duplicated or reordered on the way) or another size fails with
+   AVGPIPE_MISMATCH, its status saying what arrived; the data is not delivered. The send still
+   completes (the sender cannot know). The runtime tags each message with the op it belongs to, so a
+   lost message is reported at the receive where it happened, naming both ops. Tags are 31-bit.
+
+   Waiting. Every wait takes a timeout; AVGPIPE_TIMEOUT leaves the request pending (wait again, or
+   cancel it). abort() makes every pending and later call of every rank return AVGPIPE_ABORTED (an MPI
+   backend also tells the other processes, so they stop within milliseconds, not at their timeout).
+
+   Ownership. The table's user state belongs to whoever created it: avgpipe_run never destroys a
+   backend it was given (destroy it after avgpipe_run_destroy). A request belongs to the backend from
+   isend/irecv until wait() or test() reports it finished, or until cancel() releases it; a send's
+   buffer stays untouched until then. After a failure the runtime cancels every request it still has
+   (when the backend has cancel; else the backend reclaims them at destroy).
+
+   Required entries: isend, irecv, test, wait, barrier, abort. Optional (NULL): cancel, group_begin and
+   group_end, allreduce_sum and split (needed only for replica groups), last_error, destroy.
+   Thread-safety: different ranks may call concurrently; one rank's calls come from one thread at a
+   time (any thread). */
 
 typedef void *avgpipe_comm_request; /* a backend's own handle; finished by wait() or test() */
 
-typedef struct avgpipe_comm {
+/* What a finished receive carried (filled on success and on AVGPIPE_MISMATCH). */
+typedef struct avgpipe_comm_status {
+    uint32_t tag; /* the sender's tag */
+    size_t bytes; /* the bytes the sender sent */
+} avgpipe_comm_status;
+
+#define AVGPIPE_COMM_TAG_MAX 0x7fffffffu /* tags are 0 .. AVGPIPE_COMM_TAG_MAX */
+
+typedef struct avgpipe_comm avgpipe_comm;
+struct avgpipe_comm {
     const char *name;
     int size; /* ranks */
-    /* Post a send of `bytes` from buf to `peer` (buf stays untouched by the caller until the request
-       finishes) / a receive into buf. Matching: the k-th send self->peer meets the k-th receive. */
-    avgpipe_result (*isend)(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req);
-    avgpipe_result (*irecv)(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req);
-    /* *done = 1 and the request is released when it finished (or failed: the result says). */
-    avgpipe_result (*test)(void *user, int self, avgpipe_comm_request req, int *done);
-    /* Wait at most timeout_s seconds; AVGPIPE_TIMEOUT leaves the request pending (wait again or abort). */
-    avgpipe_result (*wait)(void *user, int self, avgpipe_comm_request req, double timeout_s);
+    /* Post a send of `bytes` from buf to `peer` / a receive of `bytes` into buf from `peer`, carrying
+       (expecting) `tag`. buf may be NULL when bytes is 0. */
+    avgpipe_result (*isend)(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req);
+    avgpipe_result (*irecv)(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req);
+    /* *done = 1 and the request is released when it finished (or failed: the result says); status (may
+       be NULL) is filled for receives. */
+    avgpipe_result (*test)(void *user, int self, avgpipe_comm_request req, int *done, avgpipe_comm_status *status);
+    /* Wait at most timeout_s seconds; AVGPIPE_TIMEOUT leaves the request pending. Other results release it. */
+    avgpipe_result (*wait)(void *user, int self, avgpipe_comm_request req, double timeout_s, avgpipe_comm_status *status);
+    /* Optional: release a pending request without waiting for it; a receive will not be matched any
+       more, a send's buffer is no longer read (MPI: see avgpipe_mpi.h for its limits). */
+    void (*cancel)(void *user, int self, avgpipe_comm_request req);
     /* Optional (NULL = no-op): calls between begin and end may be issued together (NCCL groups). */
     avgpipe_result (*group_begin)(void *user, int self);
     avgpipe_result (*group_end)(void *user, int self);
     avgpipe_result (*barrier)(void *user, int self, double timeout_s);
-    /* Sum `count` floats over all ranks in place (replicas across machines average with it). */
+    /* Optional: sum `count` floats over all ranks in place. The in-process and MPI backends add in rank
+       order, so every rank gets the same bits on every run. */
     avgpipe_result (*allreduce_sum)(void *user, int self, float *buf, size_t count, double timeout_s);
+    /* Optional: a sub-communicator. Collective: every rank of this communicator calls it once per
+       split with the ranks of its own group (`members`, `count` of them, itself included); the groups
+       partition the ranks and every member passes the same list. *out becomes a communicator of `count`
+       ranks in which members[i] is rank i; destroy it (avgpipe_comm_destroy, once per call) before this
+       one. A backend serving several ranks of one process returns without waiting for the others (the
+       run calls it for all its local ranks from one thread); MPI blocks like MPI_Comm_split (and uses
+       it: color members[0], key i); NCCL uses ncclCommSplit. The runtime averages the reference models
+       of replica groups over the sub-communicator of the ranks that hold one stage. */
+    avgpipe_result (*split)(void *user, int self, const int *members, int count, avgpipe_comm *out);
     /* Stop everything: pending and later calls of every rank return AVGPIPE_ABORTED. */
     void (*abort)(void *user, avgpipe_result why, const char *message);
     /* The backend's own detail of its last failure on `self` ("" if none). */
     const char *(*last_error)(void *user, int self);
     void (*destroy)(void *user);
     void *user;
-} avgpipe_comm;
+};
 
 /* The embedded default: `ranks` threads of one process, a FIFO mailbox per (src, dst) channel. Sends
-   are zero-copy: a send finishes when its receive has been posted and the bytes copied. A size
-   mismatch between a send and its receive fails both with AVGPIPE_BACKEND_ERROR. Release with
-   out->destroy(out->user) (or avgpipe_comm_destroy). */
+   are zero-copy: a send finishes when its receive has been posted and the bytes copied. Several runs
+   (one per thread, each with its own local ranks) may share one instance, as processes share MPI.
+   Release with avgpipe_comm_destroy. */
 AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out);
-/* Calls comm->destroy if set, then zeroes the table. */
+/* Calls comm->destroy if set, then zeroes the table. NULL is harmless. */
 AVGPIPE_API void avgpipe_comm_destroy(avgpipe_comm *comm);
-/* Check that every required entry (isend, irecv, test, wait, barrier, abort) is set. */
+/* Check that every required entry (isend, irecv, test, wait, barrier, abort) is set and size >= 1;
+   AVGPIPE_INVALID_ARG names what is missing. */
 AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpipe_comm *comm);
 
 /* ============================================================================================ */
@@ -845,23 +909,57 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
    next batch of a pipeline waits for that pipeline's averaging to finish. Every op's start and end are
    recorded (the profile the tuner reads, and a Chrome trace through the simulator's renderers).
 
+   Counting. sched.stages (S) counts ranks of one pipeline group; the model has G = S·V stage
+   partitions ("stages" everywhere else: op->stage, op->stages, param_count[G], act_bytes[G-1]); rank
+   s holds stages s, s+S, ... With replica groups there are D·S ranks: rank d·S + s is rank s of group
+   d. Samples, micro-batches and rounds: see "Data" below.
+
+   Processes. By default one process runs every rank on its own threads (the in-process comm backend).
+   With desc.local_ranks, a process runs only those ranks (one, typically: one process per rank over
+   MPI, see avgpipe_mpi.h) and holds only their parameters and buffers. Every process must describe
+   the same run: avgpipe_run_create exchanges a fingerprint of the description and of the lowered
+   schedule over the comm backend and refuses (AVGPIPE_MISMATCH) with a message naming the first field
+   that differs and the two ranks. What crosses processes: activations and gradients between
+   neighbouring stages, and with replica groups one allreduce of each stage's reference every H rounds.
+
    Buffers. The runtime owns the boundary buffers: per stage g and in-flight micro-batch, the input
    activation (act_bytes[g-1]), the output activation (act_bytes[g]), the gradient of the output
    (act_bytes[g]) and of the input (act_bytes[g-1]). A micro-batch in flight on a stage holds one
-   `slot` (0 .. slots(g)-1) from its forward until its backward (W) finished: key the activations you
-   stash for the backward by (stage, slot). The first stage's forward loads its own input (input is
-   NULL; use pipe/micro/round to pick the samples), the last stage's forward computes the loss (and
-   may report it in op->loss); the last stage's backward starts from its own loss (grad_output NULL). */
+   `slot` (0 .. slots(g)-1) from its first op there until its backward (W) finished: key what you
+   stash for the backward by (stage, slot) (and replica, when one process runs several groups).
+
+   Parameters. params are the user's memory, used in place: STEP's callback updates them, AVG pulls
+   them toward the reference in place (between the user's STEP and the pipeline's next forward; the
+   user never sees a half-averaged model inside a callback of that pipeline). The reference of each
+   stage starts from desc.reference[g] when given, else from pipeline 0's parameters (of its group);
+   give every pipeline the same starting values so that "the reference keeps the average" holds.
+
+   Data. The first stage's forward loads its own input (input is NULL there): it picks the samples of
+   (replica, pipe, round, micro), which the runtime passes; the recommended split gives each (replica,
+   pipe) its own share of every epoch, e.g. batch number (round · D + replica) · N + pipe, micro-batch
+   micro within it. The last stage's forward computes the loss (and may report it in op->loss); the
+   last stage's backward starts from its own loss (grad_output is NULL there).
+
+   Deterministic mode. Each AVG of round t waits until round t-1's reference is complete (with replica
+   groups: averaged across the groups too), so every pull uses exactly that reference. Results then
+   depend neither on timing nor on the schedule (when the user's gradients are summed in micro-batch
+   order) and are bitwise identical between runs, between processes and threads. The cost: a pipeline
+   cannot run ahead of the averaging by a round. Without it, a pull uses the newest complete reference
+   (staleness at most 1 round), as in the paper. */
 
 typedef struct avgpipe_op_ctx {
-    int rank, pipe, stage, micro, round; /* micro: within the batch; round: global (iteration · R + r) */
+    int rank, pipe, stage, micro, round; /* rank: global (replica · S + s); micro: within the batch;
+                                            round: global (iteration · R + r) */
+    int replica;                         /* replica group d, 0 .. D-1 */
     int slot;                            /* unique among this stage's in-flight micro-batches */
-    int stages;                          /* G */
-    float *params;                       /* parameters of (pipe, stage) */
+    int stages;                          /* G: stage partitions of the model (not ranks) */
+    float *params;                       /* parameters of (replica, pipe, stage) */
     const void *input;                   /* F, B, I, W: the stage's input activation (NULL on stage 0) */
     void *output;                        /* F: write the output activation here (NULL on the last stage) */
-    const void *grad_output;             /* B, I: gradient of the output (NULL on the last stage) */
-    void *grad_input;                    /* B, I: write the gradient of the input here (NULL on stage 0) */
+    const void *grad_output;             /* B, I, W: gradient of the output (NULL on the last stage); W
+                                            sees the same input and grad_output as its I, unchanged */
+    void *grad_input;                    /* B, I: write the gradient of the input here (NULL on stage 0
+                                            and for W) */
     double loss;                         /* F on the last stage: set it to the micro-batch's loss */
     void *user;
 } avgpipe_op_ctx;
@@ -875,7 +973,8 @@ typedef struct avgpipe_stage_callbacks {
     int (*backward_input)(avgpipe_op_ctx *op);
     int (*backward_weight)(avgpipe_op_ctx *op);
     /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
-       round's micro-batches. round is global (iteration · R + r), as in avgpipe_op_ctx. */
+       round's micro-batches. rank is global (its replica group is rank / S); round is global
+       (iteration · R + r), as in avgpipe_op_ctx. */
     int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
     void *user;
 } avgpipe_stage_callbacks;
@@ -886,20 +985,34 @@ typedef struct avgpipe_run_desc {
     avgpipe_stage_callbacks cb;
     const size_t *act_bytes;           /* [G-1]: bytes of one micro-batch's activation at boundary g|g+1
                                           (may be NULL when G = 1) */
-    float *const *params;              /* [pipe * G + stage]: each parallel model's parameters */
-    const size_t *param_count;         /* [G]: floats per stage partition */
+    float *const *params;              /* [(replica * N + pipe) * G + stage]: each parallel model's
+                                          parameters; entries of stages this process does not run may be NULL */
+    const size_t *param_count;         /* [G]: floats per stage partition (every stage, local or not) */
+    const float *const *reference;     /* optional [G]: the reference's starting values (NULL entries for
+                                          stages this process does not run); NULL -> pipeline 0's params */
     /* Averaging: mode 0 -> MEAN, alpha 0 -> 0.1 (AVGPIPE_ZERO for exactly 0), momentum (ELASTIC). */
     avgpipe_ea_mode ea_mode;
     float alpha;
     float momentum;
-    int deterministic;    /* 1: each AVG waits for the previous round's reference (reproducible) */
+    int deterministic;    /* 1: each AVG waits for the previous round's reference (see above) */
     double timeout_s;     /* every wait; 0 -> 60 s */
-    const avgpipe_comm *comm; /* NULL: in-process threads (avgpipe_comm_local_create) */
+    /* The comm backend over all D·S ranks. NULL: in-process threads (avgpipe_comm_local_create), which
+       needs every rank local. The run does not own a backend it is given: destroy it after the run. */
+    const avgpipe_comm *comm;
+    const int *local_ranks; /* the global ranks this process runs (any order); NULL -> all D·S */
+    int local_count;
+    /* Replica groups (DESIGN: "beyond one machine"): D groups of S ranks, each training its N models
+       with its own samples; every H rounds (round t with (t + 1) % H == 0) the reference models of each
+       stage are averaged over the D groups (comm.split + allreduce_sum on the D ranks that hold the
+       stage, on the averaging threads, off the critical path; deterministic mode waits for it). */
+    int replicas;         /* D; 0 -> 1 */
+    int average_every;    /* H; 0 -> 1 */
     int profile;          /* 1: record per-op events (avgpipe_run_events / trace / profile file) */
     double micro_samples; /* samples per micro-batch, written to the profile for the tuner; 0 -> 1 */
     /* Adaptive advance forward (Algorithm 1): only with sched.kind == ADVANCE. Starts at K = 0 (1F1B),
        raises K by one after `window` iterations whose median time improved on the previous K's, while
-       the predicted activation memory of every stage stays under mem_limit; then holds. */
+       the predicted activation memory of every stage stays under mem_limit; then holds. Across
+       processes the decision uses the slowest process's time, so all processes change K together. */
     int adaptive;
     int window;           /* 0 -> 3 */
     double mem_limit;     /* bytes of stashed activations per rank; 0 -> no limit */
@@ -908,38 +1021,57 @@ typedef struct avgpipe_run_desc {
 typedef struct avgpipe_run avgpipe_run; /* opaque */
 
 typedef struct avgpipe_run_stats {
-    double seconds;       /* wall time of the iteration */
-    double loss;          /* mean of op->loss over the iteration's last-stage forwards */
-    long long micro_batches; /* last-stage forwards in the iteration */
-    double bubble;        /* 1 - (time in callbacks) / (ranks · seconds); with more stage threads than
-                             cores this includes the time threads wait for a core */
+    double seconds;       /* wall time of the iteration (this process) */
+    double loss;          /* mean of op->loss over the iteration's last-stage forwards run here */
+    long long micro_batches; /* last-stage forwards run here in the iteration */
+    double bubble;        /* 1 - (time in callbacks) / (local ranks · seconds); with more stage threads
+                             than cores this includes the time threads wait for a core */
     int advance;          /* K the iteration ran with */
     long long ops;
 } avgpipe_run_stats;
 
-/* Validate desc, build (or take) the schedule, lower it, allocate buffers, start the workers.
-   Errors name the field. ctx must outlive the run. */
+/* Validate desc, build (or take) the schedule, lower it, check that every process agrees on it,
+   allocate the local ranks' buffers and averaging, start their workers. Errors name the field (or,
+   AVGPIPE_MISMATCH, the field other processes see differently). ctx must outlive the run. Collective:
+   every process calls it (within desc.timeout_s of each other). */
 AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpipe_run_desc *desc, avgpipe_run **out);
-/* Run the schedule once (R rounds of N batches). Returns when every rank finished its ops and every
-   averaging of the iteration has been applied (so avgpipe_run_reference is that iteration's). On a
-   failure every rank stops and the run is dead (destroy it); the error names rank, op and peer.
-   Driven by one thread. Threads: the callbacks of a stage always run on its rank's worker thread (one
-   per rank, the same thread every iteration); whatever the driving thread writes between iterations
-   is visible to the callbacks, and what they write is visible to it after this call returns. */
+/* Run the schedule once (R rounds of N batches per group). Returns when every local rank finished its
+   ops and every averaging of the iteration has been applied (so avgpipe_run_reference is that
+   iteration's). On a failure every rank stops (other processes within milliseconds when the backend
+   propagates aborts, else at their timeouts) and the run is dead (destroy it); the error names rank,
+   op and peer. Driven by one thread. Threads: the callbacks of a stage always run on its rank's
+   worker thread (one per local rank, the same thread every iteration); whatever the driving thread
+   writes between iterations is visible to the callbacks, and what they write is visible to it after
+   this call returns. With adaptive advance and ranks in other processes it is collective. */
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats);
-/* Stop the workers and free everything. */
+/* Stop the workers, cancel pending messages, free everything (not the user's comm backend). */
 AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
-/* The reference model's partition of stage g (newest complete); count floats. Valid until the next
-   iteration. */
+/* The reference model's partition of stage g (newest complete) of the first local replica group that
+   holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
 AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count);
-/* The schedule being run (lowered), and K for advance. */
+/* The same for replica group `replica`. */
+AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int replica, int stage, size_t *count);
+/* Collective (every process, between iterations): the reference of every stage of replica group 0
+   lands in dst[g] (param_count[g] floats each) on the process that runs global rank 0; other
+   processes pass dst NULL. For evaluating or saving the model when the stages live in several
+   processes. Errors: AVGPIPE_INVALID_ARG, AVGPIPE_TIMEOUT naming the rank that did not send. */
+AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst);
+/* Collective (every process, between iterations): values[0..count-1] summed over the processes (each
+   process counts once, whatever number of ranks it runs), in rank order, so every process gets the
+   same bits. For reporting: e.g. the loss and accuracy counters of the last stage, printed on rank 0.
+   count <= 4096. */
+AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
+/* 1 if this process runs global rank `rank`, else 0. */
+AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank);
+/* The schedule being run (lowered; its ranks are those of one replica group), and K for advance. */
 AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
 /* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. With
    adaptive advance the count can grow when K changes: query it again after each iteration. */
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
-/* Bytes the runtime allocated for boundary buffers and averaging, per rank (memory model check). */
+/* Bytes the runtime allocated for boundary buffers and averaging on global rank `rank` (-1 when it
+   is not local): what avgpipe_run_memory predicts. */
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
-/* Events of the last iteration (desc.profile = 1): times in seconds from its start. */
+/* Events of the last iteration (desc.profile = 1), of the local ranks: times in seconds from its start. */
 AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count);
 #ifndef AVGPIPE_NO_STDIO
 /* Write the last iteration's profile as text / its Chrome trace. Profile format, one record a line:
@@ -948,12 +1080,35 @@ AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size
            samples=<per micro-batch> seconds=<iteration time>      (one line; a new section each)
      stage g param_floats=P act_bytes=B slots=Q            (one line per stage)
      op rank=r kind=F pipe=i stage=g micro=u start=<s> end=<s> bytes=<n>
-   Times in seconds from the iteration's start; bytes = bytes the op moved (transfers). */
+   Times in seconds from the iteration's start; bytes = bytes the op moved (transfers). The profile
+   holds the local ranks of the first local replica group (rank = its rank within the group). */
 AVGPIPE_API avgpipe_result avgpipe_run_write_profile(avgpipe_run *run, const char *path);
 /* The same, appended to `path` as a new section (profile two micro-batch sizes into one file). */
 AVGPIPE_API avgpipe_result avgpipe_run_append_profile(avgpipe_run *run, const char *path);
 AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char *path);
 #endif
+
+/* The runtime's buffer plan for a lowered schedule, the one avgpipe_run_create allocates by and the
+   tuner's memory model reads: per stage, the bytes of one slot (input activation, output activation
+   when the next stage is on another rank, gradient of the output, gradient of the input when the
+   previous stage is on another rank) and the slots (micro-batches in flight at once: one is taken at
+   a micro-batch's first op on the stage and given back after its last); per rank and position, the
+   stages whose slot is given back after that op. */
+typedef struct avgpipe_run_plan {
+    int nranks, nstages;  /* S, G */
+    int *slots;           /* [G] (at least 1) */
+    size_t *slot_bytes;   /* [G] */
+    int **release;        /* [S][2 * position + k], k = 0, 1: a stage, or -1 */
+} avgpipe_run_plan;
+/* Plan `lowered` (with SEND/RECV ops; avgpipe_sched_lower) for act_bytes[G-1] (NULL when G = 1).
+   Release with avgpipe_run_plan_free. */
+AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const avgpipe_schedule *lowered, const size_t *act_bytes,
+                                                    avgpipe_run_plan *out);
+AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *plan);
+/* Memory model: bytes the runtime allocates per rank of one group for desc (the buffer plan plus the
+   averaging buffers); per_rank has sched.stages entries. Equals avgpipe_run_bytes of a run created
+   from the same desc. Needs only desc's shape (or schedule), act_bytes, param_count and averaging. */
+AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
 
 /* ============================================================================================ */
 /* 11. Tuner   (avgpipe_profile_*, avgpipe_tune_*)                                               */
@@ -1015,10 +1170,6 @@ AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_mode
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
                                                 double samples, double *seconds);
 
-/* Memory model: bytes the runtime allocates per rank for desc (boundary-buffer slots planned from
-   the schedule exactly as avgpipe_run_create plans them, plus the averaging buffers); per_rank has
-   sched.stages entries. Equals avgpipe_run_bytes of a run created from the same desc. */
-AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
 
 typedef struct avgpipe_tune_desc {
     int batch;                  /* B: samples per batch of one pipeline (required) */
@@ -3799,6 +3950,12 @@ static avgpipe_result avgpipe__cpu_find_nonfinite(void *user, const float *x, si
     *index = r == (size_t)-1 ? count : r;
     return AVGPIPE_OK;
 }
+static avgpipe_result avgpipe__cpu_scale(void *user, float *x, float factor, size_t count, avgpipe_device_stream stream) {
+    size_t i;
+    (void)user, (void)stream;
+    for (i = 0; i < count; i++) x[i] = x[i] * factor;
+    return AVGPIPE_OK;
+}
 static void avgpipe__cpu_destroy(void *user) {
     avgpipe__cpu_device *d = (avgpipe__cpu_device *)user;
     avgpipe_allocator a = d->allocator;
@@ -3837,6 +3994,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cpu_create(avgpipe_context *ctx, const
     out->synchronize = avgpipe__cpu_sync;
     out->ea_pass = avgpipe__cpu_ea_pass;
     out->find_nonfinite = avgpipe__cpu_find_nonfinite;
+    out->scale = avgpipe__cpu_scale;
     out->error_string = avgpipe__cpu_error_string;
     out->destroy = avgpipe__cpu_destroy;
     out->user = st;
@@ -3888,6 +4046,7 @@ struct avgpipe_ea {
     float *buf[4];
     float scale;                 /* 1/N */
     uint64_t completed;          /* rounds completed = index of the oldest open round */
+    int held;                    /* the oldest open round is finalized in ACC0 but held (hold_every) */
     int count[2];                /* contributions so far to rounds completed and completed + 1 */
     uint64_t *next;              /* per pipeline: the round it contributes to next */
 };
@@ -3920,6 +4079,9 @@ static avgpipe_result avgpipe__ea_validate(avgpipe_context *ctx, const char *fn,
     if (d->count > ((size_t)-1 - AVGPIPE__CPU_OVERHEAD) / (4 * sizeof(float)))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.count %zu is too large", fn, d->stage,
                              d->count);
+    if (d->hold_every < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.hold_every is %d (must be >= 0)", fn, d->stage,
+                             d->hold_every);
     if (d->pipes < 1 || d->pipes > (1 << 24))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.pipes is %d (N, the parallel models, "
                              "must be >= 1)", fn, d->stage, d->pipes);
@@ -4090,6 +4252,18 @@ static avgpipe_result avgpipe__ea_admit(avgpipe_context *ctx, const avgpipe_ea *
     return AVGPIPE_OK;
 }
 
+/* Under the lock: the finalized accumulator becomes the reference (the roles rotate). */
+static void avgpipe__ea_complete(avgpipe_context *ctx, avgpipe_ea *ea) {
+    ea->head = (ea->head + 1) % ea->nbuf;
+    ea->completed++;
+    ea->held = 0;
+    ea->count[0] = ea->count[1];
+    ea->count[1] = 0;
+    pthread_cond_broadcast(&ea->done);
+    avgpipe__log(ctx, AVGPIPE_LOG_DEBUG, "avgpipe_ea: stage %d: round %llu complete", ea->desc.stage,
+                 (unsigned long long)(ea->completed - 1));
+}
+
 /* Under the lock: enqueue the pass of pipeline `pipe` into open round `slot`, then do the bookkeeping. */
 static avgpipe_result avgpipe__ea_pass_locked(avgpipe_context *ctx, avgpipe_ea *ea, int pipe, int slot, float *w,
                                               avgpipe_device_stream stream) {
@@ -4117,14 +4291,9 @@ static avgpipe_result avgpipe__ea_pass_locked(avgpipe_context *ctx, avgpipe_ea *
         return avgpipe__ea_backend_fail(ctx, ea, fn, "event_record", r);
     ea->count[slot]++;
     ea->next[pipe]++;
-    if (p.last) { /* the accumulator is now the reference: rotate the roles */
-        ea->head = (ea->head + 1) % ea->nbuf;
-        ea->completed++;
-        ea->count[0] = ea->count[1];
-        ea->count[1] = 0;
-        pthread_cond_broadcast(&ea->done);
-        avgpipe__log(ctx, AVGPIPE_LOG_DEBUG, "avgpipe_ea: stage %d: round %llu complete", ea->desc.stage,
-                     (unsigned long long)(ea->completed - 1));
+    if (p.last) {
+        if (ea->desc.hold_every > 0 && (ea->completed + 1) % (uint64_t)ea->desc.hold_every == 0) ea->held = 1;
+        else avgpipe__ea_complete(ctx, ea);
     }
     return AVGPIPE_OK;
 }
@@ -4273,6 +4442,33 @@ AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea) {
     return c;
 }
 
+AVGPIPE_API float *avgpipe_ea_held(avgpipe_ea *ea, uint64_t *round) {
+    float *p = NULL;
+    if (!ea) return NULL;
+    pthread_mutex_lock(&ea->lock);
+    if (ea->held) {
+        p = avgpipe__ea_buf(ea, AVGPIPE__EA_ACC0);
+        if (round) *round = ea->completed;
+    }
+    pthread_mutex_unlock(&ea->lock);
+    return p;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream) {
+    avgpipe_result r = AVGPIPE_OK;
+    ctx = avgpipe__ctx(ctx);
+    if (!ea) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_ea_publish: ea is NULL");
+    pthread_mutex_lock(&ea->lock);
+    if (!ea->held)
+        r = avgpipe__fail(ctx, AVGPIPE_STATE_ERROR, "avgpipe_ea_publish: stage %d: no round is held", ea->desc.stage);
+    else if ((r = ea->dev.event_record(ea->dev.user, ea->chain, stream)) != AVGPIPE_OK)
+        r = avgpipe__ea_backend_fail(ctx, ea, "avgpipe_ea_publish", "event_record", r);
+    else
+        avgpipe__ea_complete(ctx, ea);
+    pthread_mutex_unlock(&ea->lock);
+    return r;
+}
+
 /* --- 9. Comm backend: in-process threads ------------------------------------------------------ */
 
 /* Spin-then-sleep waits: a flag written under the mutex is read lock-free while spinning. */
@@ -4285,18 +4481,25 @@ struct avgpipe_comm_request_s {
     const void *sbuf;
     void *rbuf;
     size_t bytes;
+    uint32_t tag;
+    int src, dst, send;
+    int queued; /* waiting in its channel's queue for the other side */
     int done;
     avgpipe_result res;
+    avgpipe_comm_status st; /* receives: what the matched send carried */
 };
 
 typedef struct avgpipe__lqueue {
     struct avgpipe_comm_request_s *head, *tail;
 } avgpipe__lqueue;
 
+typedef struct avgpipe__lgroup avgpipe__lgroup;
+
 typedef struct avgpipe__local {
     avgpipe_context *ctx; /* points at own_ctx: the caller's context need not outlive the backend */
     avgpipe_context own_ctx;
     int n;
+    int refs; /* tables handed out (split hands one to each member) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     avgpipe__lqueue *sends, *recvs; /* [src * n + dst] */
@@ -4313,13 +4516,26 @@ typedef struct avgpipe__local {
     size_t ar_count, ar_cap;
     int ar_in, ar_out;
     long ar_gen;
+    /* split: groups being formed, and how many splits each rank has made */
+    avgpipe__lgroup *groups;
+    long *nsplit;
 } avgpipe__local;
+
+/* A group of a split while its members look it up: (generation, member list) -> the sub-communicator. */
+struct avgpipe__lgroup {
+    avgpipe__lgroup *next;
+    long gen;
+    int count, joined;
+    int *members;
+    avgpipe__local *sub;
+};
 
 static void avgpipe__lq_push(avgpipe__lqueue *q, struct avgpipe_comm_request_s *r) {
     r->next = NULL;
     if (q->tail) q->tail->next = r;
     else q->head = r;
     q->tail = r;
+    r->queued = 1;
 }
 static struct avgpipe_comm_request_s *avgpipe__lq_pop(avgpipe__lqueue *q) {
     struct avgpipe_comm_request_s *r = q->head;
@@ -4327,8 +4543,20 @@ static struct avgpipe_comm_request_s *avgpipe__lq_pop(avgpipe__lqueue *q) {
         q->head = r->next;
         if (!q->head) q->tail = NULL;
         r->next = NULL;
+        r->queued = 0;
     }
     return r;
+}
+/* Take r out of q wherever it is (cancel). */
+static void avgpipe__lq_remove(avgpipe__lqueue *q, struct avgpipe_comm_request_s *r) {
+    struct avgpipe_comm_request_s *p = NULL, *c = q->head;
+    while (c && c != r) p = c, c = c->next;
+    if (!c) return;
+    if (p) p->next = c->next;
+    else q->head = c->next;
+    if (q->tail == c) q->tail = p;
+    c->next = NULL;
+    c->queued = 0;
 }
 
 /* A request from the free list (grown by chunks of 256). Called with the mutex held. */
@@ -4362,13 +4590,14 @@ static void avgpipe__lreq_release(avgpipe__local *L, struct avgpipe_comm_request
     L->free_list = r;
 }
 
-/* Pair a send with a receive: copy, finish both. Called with the mutex held. */
-static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s, struct avgpipe_comm_request_s *r, int src,
-                            int dst) {
-    if (s->bytes != r->bytes) {
-        s->res = r->res = AVGPIPE_BACKEND_ERROR;
-        snprintf(L->err[src], sizeof L->err[src], "send of %zu bytes to rank %d met a receive of %zu bytes", s->bytes, dst, r->bytes);
-        snprintf(L->err[dst], sizeof L->err[dst], "receive of %zu bytes from rank %d met a send of %zu bytes", r->bytes, src, s->bytes);
+/* Pair a send with a receive: check tag and size, copy, finish both. Called with the mutex held. */
+static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s, struct avgpipe_comm_request_s *r) {
+    r->st.tag = s->tag;
+    r->st.bytes = s->bytes;
+    if (s->tag != r->tag || s->bytes != r->bytes) { /* a lost, duplicated or reordered message: the receive says so */
+        r->res = AVGPIPE_MISMATCH;
+        snprintf(L->err[r->dst], sizeof L->err[r->dst], "a receive from rank %d of %zu bytes with tag %u met a message of %zu bytes with tag %u",
+                 s->src, r->bytes, (unsigned)r->tag, s->bytes, (unsigned)s->tag);
     } else if (s->bytes) {
         memcpy(r->rbuf, s->sbuf, s->bytes);
     }
@@ -4378,10 +4607,10 @@ static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s,
 }
 
 static avgpipe_result avgpipe__lpost(avgpipe__local *L, int send, int self, int peer, const void *sbuf, void *rbuf, size_t bytes,
-                                     avgpipe_comm_request *req) {
+                                     uint32_t tag, avgpipe_comm_request *req) {
     struct avgpipe_comm_request_s *r, *m;
     int src = send ? self : peer, dst = send ? peer : self;
-    if (!req || self < 0 || self >= L->n || peer < 0 || peer >= L->n || peer == self)
+    if (!req || self < 0 || self >= L->n || peer < 0 || peer >= L->n || peer == self || tag > AVGPIPE_COMM_TAG_MAX)
         return AVGPIPE_INVALID_ARG;
     pthread_mutex_lock(&L->mu);
     if (L->aborted) {
@@ -4396,24 +4625,38 @@ static avgpipe_result avgpipe__lpost(avgpipe__local *L, int send, int self, int 
     r->sbuf = sbuf;
     r->rbuf = rbuf;
     r->bytes = bytes;
+    r->tag = tag;
+    r->src = src;
+    r->dst = dst;
+    r->send = send;
     m = avgpipe__lq_pop(send ? &L->recvs[src * L->n + dst] : &L->sends[src * L->n + dst]);
-    if (m) avgpipe__lmatch(L, send ? r : m, send ? m : r, src, dst);
+    if (m) avgpipe__lmatch(L, send ? r : m, send ? m : r);
     else avgpipe__lq_push(send ? &L->sends[src * L->n + dst] : &L->recvs[src * L->n + dst], r);
     *req = r;
     pthread_mutex_unlock(&L->mu);
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__local_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req) {
+static avgpipe_result avgpipe__local_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag,
+                                           avgpipe_comm_request *req) {
     static const char empty = 0;
-    return avgpipe__lpost((avgpipe__local *)user, 1, self, peer, buf ? buf : &empty, NULL, bytes, req);
+    return avgpipe__lpost((avgpipe__local *)user, 1, self, peer, buf ? buf : &empty, NULL, bytes, tag, req);
 }
-static avgpipe_result avgpipe__local_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req) {
+static avgpipe_result avgpipe__local_irecv(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag,
+                                           avgpipe_comm_request *req) {
     static char sink;
-    return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf ? buf : &sink, bytes, req);
+    return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf ? buf : &sink, bytes, tag, req);
 }
 
-static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_request handle, int *done) {
+/* A finished request: its result and status, then back to the free list. Mutex held. */
+static avgpipe_result avgpipe__lfinish(avgpipe__local *L, struct avgpipe_comm_request_s *req, avgpipe_comm_status *status) {
+    avgpipe_result res = req->res;
+    if (status && !req->send) *status = req->st;
+    avgpipe__lreq_release(L, req);
+    return res;
+}
+
+static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_request handle, int *done, avgpipe_comm_status *status) {
     avgpipe__local *L = (avgpipe__local *)user;
     struct avgpipe_comm_request_s *req = (struct avgpipe_comm_request_s *)handle;
     avgpipe_result res = AVGPIPE_OK;
@@ -4421,21 +4664,17 @@ static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_req
     if (!req || !done) return AVGPIPE_INVALID_ARG;
     pthread_mutex_lock(&L->mu);
     *done = req->done;
-    if (req->done) {
-        res = req->res;
-        avgpipe__lreq_release(L, req);
-    } else if (L->aborted) {
-        res = AVGPIPE_ABORTED;
-    }
+    if (req->done) res = avgpipe__lfinish(L, req, status);
+    else if (L->aborted) res = AVGPIPE_ABORTED;
     pthread_mutex_unlock(&L->mu);
     return res;
 }
 
-static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_request handle, double timeout_s) {
+static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_request handle, double timeout_s, avgpipe_comm_status *status) {
     avgpipe__local *L = (avgpipe__local *)user;
     struct avgpipe_comm_request_s *req = (struct avgpipe_comm_request_s *)handle;
     struct timespec dl;
-    avgpipe_result res = AVGPIPE_OK;
+    avgpipe_result res;
     int spin;
     (void)self;
     if (!req) return AVGPIPE_INVALID_ARG;
@@ -4446,14 +4685,23 @@ static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_req
     pthread_mutex_lock(&L->mu);
     while (!req->done && !L->aborted)
         if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && !req->done) break; /* timed out */
-    if (req->done) {
-        res = req->res;
-        avgpipe__lreq_release(L, req);
-    } else {
-        res = L->aborted ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
-    }
+    if (req->done) res = avgpipe__lfinish(L, req, status);
+    else res = L->aborted ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
     pthread_mutex_unlock(&L->mu);
     return res;
+}
+
+/* Out of its queue (so no later post matches it) and back to the free list. */
+static void avgpipe__local_cancel(void *user, int self, avgpipe_comm_request handle) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    struct avgpipe_comm_request_s *req = (struct avgpipe_comm_request_s *)handle;
+    (void)self;
+    if (!req) return;
+    pthread_mutex_lock(&L->mu);
+    if (req->queued)
+        avgpipe__lq_remove(req->send ? &L->sends[req->src * L->n + req->dst] : &L->recvs[req->src * L->n + req->dst], req);
+    avgpipe__lreq_release(L, req);
+    pthread_mutex_unlock(&L->mu);
 }
 
 static avgpipe_result avgpipe__local_barrier(void *user, int self, double timeout_s) {
@@ -4497,6 +4745,10 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
             pthread_mutex_unlock(&L->mu);
             return AVGPIPE_TIMEOUT;
         }
+    if (L->aborted) {
+        pthread_mutex_unlock(&L->mu);
+        return AVGPIPE_ABORTED;
+    }
     if (L->ar_in == 0) {
         if (count > L->ar_cap) {
             float *p = (float *)avgpipe__realloc(L->ctx, L->ar_buf, 0, count * sizeof(float) * ((size_t)L->n + 1));
@@ -4560,16 +4812,29 @@ static const char *avgpipe__local_last_error(void *user, int self) {
     return L->aborted && !L->err[self][0] ? L->abort_msg : L->err[self];
 }
 
+/* Drop one reference; the last frees everything (requests still pending included). */
 static void avgpipe__local_destroy(void *user) {
     avgpipe__local *L = (avgpipe__local *)user;
-    int i;
+    int i, last;
     if (!L) return;
+    pthread_mutex_lock(&L->mu);
+    last = --L->refs == 0;
+    pthread_mutex_unlock(&L->mu);
+    if (!last) return;
+    while (L->groups) { /* splits whose members never all came: their sub-communicators lose this reference */
+        avgpipe__lgroup *g = L->groups;
+        L->groups = g->next;
+        avgpipe__local_destroy(g->sub);
+        avgpipe_free(L->ctx, g->members);
+        avgpipe_free(L->ctx, g);
+    }
     for (i = 0; i < L->nchunks; i++) avgpipe_free(L->ctx, L->chunks[i]);
     avgpipe_free(L->ctx, L->chunks);
     avgpipe_free(L->ctx, L->sends);
     avgpipe_free(L->ctx, L->recvs);
     avgpipe_free(L->ctx, L->err);
     avgpipe_free(L->ctx, L->ar_buf);
+    avgpipe_free(L->ctx, L->nsplit);
     pthread_mutex_destroy(&L->mu);
     pthread_cond_destroy(&L->cv);
     {
@@ -4578,40 +4843,114 @@ static void avgpipe__local_destroy(void *user) {
     }
 }
 
-AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out) {
-    avgpipe__local *L;
-    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_comm_local_create: out is NULL");
+static avgpipe_result avgpipe__local_split(void *user, int self, const int *members, int count, avgpipe_comm *out);
+
+/* The table over L (one more reference on it). */
+static void avgpipe__local_table(avgpipe__local *L, avgpipe_comm *out) {
     memset(out, 0, sizeof *out);
-    if (ranks < 1 || ranks > 4096) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ranks: must be in 1..4096 (got %d)", ranks);
-    L = (avgpipe__local *)avgpipe__calloc(ctx, 1, sizeof *L);
-    if (!L) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
+    out->name = "local-threads";
+    out->size = L->n;
+    out->isend = avgpipe__local_isend;
+    out->irecv = avgpipe__local_irecv;
+    out->test = avgpipe__local_test;
+    out->wait = avgpipe__local_wait;
+    out->cancel = avgpipe__local_cancel;
+    out->barrier = avgpipe__local_barrier;
+    out->allreduce_sum = avgpipe__local_allreduce;
+    out->split = avgpipe__local_split;
+    out->abort = avgpipe__local_abort;
+    out->last_error = avgpipe__local_last_error;
+    out->destroy = avgpipe__local_destroy;
+    out->user = L;
+}
+
+static avgpipe__local *avgpipe__local_new(avgpipe_context *ctx, int ranks) {
+    avgpipe__local *L = (avgpipe__local *)avgpipe__calloc(ctx, 1, sizeof *L);
+    if (!L) return NULL;
     avgpipe_context_init(&L->own_ctx, &avgpipe__ctx(ctx)->desc); /* same allocator, private error buffer */
     L->ctx = &L->own_ctx;
     L->n = ranks;
     L->sends = (avgpipe__lqueue *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe__lqueue));
     L->recvs = (avgpipe__lqueue *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe__lqueue));
     L->err = (char(*)[256])avgpipe__calloc(ctx, (size_t)ranks, 256);
-    if (!L->sends || !L->recvs || !L->err) {
+    L->nsplit = (long *)avgpipe__calloc(ctx, (size_t)ranks, sizeof(long));
+    if (!L->sends || !L->recvs || !L->err || !L->nsplit) {
         avgpipe_free(ctx, L->sends);
         avgpipe_free(ctx, L->recvs);
         avgpipe_free(ctx, L->err);
+        avgpipe_free(ctx, L->nsplit);
         avgpipe_free(ctx, L); /* own_ctx lives inside L */
-        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
+        return NULL;
     }
     pthread_mutex_init(&L->mu, NULL);
     pthread_cond_init(&L->cv, NULL);
-    out->name = "local-threads";
-    out->size = ranks;
-    out->isend = avgpipe__local_isend;
-    out->irecv = avgpipe__local_irecv;
-    out->test = avgpipe__local_test;
-    out->wait = avgpipe__local_wait;
-    out->barrier = avgpipe__local_barrier;
-    out->allreduce_sum = avgpipe__local_allreduce;
-    out->abort = avgpipe__local_abort;
-    out->last_error = avgpipe__local_last_error;
-    out->destroy = avgpipe__local_destroy;
-    out->user = L;
+    L->refs = 1;
+    return L;
+}
+
+/* The k-th split of each rank forms generation k; a group is found by its generation and member list
+   (every member passes the same list) and forgotten once all its members have their table. */
+static avgpipe_result avgpipe__local_split(void *user, int self, const int *members, int count, avgpipe_comm *out) {
+    avgpipe__local *L = (avgpipe__local *)user, *sub = NULL;
+    avgpipe__lgroup *g, **link;
+    int i, me = -1;
+    long gen;
+    if (!out || !members || count < 1 || count > L->n || self < 0 || self >= L->n) return AVGPIPE_INVALID_ARG;
+    for (i = 0; i < count; i++) {
+        if (members[i] < 0 || members[i] >= L->n) return AVGPIPE_INVALID_ARG;
+        if (members[i] == self) me = i;
+    }
+    if (me < 0) {
+        snprintf(L->err[self], sizeof L->err[self], "split: rank %d is not among the %d members it passed", self, count);
+        return AVGPIPE_INVALID_ARG;
+    }
+    pthread_mutex_lock(&L->mu);
+    gen = L->nsplit[self]++;
+    for (link = &L->groups; (g = *link) != NULL; link = &g->next)
+        if (g->gen == gen && g->count == count && memcmp(g->members, members, (size_t)count * sizeof(int)) == 0) break;
+    if (!g) {
+        g = (avgpipe__lgroup *)avgpipe__calloc(L->ctx, 1, sizeof *g);
+        if (g) g->members = (int *)avgpipe_alloc(L->ctx, (size_t)count * sizeof(int));
+        if (g && g->members) g->sub = avgpipe__local_new(L->ctx, count);
+        if (!g || !g->members || !g->sub) {
+            if (g) avgpipe_free(L->ctx, g->members);
+            avgpipe_free(L->ctx, g);
+            L->nsplit[self]--;
+            pthread_mutex_unlock(&L->mu);
+            return AVGPIPE_OUT_OF_MEMORY;
+        }
+        memcpy(g->members, members, (size_t)count * sizeof(int));
+        g->gen = gen;
+        g->count = count; /* g->sub's first reference is the registry's */
+        g->next = L->groups;
+        L->groups = g;
+        link = &L->groups;
+    }
+    sub = g->sub;
+    pthread_mutex_lock(&sub->mu);
+    sub->refs++;
+    pthread_mutex_unlock(&sub->mu);
+    if (++g->joined == count) { /* every member has its table: the registry forgets the group */
+        *link = g->next;
+        pthread_mutex_lock(&sub->mu);
+        sub->refs--; /* the registry's reference; the members hold theirs */
+        pthread_mutex_unlock(&sub->mu);
+        avgpipe_free(L->ctx, g->members);
+        avgpipe_free(L->ctx, g);
+    }
+    pthread_mutex_unlock(&L->mu);
+    avgpipe__local_table(sub, out);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out) {
+    avgpipe__local *L;
+    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_comm_local_create: out is NULL");
+    memset(out, 0, sizeof *out);
+    if (ranks < 1 || ranks > 4096) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ranks: must be in 1..4096 (got %d)", ranks);
+    L = avgpipe__local_new(ctx, ranks);
+    if (!L) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
+    avgpipe__local_table(L, out);
     return AVGPIPE_OK;
 }
 
@@ -4632,6 +4971,116 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
 
 /* --- 10. Runtime --------------------------------------------------------------------------------- */
 
+/* ---- the buffer plan (public: the tuner's memory model uses it too) ---- */
+
+AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *plan) {
+    int r;
+    if (!plan) return;
+    if (plan->release)
+        for (r = 0; r < plan->nranks; r++) avgpipe_free(ctx, plan->release[r]);
+    avgpipe_free(ctx, plan->release);
+    avgpipe_free(ctx, plan->slots);
+    avgpipe_free(ctx, plan->slot_bytes);
+    memset(plan, 0, sizeof *plan);
+}
+
+/* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
+   a forward hands its output to it on the same rank, the previous stage's when a backward does. */
+static int avgpipe__plan_keys(const avgpipe_schedule *s, int r, const avgpipe_op *op, int *keys) {
+    int n = 0, g = op->stage, S = s->nranks;
+    keys[n++] = g;
+    if (op->kind == AVGPIPE_OP_F && g + 1 < s->nstages && avgpipe__rank_of(g + 1, S) == r) keys[n++] = g + 1;
+    if (avgpipe__is_backward(op->kind) && g > 0 && avgpipe__rank_of(g - 1, S) == r) keys[n++] = g - 1;
+    return n;
+}
+
+/* Slots: a micro-batch takes one on a stage at its first op there (a receive, its forward, or the
+   forward of the stage before it on the same rank) and gives it back after its last op there. */
+static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_schedule *s, int N, int U, avgpipe_run_plan *p) {
+    int r, i, j, G = s->nstages;
+    size_t cells = (size_t)G * N * U;
+    int *lastpos = (int *)avgpipe_alloc(ctx, cells * sizeof(int)), *live = (int *)avgpipe__calloc(ctx, (size_t)G, sizeof(int));
+    unsigned char *seen = (unsigned char *)avgpipe__calloc(ctx, cells, 1);
+    if (!lastpos || !live || !seen) {
+        avgpipe_free(ctx, lastpos);
+        avgpipe_free(ctx, live);
+        avgpipe_free(ctx, seen);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
+    }
+#define AVGPIPE__KEY(g, p, u) (((size_t)(g) * N + (size_t)(p)) * U + (size_t)(u))
+    for (r = 0; r < s->nranks; r++) {
+        for (i = 0; i < s->len[r]; i++) { /* last touch of each key */
+            const avgpipe_op *op = &s->ops[r][i];
+            int keys[3] = {0, 0, 0}, nk;
+            if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
+            nk = avgpipe__plan_keys(s, r, op, keys);
+            for (j = 0; j < nk; j++) lastpos[AVGPIPE__KEY(keys[j], op->pipe, op->micro)] = i;
+        }
+        for (i = 0; i < s->len[r]; i++) { /* count live slots; mark where they end */
+            const avgpipe_op *op = &s->ops[r][i];
+            int keys[3] = {0, 0, 0}, nk, *rel = &p->release[r][2 * i];
+            rel[0] = rel[1] = -1;
+            if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
+            nk = avgpipe__plan_keys(s, r, op, keys);
+            for (j = 0; j < nk; j++) {
+                size_t k = AVGPIPE__KEY(keys[j], op->pipe, op->micro);
+                if (!seen[k]) { /* first touch: take a slot */
+                    seen[k] = 1;
+                    if (++live[keys[j]] > p->slots[keys[j]]) p->slots[keys[j]] = live[keys[j]];
+                }
+                if (lastpos[k] == i) {
+                    live[keys[j]]--;
+                    rel[rel[0] < 0 ? 0 : 1] = keys[j];
+                }
+            }
+        }
+    }
+#undef AVGPIPE__KEY
+    for (i = 0; i < G; i++)
+        if (p->slots[i] < 1) p->slots[i] = 1;
+    avgpipe_free(ctx, lastpos);
+    avgpipe_free(ctx, live);
+    avgpipe_free(ctx, seen);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes,
+                                                    avgpipe_run_plan *out) {
+    avgpipe_result res;
+    int r, g, N;
+    long long U;
+    if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: NULL argument");
+    memset(out, 0, sizeof *out);
+    if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: act_bytes is NULL");
+    if (!s->has_comm && s->nranks > 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: the schedule has no SEND/RECV ops (lower it first)");
+    if ((res = avgpipe__sched_scan(ctx, s, &N, &U)) != AVGPIPE_OK) return res;
+    out->nranks = s->nranks;
+    out->nstages = s->nstages;
+    out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));
+    out->slot_bytes = (size_t *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(size_t));
+    out->release = (int **)avgpipe__calloc(ctx, (size_t)s->nranks, sizeof(int *));
+    res = out->slots && out->slot_bytes && out->release ? AVGPIPE_OK : AVGPIPE_OUT_OF_MEMORY;
+    for (r = 0; r < s->nranks && !res; r++)
+        if (!(out->release[r] = (int *)avgpipe_alloc(ctx, (2 * (size_t)s->len[r] + 2) * sizeof(int)))) res = AVGPIPE_OUT_OF_MEMORY;
+    if (res) {
+        avgpipe_run_plan_free(ctx, out);
+        return avgpipe__fail(ctx, res, "runtime: out of memory planning the buffers");
+    }
+    for (g = 0; g < s->nstages; g++) {
+        int rk = avgpipe__rank_of(g, s->nranks);
+        size_t in = g > 0 ? act_bytes[g - 1] : 0, o = g + 1 < s->nstages ? act_bytes[g] : 0;
+        int remote_next = g + 1 < s->nstages && avgpipe__rank_of(g + 1, s->nranks) != rk;
+        int remote_prev = g > 0 && avgpipe__rank_of(g - 1, s->nranks) != rk;
+        out->slot_bytes[g] = in + (remote_next ? o : 0) + o + (remote_prev ? in : 0);
+    }
+    res = avgpipe__plan_slots(ctx, s, N, (int)U, out);
+    if (res) avgpipe_run_plan_free(ctx, out);
+    return res;
+}
+
+/* ---- the run ---- */
+
 typedef struct avgpipe__slot {
     unsigned char *in_act, *out_act, *grad_out, *grad_in;
     avgpipe_comm_request recv_f, recv_b; /* pending receives into in_act / grad_out */
@@ -4641,9 +5090,9 @@ typedef struct avgpipe__slot {
     int flow_f, flow_b;                  /* trace flow ids of the pending receives */
 } avgpipe__slot;
 
+/* A stage partition of one replica group; only those of local ranks get buffers and averaging. */
 typedef struct avgpipe__stage {
     int nslots;
-    size_t in_bytes, out_bytes, slot_bytes;
     unsigned char *mem;
     avgpipe__slot *slot;
     int *freeq, fq_head, fq_len; /* free slots, FIFO so a freed slot's sends get time to finish */
@@ -4657,9 +5106,12 @@ typedef struct avgpipe__job {
 
 typedef struct avgpipe__worker {
     struct avgpipe_run *run;
-    int rank, started, avg_started, avg_busy;
+    int rank, replica, srank; /* global rank = replica * S + srank */
+    int started, avg_started, avg_busy;
     pthread_t thread, avg_thread;
     avgpipe_context ctx, avg_ctx;
+    avgpipe_comm group; /* replicas: this stage-rank's D ranks (comm.split) */
+    int has_group;
     avgpipe__job *jobs;
     int jcap, jhead, jlen;
     double busy, loss;
@@ -4667,8 +5119,7 @@ typedef struct avgpipe__worker {
     avgpipe_event *ev;
     double *evbytes;
     size_t nev, evcap;
-    int *seq; /* [S]: messages sent to / received from each peer, for trace flow ids */
-    int *rseq;
+    int *seq, *rseq; /* [P]: messages sent to / received from each rank, for trace flow ids */
 } avgpipe__worker;
 
 struct avgpipe_run {
@@ -4676,21 +5127,22 @@ struct avgpipe_run {
     avgpipe_run_desc d;
     avgpipe_sched_desc sd;
     avgpipe_schedule base, low;
-    int **free_a, **free_b; /* per rank and lowered position: stage whose slot (of this op's micro) to free, or -1 */
+    avgpipe_run_plan plan;
     int S, G, N, M, R, U, K;
-    size_t *act; /* [G]: act[g] = bytes at boundary g|g+1 (0 for the last stage) */
+    int D, H, P;          /* replica groups, rounds between their averagings, ranks in all (D·S) */
+    int nlocal, all_local;
+    size_t *act;          /* [G]: act[g] = bytes at boundary g|g+1 (0 for the last stage) */
     avgpipe_comm comm;
     int own_comm;
     avgpipe_device dev;
     int own_dev;
-    avgpipe__stage *st;
-    int *slot_of; /* [(g * N + pipe) * U + micro] */
-    avgpipe__worker *w;
+    avgpipe__stage *st;   /* [D * G] */
+    int *slot_of;         /* [((d * G + g) * N + pipe) * U + micro] */
+    avgpipe__worker *w;   /* [nlocal], by ascending global rank */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     long go, done;
-    int quit, aborted, dead;
-    int plan_only; /* avgpipe_run_memory: plan the buffers, allocate none */
+    int quit, aborted, dead; /* aborted: set under mu, read lock-free too (AVGPIPE__LOAD) */
     avgpipe_result abort_res;
     char abort_msg[AVGPIPE_ERROR_MAX];
     long long iter;
@@ -4698,33 +5150,78 @@ struct avgpipe_run {
     /* adaptive advance */
     double *win, best;
     int win_n, best_k, adapt_done;
-    /* events of all ranks, gathered on request */
+    /* events of the local ranks, gathered on request */
     avgpipe_event *mev;
     double *mbytes;
     size_t mcap;
 };
 
 static int avgpipe__run_rank(const avgpipe_run *run, int g) { return avgpipe__rank_of(g, run->S); }
+static avgpipe__stage *avgpipe__run_stage(avgpipe_run *run, int replica, int g) { return &run->st[replica * run->G + g]; }
+static int avgpipe__run_aborted(const avgpipe_run *run) { return AVGPIPE__LOAD(&run->aborted); }
+static float *avgpipe__run_params(const avgpipe_run *run, int replica, int pipe, int g) {
+    return run->d.params[((size_t)replica * run->N + (size_t)pipe) * run->G + g];
+}
+static int *avgpipe__slot_key(avgpipe_run *run, int replica, int g, int pipe, int micro) {
+    return &run->slot_of[(((size_t)replica * run->G + g) * run->N + pipe) * run->U + micro];
+}
 
 /* First failure wins: it is recorded, every waiter wakes, the comm backend aborts the other ranks. */
 static avgpipe_result avgpipe__run_fail(avgpipe_run *run, avgpipe_result res, const char *fmt, ...) {
     va_list ap;
     char msg[AVGPIPE_ERROR_MAX];
-    int first;
+    int first, k;
     va_start(ap, fmt);
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     pthread_mutex_lock(&run->mu);
     first = !run->aborted;
     if (first) {
-        run->aborted = 1;
         run->abort_res = res;
         snprintf(run->abort_msg, sizeof run->abort_msg, "%s", msg);
+        AVGPIPE__STORE(&run->aborted, 1);
     }
     pthread_cond_broadcast(&run->cv);
     pthread_mutex_unlock(&run->mu);
-    if (first && run->comm.abort) run->comm.abort(run->comm.user, res, msg);
+    if (first) {
+        if (run->comm.abort) run->comm.abort(run->comm.user, res, msg);
+        for (k = 0; k < run->nlocal; k++)
+            if (run->w[k].has_group) run->w[k].group.abort(run->w[k].group.user, res, msg);
+    }
     return res;
+}
+
+/* ---- message tags: what a message is, checked by the receive ---- */
+
+#define AVGPIPE__TAG_CTL (1u << 30) /* control messages (agreement, gathers) use tags from here */
+
+/* The tag of the message stage `from` sends to its neighbour: dir 0 an activation (SEND_F), 1 a
+   gradient (SEND_B), of (pipe, micro) in an iteration of this parity. Below AVGPIPE__TAG_CTL. */
+static uint32_t avgpipe__data_tag(const avgpipe_run *run, int dir, int pipe, int from, int micro) {
+    uint64_t v = ((((uint64_t)(run->iter & 1) * (uint64_t)run->U + (uint64_t)micro) * (uint64_t)run->N + (uint64_t)pipe) *
+                      (uint64_t)run->G + (uint64_t)from) * 2u + (uint64_t)dir;
+    return (uint32_t)(v % (AVGPIPE__TAG_CTL - 1)) + 1;
+}
+
+/* The op a data tag names, as text ("0:2SEND_F5"), when the tags of this shape are unambiguous. */
+static void avgpipe__tag_text(const avgpipe_run *run, uint32_t tag, char *out, size_t cap) {
+    uint64_t v = (uint64_t)tag - 1, range = (uint64_t)run->U * run->N * run->G * 4;
+    avgpipe_op op;
+    int dir;
+    if (tag == 0 || tag >= AVGPIPE__TAG_CTL || range >= AVGPIPE__TAG_CTL - 1) {
+        snprintf(out, cap, "%s message (tag %u)", tag >= AVGPIPE__TAG_CTL ? "a control" : "an unknown", (unsigned)tag);
+        return;
+    }
+    dir = (int)(v % 2), v /= 2;
+    op = avgpipe__op(dir ? AVGPIPE_OP_SEND_B : AVGPIPE_OP_SEND_F, 0, (int)(v % (uint64_t)run->G), 0);
+    v /= (uint64_t)run->G;
+    op.pipe = (int16_t)(v % (uint64_t)run->N), v /= (uint64_t)run->N;
+    op.micro = (int)(v % (uint64_t)run->U), v /= (uint64_t)run->U;
+    avgpipe_op_format(&op, 1, out, cap);
+    if (v != (uint64_t)(run->iter & 1)) {
+        size_t n = strlen(out);
+        snprintf(out + n, cap - n, " of the %s iteration", v ? "next or previous" : "previous or next");
+    }
 }
 
 /* ---- schedule preparation ---- */
@@ -4767,76 +5264,40 @@ static avgpipe_result avgpipe__add_steps(avgpipe_context *ctx, avgpipe_schedule 
     return res;
 }
 
-/* Slots: a micro-batch takes one on a stage at its first op there (a receive, its forward, or the
-   forward of the stage before it on the same rank) and frees it after its last op there. */
-static avgpipe_result avgpipe__plan_slots(avgpipe_run *run, int *nslots) {
-    const avgpipe_schedule *s = &run->low;
-    int r, i, N = run->N, G = run->G, U = run->U;
-    int *lastpos = (int *)avgpipe_alloc(run->ctx, (size_t)G * N * U * sizeof(int)), *live;
-    if (!lastpos) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
-    live = (int *)avgpipe__calloc(run->ctx, (size_t)G, sizeof(int));
-    if (!live) {
-        avgpipe_free(run->ctx, lastpos);
-        return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+/* The schedule a run executes: desc's own (copied) or generated for sd with K, STEP/AVG added where
+   missing, validated (a generated one is valid by construction unless `check`), lowered. */
+static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
+                                             int check, avgpipe_schedule *base, avgpipe_schedule *low) {
+    avgpipe_validate_report rep;
+    avgpipe_result res;
+    memset(low, 0, sizeof *low);
+    if (given) res = avgpipe_sched_copy(ctx, given, base);
+    else {
+        avgpipe_sched_desc d = *sd;
+        d.advance = K;
+        res = avgpipe_sched_generate(ctx, &d, base);
     }
-    for (i = 0; i < G * N * U; i++) lastpos[i] = -1;
-#define AVGPIPE__KEY(g, p, u) (((g) * N + (p)) * U + (u))
-    for (r = 0; r < s->nranks; r++) {
-        for (i = 0; i < s->len[r]; i++) { /* last touch of each key */
-            const avgpipe_op *op = &s->ops[r][i];
-            int k = op->kind, g = op->stage;
-            if (!avgpipe__has_micro(k) || k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) continue;
-            lastpos[AVGPIPE__KEY(g, op->pipe, op->micro)] = i;
-            if (k == AVGPIPE_OP_F && g + 1 < G && avgpipe__run_rank(run, g + 1) == r) lastpos[AVGPIPE__KEY(g + 1, op->pipe, op->micro)] = i;
-            if (avgpipe__is_backward(k) && g > 0 && avgpipe__run_rank(run, g - 1) == r)
-                lastpos[AVGPIPE__KEY(g - 1, op->pipe, op->micro)] = i;
-        }
-        for (i = 0; i < s->len[r]; i++) { /* count live slots; mark where they end */
-            const avgpipe_op *op = &s->ops[r][i];
-            int k = op->kind, g = op->stage, j, keys[2], nk = 0;
-            run->free_a[r][i] = run->free_b[r][i] = -1;
-            if (!avgpipe__has_micro(k) || k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) continue;
-            keys[nk++] = g;
-            if (k == AVGPIPE_OP_F && g + 1 < G && avgpipe__run_rank(run, g + 1) == r) keys[nk++] = g + 1;
-            if (avgpipe__is_backward(k) && g > 0 && avgpipe__run_rank(run, g - 1) == r) keys[nk++] = g - 1;
-            for (j = 0; j < nk; j++) {
-                int *slotkey = &run->slot_of[AVGPIPE__KEY(keys[j], op->pipe, op->micro)];
-                if (*slotkey < 0) { /* first touch: allocate */
-                    *slotkey = 1;
-                    if (++live[keys[j]] > nslots[keys[j]]) nslots[keys[j]] = live[keys[j]];
-                }
-                if (lastpos[AVGPIPE__KEY(keys[j], op->pipe, op->micro)] == i) {
-                    live[keys[j]]--;
-                    if (run->free_a[r][i] < 0) run->free_a[r][i] = keys[j];
-                    else run->free_b[r][i] = keys[j];
-                }
-            }
-        }
-    }
-#undef AVGPIPE__KEY
-    avgpipe_free(run->ctx, lastpos);
-    avgpipe_free(run->ctx, live);
-    return AVGPIPE_OK;
+    if (res) return res;
+    res = avgpipe__add_steps(ctx, base);
+    if (!res && (check || given) && (res = avgpipe_sched_validate(ctx, base, NULL, &rep)) != AVGPIPE_OK)
+        res = avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
+    if (!res) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe_sched_lower(ctx, base, low);
+    if (res) avgpipe_sched_free(ctx, base);
+    return res;
 }
 
 static void avgpipe__free_plan(avgpipe_run *run) {
-    int r, g;
-    if (run->free_a)
-        for (r = 0; r < run->S; r++) {
-            avgpipe_free(run->ctx, run->free_a[r]);
-            avgpipe_free(run->ctx, run->free_b[r]);
-        }
-    avgpipe_free(run->ctx, run->free_a);
-    avgpipe_free(run->ctx, run->free_b);
-    run->free_a = run->free_b = NULL;
+    int k;
+    avgpipe_run_plan_free(run->ctx, &run->plan);
     if (run->st)
-        for (g = 0; g < run->G; g++) {
-            avgpipe_free(run->ctx, run->st[g].mem);
-            avgpipe_free(run->ctx, run->st[g].slot);
-            avgpipe_free(run->ctx, run->st[g].freeq);
-            run->st[g].mem = NULL;
-            run->st[g].slot = NULL;
-            run->st[g].freeq = NULL;
+        for (k = 0; k < run->D * run->G; k++) {
+            avgpipe_free(run->ctx, run->st[k].mem);
+            avgpipe_free(run->ctx, run->st[k].slot);
+            avgpipe_free(run->ctx, run->st[k].freeq);
+            run->st[k].mem = NULL;
+            run->st[k].slot = NULL;
+            run->st[k].freeq = NULL;
+            run->st[k].nslots = 0;
         }
     avgpipe_free(run->ctx, run->slot_of);
     run->slot_of = NULL;
@@ -4844,22 +5305,18 @@ static void avgpipe__free_plan(avgpipe_run *run) {
     avgpipe_sched_free(run->ctx, &run->base);
 }
 
-/* Give stage g its slot buffers: input and output activation and their gradients per slot. */
-static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int g, int nslots) {
-    avgpipe__stage *st = &run->st[g];
+/* Give stage g of a replica group its slot buffers, laid out as the plan says. */
+static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int replica, int g) {
+    avgpipe__stage *st = avgpipe__run_stage(run, replica, g);
     int i, r = avgpipe__run_rank(run, g);
-    size_t in = g > 0 ? run->act[g - 1] : 0, out = run->act[g];
-    int remote_next = g + 1 < run->G && avgpipe__run_rank(run, g + 1) != r, remote_prev = g > 0 && avgpipe__run_rank(run, g - 1) != r;
-    size_t sz = in + (remote_next ? out : 0) + out + (remote_prev ? in : 0);
-    st->nslots = nslots > 0 ? nslots : 1;
-    st->in_bytes = in;
-    st->out_bytes = out;
-    st->slot_bytes = sz;
-    if (run->plan_only) return AVGPIPE_OK;
-    st->mem = sz ? (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots) : NULL; /* exactly the model's bytes */
+    size_t in = g > 0 ? run->act[g - 1] : 0, out = run->act[g], sz = run->plan.slot_bytes[g];
+    int remote_next = g + 1 < run->G && avgpipe__run_rank(run, g + 1) != r;
+    st->nslots = run->plan.slots[g];
+    st->mem = sz ? (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots) : NULL; /* exactly the plan's bytes */
     st->slot = (avgpipe__slot *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(avgpipe__slot));
     st->freeq = (int *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(int));
-    if ((sz && !st->mem) || !st->slot || !st->freeq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
+    if ((sz && !st->mem) || !st->slot || !st->freeq)
+        return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
     for (i = 0; st->mem && i < st->nslots; i++) { /* no bytes: every buffer stays NULL */
         unsigned char *p = st->mem + (size_t)i * sz;
         avgpipe__slot *sl = &st->slot[i];
@@ -4869,7 +5326,7 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int g, int nslots) 
         p += remote_next ? out : 0;
         sl->grad_out = out ? p : NULL;
         p += out;
-        sl->grad_in = remote_prev && in ? p : NULL;
+        sl->grad_in = g > 0 && avgpipe__run_rank(run, g - 1) != r && in ? p : NULL;
     }
     return AVGPIPE_OK;
 }
@@ -4878,45 +5335,19 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int g, int nslots) 
 static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     avgpipe_context *ctx = run->ctx;
     avgpipe_result res;
-    avgpipe_validate_report rep;
-    int r, g, *nslots = NULL;
+    int k, g;
     avgpipe__free_plan(run);
-    if (run->d.schedule) res = avgpipe_sched_copy(ctx, run->d.schedule, &run->base);
-    else {
-        run->sd.advance = run->K;
-        res = avgpipe_sched_generate(ctx, &run->sd, &run->base);
-    }
-    if (res) return res;
-    res = avgpipe__add_steps(ctx, &run->base);
-    if (res) return res;
-    if (!run->plan_only || run->d.schedule) { /* generated schedules are valid by construction; the planner trusts them */
-        res = avgpipe_sched_validate(ctx, &run->base, NULL, &rep);
-        if (res) return avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
-    }
-    if (run->base.has_comm) res = avgpipe_sched_copy(ctx, &run->base, &run->low);
-    else res = avgpipe_sched_lower(ctx, &run->base, &run->low);
+    res = avgpipe__run_schedules(ctx, run->d.schedule, &run->sd, run->K, 1, &run->base, &run->low);
     if (res) return res;
     run->M = run->base.shape.micro;
     run->R = run->base.shape.rounds;
     run->U = run->M * run->R;
-    run->free_a = (int **)avgpipe__calloc(ctx, (size_t)run->S, sizeof(int *));
-    run->free_b = (int **)avgpipe__calloc(ctx, (size_t)run->S, sizeof(int *));
-    run->slot_of = (int *)avgpipe_alloc(ctx, (size_t)run->G * run->N * run->U * sizeof(int));
-    nslots = (int *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(int));
-    if (!run->free_a || !run->free_b || !run->slot_of || !nslots) goto oom;
-    for (r = 0; r < run->S; r++) {
-        run->free_a[r] = (int *)avgpipe_alloc(ctx, ((size_t)run->low.len[r] + 1) * sizeof(int));
-        run->free_b[r] = (int *)avgpipe_alloc(ctx, ((size_t)run->low.len[r] + 1) * sizeof(int));
-        if (!run->free_a[r] || !run->free_b[r]) goto oom;
-    }
-    for (g = 0; g < run->G * run->N * run->U; g++) run->slot_of[g] = -1;
-    res = avgpipe__plan_slots(run, nslots);
-    for (g = 0; g < run->G && !res; g++) res = avgpipe__alloc_stage(run, g, nslots[g]);
-    avgpipe_free(ctx, nslots);
+    if ((res = avgpipe_run_plan_buffers(ctx, &run->low, run->act, &run->plan)) != AVGPIPE_OK) return res;
+    run->slot_of = (int *)avgpipe_alloc(ctx, (size_t)run->D * run->G * run->N * run->U * sizeof(int));
+    if (!run->slot_of) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    for (k = 0; k < run->nlocal && !res; k++)
+        for (g = run->w[k].srank; g < run->G && !res; g += run->S) res = avgpipe__alloc_stage(run, run->w[k].replica, g);
     return res;
-oom:
-    avgpipe_free(ctx, nslots);
-    return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
 }
 
 /* ---- execution ---- */
@@ -4947,24 +5378,54 @@ static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, 
     return 1;
 }
 
-static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_request req, const avgpipe_op *op, int peer,
-                                         const char *what) {
-    avgpipe_run *run = w->run;
-    avgpipe_result res = run->comm.wait(run->comm.user, w->rank, req, run->d.timeout_s);
-    char txt[64];
-    if (!res) return AVGPIPE_OK;
-    avgpipe_op_format(op, 1, txt, sizeof txt);
-    if (res == AVGPIPE_ABORTED) return res;
-    return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d %s (%s)", w->rank, txt, what, peer,
-                             res == AVGPIPE_TIMEOUT ? "timed out" : "failed",
-                             res == AVGPIPE_TIMEOUT ? "no data within the timeout" : (run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : ""));
+static avgpipe_result avgpipe__profile_oom(avgpipe__worker *w) {
+    return avgpipe__run_fail(w->run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
 }
 
-/* The slot of (g, pipe, micro), taking a free one at the first touch. */
+/* Wait for *req (a request of op, with `peer`); *req becomes NULL once the backend released it (on
+   AVGPIPE_TIMEOUT and AVGPIPE_ABORTED it stays pending: the run cancels it when it stops). `expect`:
+   for a receive, the tag it expects (for the message on a mismatch), else 0. */
+static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_request *req, const avgpipe_op *op, int peer, uint32_t expect,
+                                         const char *what) {
+    avgpipe_run *run = w->run;
+    avgpipe_comm_status st;
+    avgpipe_result res;
+    char txt[64], want[96], got[96];
+    memset(&st, 0, sizeof st);
+    res = run->comm.wait(run->comm.user, w->rank, *req, run->d.timeout_s, &st);
+    if (res != AVGPIPE_TIMEOUT && res != AVGPIPE_ABORTED) *req = NULL;
+    if (!res) return AVGPIPE_OK;
+    if (res == AVGPIPE_ABORTED) return res;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    if (res == AVGPIPE_MISMATCH && expect) {
+        avgpipe__tag_text(run, expect, want, sizeof want);
+        avgpipe__tag_text(run, st.tag, got, sizeof got);
+        return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d: expected the message of %s, received that of %s (%zu bytes): "
+                                 "a message between ranks %d and %d was lost, duplicated or reordered", w->rank, txt, what, peer, want,
+                                 got, st.bytes, peer, w->rank);
+    }
+    return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d %s (%s)", w->rank, txt, what, peer,
+                             res == AVGPIPE_TIMEOUT ? "timed out" : "failed",
+                             res == AVGPIPE_TIMEOUT ? "no data within the timeout: is that process alive?"
+                                                    : (run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : ""));
+}
+
+/* Wait for the sends that still read slot sl's buffers. */
+static avgpipe_result avgpipe__slot_sends(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, const char *what) {
+    int j;
+    for (j = 0; j < sl->nsend; j++) {
+        avgpipe_result res = sl->send[j] ? avgpipe__comm_wait(w, &sl->send[j], op, sl->send_peer[j], 0, what) : AVGPIPE_OK;
+        if (res) return res;
+    }
+    sl->nsend = 0;
+    return AVGPIPE_OK;
+}
+
+/* The slot of (g, pipe, micro) in this worker's replica group, taking a free one at the first touch. */
 static avgpipe_result avgpipe__slot_get(avgpipe__worker *w, int g, const avgpipe_op *op, avgpipe__slot **out) {
     avgpipe_run *run = w->run;
-    avgpipe__stage *st = &run->st[g];
-    int *k = &run->slot_of[(g * run->N + op->pipe) * run->U + op->micro], j;
+    avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+    int *k = avgpipe__slot_key(run, w->replica, g, op->pipe, op->micro);
     avgpipe_result res;
     if (*k < 0) {
         avgpipe__slot *sl;
@@ -4974,32 +5435,30 @@ static avgpipe_result avgpipe__slot_get(avgpipe__worker *w, int g, const avgpipe
         st->fq_head = (st->fq_head + 1) % st->nslots;
         st->fq_len--;
         sl = &st->slot[*k];
-        for (j = 0; j < sl->nsend; j++) { /* an earlier owner's sends still read these buffers */
-            res = avgpipe__comm_wait(w, sl->send[j], op, sl->send_peer[j], "an earlier send to");
-            if (res) return res;
-        }
-        sl->nsend = 0;
+        res = avgpipe__slot_sends(w, sl, op, "an earlier send to"); /* an earlier owner's sends still read these buffers */
+        if (res) return res;
         sl->recv_f = sl->recv_b = NULL;
     }
     *out = &st->slot[*k];
     return AVGPIPE_OK;
 }
 
-static void avgpipe__slot_put(avgpipe_run *run, int g, const avgpipe_op *op) {
-    avgpipe__stage *st = &run->st[g];
-    st->freeq[(st->fq_head + st->fq_len) % st->nslots] = run->slot_of[(g * run->N + op->pipe) * run->U + op->micro];
+static void avgpipe__slot_put(avgpipe__worker *w, int g, const avgpipe_op *op) {
+    avgpipe__stage *st = avgpipe__run_stage(w->run, w->replica, g);
+    st->freeq[(st->fq_head + st->fq_len) % st->nslots] = *avgpipe__slot_key(w->run, w->replica, g, op->pipe, op->micro);
     st->fq_len++;
 }
 
 /* A forward of pipeline p's round t on stage g waits until AVG(p, g, t-1) has been applied. */
 static avgpipe_result avgpipe__wait_avg(avgpipe__worker *w, int g, int pipe, int round, const avgpipe_op *op) {
     avgpipe_run *run = w->run;
+    avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
     struct timespec dl = avgpipe__deadline(run->d.timeout_s);
     avgpipe_result res = AVGPIPE_OK;
     char txt[64];
     pthread_mutex_lock(&run->mu);
-    while (run->st[g].avg_done[pipe] < round && !run->aborted)
-        if (pthread_cond_timedwait(&run->cv, &run->mu, &dl) != 0 && run->st[g].avg_done[pipe] < round) {
+    while (st->avg_done[pipe] < round && !run->aborted)
+        if (pthread_cond_timedwait(&run->cv, &run->mu, &dl) != 0 && st->avg_done[pipe] < round) {
             res = AVGPIPE_TIMEOUT;
             break;
         }
@@ -5039,48 +5498,55 @@ static avgpipe_result avgpipe__backward(avgpipe__worker *w, avgpipe_op_ctx *oc, 
     }
 }
 
-
 static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpipe_op_ctx *oc) {
     avgpipe_run *run = w->run;
     memset(oc, 0, sizeof *oc);
     oc->rank = w->rank;
+    oc->replica = w->replica;
     oc->pipe = op->pipe;
     oc->stage = op->stage;
     oc->micro = op->micro % run->M;
     oc->round = (int)(run->iter * run->R + op->micro / run->M);
     oc->stages = run->G;
-    oc->params = run->d.params[op->pipe * run->G + op->stage];
+    oc->params = avgpipe__run_params(run, w->replica, op->pipe, op->stage);
+    oc->slot = *avgpipe__slot_key(run, w->replica, op->stage, op->pipe, op->micro);
     oc->user = run->d.cb.user;
+}
+
+/* Wait for a posted receive of slot sl (activation: fwd) before its consumer runs; record it. */
+static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, int fwd) {
+    avgpipe_run *run = w->run;
+    int g = op->stage, from = fwd ? g - 1 : g + 1, peer = w->replica * run->S + avgpipe__run_rank(run, from);
+    avgpipe_comm_request *req = fwd ? &sl->recv_f : &sl->recv_b;
+    double t = avgpipe__now();
+    avgpipe_result res;
+    if (!*req) return AVGPIPE_OK;
+    res = avgpipe__comm_wait(w, req, op, peer, avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, from, op->micro),
+                             fwd ? "receiving the activation from" : "receiving the gradient from");
+    if (res) return res;
+    *req = NULL;
+    if (!avgpipe__record(w, op, 2, peer, fwd ? sl->flow_f : sl->flow_b, t, avgpipe__now(), (double)run->act[fwd ? g - 1 : g]))
+        return avgpipe__profile_oom(w);
+    return AVGPIPE_OK;
 }
 
 /* F, B, I, W: wait for the inputs, call the user, hand results to local neighbours. */
 static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op *op) {
     avgpipe_run *run = w->run;
-    int g = op->stage, k = op->kind, r = w->rank;
+    int g = op->stage, k = op->kind, s = w->srank;
     avgpipe__slot *sl, *nb;
     avgpipe_op_ctx oc;
     avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
-    double t;
+    double t, e;
     if (res) return res;
     avgpipe__op_ctx_init(w, op, &oc);
-    oc.slot = run->slot_of[(g * run->N + op->pipe) * run->U + op->micro];
     oc.input = g > 0 ? sl->in_act : NULL;
     if (k == AVGPIPE_OP_F) {
-        if (sl->recv_f) {
-            t = avgpipe__now();
-            res = avgpipe__comm_wait(w, sl->recv_f, op, avgpipe__run_rank(run, g - 1), "receiving the activation from");
-            sl->recv_f = NULL;
-            if (res || !avgpipe__record(w, op, 2, avgpipe__run_rank(run, g - 1), sl->flow_f, t, avgpipe__now(), (double)run->act[g - 1]))
-                return res ? res : avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", r);
-        }
-        if (oc.round > 0) {
-            res = avgpipe__wait_avg(w, g, op->pipe, oc.round, op);
-            if (res) return res;
-        }
+        if ((res = avgpipe__recv_wait(w, sl, op, 1)) != AVGPIPE_OK) return res;
+        if (oc.round > 0 && (res = avgpipe__wait_avg(w, g, op->pipe, oc.round, op)) != AVGPIPE_OK) return res;
         if (g + 1 < run->G) {
-            if (avgpipe__run_rank(run, g + 1) == r) {
-                res = avgpipe__slot_get(w, g + 1, op, &nb);
-                if (res) return res;
+            if (avgpipe__run_rank(run, g + 1) == s) {
+                if ((res = avgpipe__slot_get(w, g + 1, op, &nb)) != AVGPIPE_OK) return res;
                 oc.output = nb->in_act;
             } else {
                 oc.output = sl->out_act;
@@ -5093,18 +5559,11 @@ static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op
             w->nloss++;
         }
     } else {
-        if (avgpipe__is_backward(k) && sl->recv_b) {
-            t = avgpipe__now();
-            res = avgpipe__comm_wait(w, sl->recv_b, op, avgpipe__run_rank(run, g + 1), "receiving the gradient from");
-            sl->recv_b = NULL;
-            if (res || !avgpipe__record(w, op, 2, avgpipe__run_rank(run, g + 1), sl->flow_b, t, avgpipe__now(), (double)run->act[g]))
-                return res ? res : avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", r);
-        }
+        if (avgpipe__is_backward(k) && (res = avgpipe__recv_wait(w, sl, op, 0)) != AVGPIPE_OK) return res;
         oc.grad_output = g + 1 < run->G ? sl->grad_out : NULL;
         if (g > 0 && k != AVGPIPE_OP_W) {
-            if (avgpipe__run_rank(run, g - 1) == r) {
-                res = avgpipe__slot_get(w, g - 1, op, &nb);
-                if (res) return res;
+            if (avgpipe__run_rank(run, g - 1) == s) {
+                if ((res = avgpipe__slot_get(w, g - 1, op, &nb)) != AVGPIPE_OK) return res;
                 oc.grad_input = nb->grad_out;
             } else {
                 oc.grad_input = sl->grad_in;
@@ -5113,22 +5572,21 @@ static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op
         t = avgpipe__now();
         res = avgpipe__backward(w, &oc, op);
     }
-    {
-        double e = avgpipe__now();
-        w->busy += e - t;
-        if (!res && !avgpipe__record(w, op, 0, -1, -1, t, e, 0))
-            return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", r);
-    }
+    e = avgpipe__now();
+    w->busy += e - t;
+    if (!res && !avgpipe__record(w, op, 0, -1, -1, t, e, 0)) return avgpipe__profile_oom(w);
     return res;
 }
 
-/* SEND/RECV: post on the comm backend; waits happen where the data is used (or the slot reused). */
+/* SEND/RECV: post on the comm backend, tagged with what the message is; waits happen where the data
+   is used (or the slot reused). */
 static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *op) {
     avgpipe_run *run = w->run;
     int g = op->stage, k = op->kind, fwd = k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_RECV_F;
     int send = k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B;
-    int peer = avgpipe__run_rank(run, fwd == send ? g + 1 : g - 1);
-    size_t bytes = fwd ? (send ? run->act[g] : run->act[g - 1]) : (send ? run->act[g - 1] : run->act[g]);
+    int other = fwd == send ? g + 1 : g - 1, peer = w->replica * run->S + avgpipe__run_rank(run, other);
+    size_t bytes = run->act[fwd ? (send ? g : g - 1) : (send ? g - 1 : g)];
+    uint32_t tag = avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, send ? g : other, op->micro);
     avgpipe__slot *sl;
     avgpipe_comm_request req = NULL;
     avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
@@ -5137,16 +5595,15 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
     int flow;
     if (res) return res;
     if (send) {
-        void *buf = fwd ? sl->out_act : sl->grad_in;
-        flow = (w->rank * run->S + peer) * 1048576 + (w->seq[peer]++ & 1048575);
-        res = run->comm.isend(run->comm.user, w->rank, peer, buf, bytes, &req);
+        flow = (w->rank * run->P + peer) * 1048576 + (w->seq[peer]++ & 1048575);
+        res = run->comm.isend(run->comm.user, w->rank, peer, fwd ? sl->out_act : sl->grad_in, bytes, tag, &req);
         if (!res) {
             sl->send_peer[sl->nsend] = peer;
             sl->send[sl->nsend++] = req;
         }
     } else {
-        flow = (peer * run->S + w->rank) * 1048576 + (w->rseq[peer]++ & 1048575);
-        res = run->comm.irecv(run->comm.user, w->rank, peer, fwd ? sl->in_act : sl->grad_out, bytes, &req);
+        flow = (peer * run->P + w->rank) * 1048576 + (w->rseq[peer]++ & 1048575);
+        res = run->comm.irecv(run->comm.user, w->rank, peer, fwd ? sl->in_act : sl->grad_out, bytes, tag, &req);
         if (!res) {
             if (fwd) sl->recv_f = req, sl->flow_f = flow;
             else sl->recv_b = req, sl->flow_b = flow;
@@ -5157,8 +5614,7 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
         return avgpipe__run_fail(run, res, "rank %d, op %s: posting the %s with rank %d failed: %s", w->rank, txt, send ? "send" : "receive",
                                  peer, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
     }
-    if (!res && send && !avgpipe__record(w, op, 1, peer, flow, t, avgpipe__now(), (double)bytes))
-        return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
+    if (!res && send && !avgpipe__record(w, op, 1, peer, flow, t, avgpipe__now(), (double)bytes)) return avgpipe__profile_oom(w);
     return res;
 }
 
@@ -5183,51 +5639,47 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
         pthread_mutex_unlock(&run->mu);
         return AVGPIPE_OK;
     }
-    if (run->d.cb.step) rc = run->d.cb.step(w->rank, op->pipe, op->stage, round, run->d.params[op->pipe * run->G + op->stage], run->d.cb.user);
+    if (run->d.cb.step)
+        rc = run->d.cb.step(w->rank, op->pipe, op->stage, round, avgpipe__run_params(run, w->replica, op->pipe, op->stage), run->d.cb.user);
     e = avgpipe__now();
     w->busy += e - t;
     if (rc) {
         avgpipe_op_format(op, 1, txt, sizeof txt);
         return avgpipe__run_fail(run, AVGPIPE_CALLBACK_ERROR, "rank %d, op %s: the step callback returned %d", w->rank, txt, rc);
     }
-    if (!avgpipe__record(w, op, 0, -1, -1, t, e, 0))
-        return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
+    if (!avgpipe__record(w, op, 0, -1, -1, t, e, 0)) return avgpipe__profile_oom(w);
     return AVGPIPE_OK;
 }
 
-/* One iteration of rank w->rank: walk the lowered list. */
+/* One iteration of this worker's rank: walk the lowered list of its rank in the group. */
 static void avgpipe__worker_iteration(avgpipe__worker *w) {
     avgpipe_run *run = w->run;
     const avgpipe_schedule *s = &run->low;
-    int r = w->rank, i, g;
+    int r = w->srank, i, g, q;
     avgpipe_result res = AVGPIPE_OK;
     for (i = 0; i < s->len[r] && !res; i++) {
         const avgpipe_op *op = &s->ops[r][i];
+        const int *rel = &run->plan.release[r][2 * i];
         int k = op->kind;
         if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
         else if (avgpipe__is_comm(k)) res = avgpipe__exec_comm(w, op);
         else if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) res = avgpipe__exec_step(w, op);
         else continue;
         w->ops++;
-        if (!res && run->free_a[r][i] >= 0) avgpipe__slot_put(run, run->free_a[r][i], op);
-        if (!res && run->free_b[r][i] >= 0) avgpipe__slot_put(run, run->free_b[r][i], op);
-        if (res && !run->aborted) { /* e.g. ABORTED from a comm backend that was stopped from outside */
+        if (!res && rel[0] >= 0) avgpipe__slot_put(w, rel[0], op);
+        if (!res && rel[1] >= 0) avgpipe__slot_put(w, rel[1], op);
+        if (res && !avgpipe__run_aborted(run)) { /* e.g. ABORTED from a comm backend stopped from outside */
             char txt[64];
             avgpipe_op_format(op, 1, txt, sizeof txt);
-            avgpipe__run_fail(run, res, "rank %d stopped at position %d (%s): %s", r, i, txt, avgpipe_result_string(res));
+            avgpipe__run_fail(run, res, "rank %d stopped at position %d (%s): %s%s%s", w->rank, i, txt, avgpipe_result_string(res),
+                              run->comm.last_error ? ": " : "", run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
         }
     }
     for (g = r; g < run->G && !res; g += run->S) { /* sends still in flight must finish inside the iteration */
-        avgpipe__stage *st = &run->st[g];
-        int q, j;
-        for (q = 0; q < st->nslots && !res; q++) {
-            for (j = 0; j < st->slot[q].nsend && !res; j++) {
-                avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
-                res = avgpipe__comm_wait(w, st->slot[q].send[j], &none, st->slot[q].send_peer[j], "a send to");
-            }
-            if (res && !run->aborted) avgpipe__run_fail(run, res, "rank %d: finishing its sends: %s", r, avgpipe_result_string(res));
-            st->slot[q].nsend = 0;
-        }
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+        avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
+        for (q = 0; q < st->nslots && !res; q++) res = avgpipe__slot_sends(w, &st->slot[q], &none, "a send to");
+        if (res && !avgpipe__run_aborted(run)) avgpipe__run_fail(run, res, "rank %d: finishing its sends: %s", w->rank, avgpipe_result_string(res));
     }
 }
 
@@ -5252,6 +5704,24 @@ static void *avgpipe__worker_main(void *arg) {
     }
 }
 
+/* Replica groups: the held reference of stage g (round `round`) becomes the mean over the D groups. */
+static avgpipe_result avgpipe__replica_average(avgpipe__worker *w, avgpipe__stage *st, int g) {
+    avgpipe_run *run = w->run;
+    uint64_t round = 0;
+    float *z = avgpipe_ea_held(st->ea, &round);
+    size_t count = run->d.param_count[g];
+    avgpipe_result res;
+    if (!z) return AVGPIPE_OK;
+    res = w->group.allreduce_sum(w->group.user, w->replica, z, count, run->d.timeout_s);
+    if (res)
+        return avgpipe__fail(&w->avg_ctx, res, "averaging the reference across the %d replica groups (round %llu) %s: %s", run->D,
+                             (unsigned long long)round, res == AVGPIPE_TIMEOUT ? "timed out" : "failed",
+                             w->group.last_error ? w->group.last_error(w->group.user, w->replica) : "");
+    res = run->dev.scale(run->dev.user, z, 1.0f / (float)run->D, count, NULL);
+    if (res) return avgpipe__fail(&w->avg_ctx, res, "device '%s': scale failed", run->dev.name ? run->dev.name : "?");
+    return avgpipe_ea_publish(&w->avg_ctx, st->ea, NULL);
+}
+
 /* The averaging thread of a rank: pull + contribute, in the order the AVG ops came. */
 static void *avgpipe__avg_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
@@ -5269,13 +5739,17 @@ static void *avgpipe__avg_main(void *arg) {
         j = w->jobs[w->jhead];
         w->avg_busy = 1;
         pthread_mutex_unlock(&run->mu);
-        st = &run->st[j.g];
-        if (!run->aborted) {
+        st = avgpipe__run_stage(run, w->replica, j.g);
+        if (!avgpipe__run_aborted(run)) {
             if (run->d.deterministic && j.round > 0)
                 res = avgpipe_ea_wait(&w->avg_ctx, st->ea, (uint64_t)j.round - 1, (int64_t)(run->d.timeout_s * 1000));
-            if (!res) res = avgpipe_ea_contribute(&w->avg_ctx, st->ea, j.pipe, (uint64_t)j.round, run->d.params[j.pipe * run->G + j.g], NULL);
-            if (res) avgpipe__run_fail(run, res, "rank %d, averaging of pipeline %d stage %d round %d: %s", w->rank, j.pipe, j.g, j.round,
-                                       avgpipe_last_error(&w->avg_ctx));
+            if (!res)
+                res = avgpipe_ea_contribute(&w->avg_ctx, st->ea, j.pipe, (uint64_t)j.round, avgpipe__run_params(run, w->replica, j.pipe, j.g),
+                                            NULL);
+            if (!res && run->D > 1) res = avgpipe__replica_average(w, st, j.g);
+            if (res && !avgpipe__run_aborted(run))
+                avgpipe__run_fail(run, res, "rank %d, averaging of pipeline %d stage %d round %d: %s", w->rank, j.pipe, j.g, j.round,
+                                  avgpipe_last_error(&w->avg_ctx));
         }
         pthread_mutex_lock(&run->mu);
         w->jhead = (w->jhead + 1) % w->jcap;
@@ -5287,22 +5761,285 @@ static void *avgpipe__avg_main(void *arg) {
     }
 }
 
+/* After a failure: give back every request the local ranks still have (the backend's cancel). */
+static void avgpipe__run_cancel_pending(avgpipe_run *run) {
+    int k, g, q, j;
+    for (k = 0; k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        for (g = w->srank; g < run->G; g += run->S) {
+            avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+            for (q = 0; st->slot && q < st->nslots; q++) {
+                avgpipe__slot *sl = &st->slot[q];
+                avgpipe_comm_request *reqs[4];
+                reqs[0] = &sl->recv_f, reqs[1] = &sl->recv_b, reqs[2] = &sl->send[0], reqs[3] = &sl->send[1];
+                for (j = 0; j < 4; j++) {
+                    if (*reqs[j] && run->comm.cancel && (j < 2 || j - 2 < sl->nsend)) run->comm.cancel(run->comm.user, w->rank, *reqs[j]);
+                    *reqs[j] = NULL;
+                }
+                sl->nsend = 0;
+            }
+        }
+    }
+}
+
+/* ---- control messages between processes (on the driving thread, between iterations) ---- */
+
+/* Post, for local worker k, a receive or a send of `bytes` with rank `peer`; collected in reqs. */
+typedef struct avgpipe__ctl {
+    avgpipe_comm_request req[64];
+    int self[64], peer[64], n;
+} avgpipe__ctl;
+
+static avgpipe_result avgpipe__ctl_wait(avgpipe_run *run, avgpipe__ctl *c, const char *what) {
+    avgpipe_result res = AVGPIPE_OK, r;
+    int i;
+    for (i = 0; i < c->n; i++) {
+        avgpipe_comm_status st;
+        if (!c->req[i]) continue;
+        r = run->comm.wait(run->comm.user, c->self[i], c->req[i], run->d.timeout_s, &st);
+        if (r == AVGPIPE_TIMEOUT || r == AVGPIPE_ABORTED) {
+            if (run->comm.cancel) run->comm.cancel(run->comm.user, c->self[i], c->req[i]);
+        }
+        c->req[i] = NULL;
+        if (r && !res)
+            res = avgpipe__fail(run->ctx, r, "%s: rank %d %s rank %d (%s)", what, c->self[i],
+                                r == AVGPIPE_TIMEOUT ? "heard nothing within the timeout from" : "failed to exchange with", c->peer[i],
+                                r == AVGPIPE_TIMEOUT ? "is that process running, with the same ranks?"
+                                                     : (run->comm.last_error ? run->comm.last_error(run->comm.user, c->self[i]) : ""));
+    }
+    c->n = 0;
+    return res;
+}
+
+static avgpipe_result avgpipe__ctl_post(avgpipe_run *run, avgpipe__ctl *c, int send, int self, int peer, void *buf, size_t bytes,
+                                        uint32_t tag, const char *what) {
+    avgpipe_result res;
+    if (c->n == 64 && (res = avgpipe__ctl_wait(run, c, what)) != AVGPIPE_OK) return res;
+    c->self[c->n] = self;
+    c->peer[c->n] = peer;
+    res = send ? run->comm.isend(run->comm.user, self, peer, buf, bytes, tag, &c->req[c->n])
+               : run->comm.irecv(run->comm.user, self, peer, buf, bytes, tag, &c->req[c->n]);
+    if (res) {
+        c->req[c->n] = NULL;
+        avgpipe__ctl_wait(run, c, what);
+        return avgpipe__fail(run->ctx, res, "%s: rank %d cannot %s rank %d: %s", what, self, send ? "send to" : "receive from", peer,
+                             run->comm.last_error ? run->comm.last_error(run->comm.user, self) : "");
+    }
+    c->n++;
+    return AVGPIPE_OK;
+}
+
+/* Every rank's `bytes` (mine: one record per local worker) in all[rank * bytes], on every process:
+   through rank 0, with nonblocking messages driven from this one thread, whatever the local ranks. */
+static avgpipe_result avgpipe__ctl_allgather(avgpipe_run *run, const unsigned char *mine, size_t bytes, unsigned char *all,
+                                             uint32_t tag, const char *what) {
+    avgpipe__ctl c;
+    avgpipe_result res = AVGPIPE_OK;
+    unsigned char *copies = NULL;
+    int k, q, root_local = avgpipe_run_is_local(run, 0);
+    c.n = 0;
+    for (k = 0; k < run->nlocal; k++) memcpy(all + (size_t)run->w[k].rank * bytes, mine + (size_t)k * bytes, bytes);
+    if (run->all_local) return AVGPIPE_OK;
+    if (root_local) { /* rank 0 collects the other processes' records, then sends everyone the table */
+        for (q = 1; q < run->P && !res; q++)
+            if (!avgpipe_run_is_local(run, q)) res = avgpipe__ctl_post(run, &c, 0, 0, q, all + (size_t)q * bytes, bytes, tag, what);
+        if (!res) res = avgpipe__ctl_wait(run, &c, what);
+        for (q = 1; q < run->P && !res; q++)
+            if (!avgpipe_run_is_local(run, q)) res = avgpipe__ctl_post(run, &c, 1, 0, q, all, bytes * (size_t)run->P, tag + 1, what);
+        if (!res) res = avgpipe__ctl_wait(run, &c, what);
+        avgpipe__ctl_wait(run, &c, what);
+        return res;
+    }
+    copies = (unsigned char *)avgpipe_alloc(run->ctx, bytes * (size_t)run->P * (size_t)run->nlocal);
+    if (!copies) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "%s: out of memory", what);
+    for (k = 0; k < run->nlocal && !res; k++) {
+        res = avgpipe__ctl_post(run, &c, 1, run->w[k].rank, 0, all + (size_t)run->w[k].rank * bytes, bytes, tag, what);
+        if (!res) res = avgpipe__ctl_post(run, &c, 0, run->w[k].rank, 0, copies + (size_t)k * bytes * run->P, bytes * (size_t)run->P, tag + 1, what);
+    }
+    if (!res) res = avgpipe__ctl_wait(run, &c, what);
+    avgpipe__ctl_wait(run, &c, what);
+    if (!res) memcpy(all, copies, bytes * (size_t)run->P);
+    avgpipe_free(run->ctx, copies);
+    return res;
+}
+
+/* The agreement check: a fingerprint of the description and the lowered schedule, compared field by
+   field between every rank and rank 0 (every process finds the same first difference). */
+#define AVGPIPE__FP_FIELDS 24
+static const char *const avgpipe__fp_names[AVGPIPE__FP_FIELDS] = {
+    "protocol", "comm.size", "replicas", "average_every", "schedule (given or generated)", "sched.kind", "sched.stages",
+    "sched.chunks", "sched.micro", "sched.pipes", "sched.rounds", "sched.advance (K)", "sched.continuous", "adaptive", "window",
+    "mem_limit", "ea_mode", "alpha", "momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
+    "the lowered schedule (its ops)", "stage partitions (G)"};
+
+static uint64_t avgpipe__fnv(uint64_t h, const void *p, size_t n) {
+    const unsigned char *b = (const unsigned char *)p;
+    size_t i;
+    for (i = 0; i < n; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+static int64_t avgpipe__bits(double v) {
+    int64_t b;
+    memcpy(&b, &v, sizeof b);
+    return b;
+}
+
+static void avgpipe__fingerprint(const avgpipe_run *run, int64_t *f) {
+    const avgpipe_sched_desc *sh = &run->base.shape;
+    uint64_t h = 14695981039346656037ull;
+    int r, i = 0;
+    f[i++] = 1;
+    f[i++] = run->comm.size;
+    f[i++] = run->D;
+    f[i++] = run->H;
+    f[i++] = run->d.schedule != NULL;
+    f[i++] = sh->kind;
+    f[i++] = run->S;
+    f[i++] = sh->chunks;
+    f[i++] = sh->micro;
+    f[i++] = run->N;
+    f[i++] = sh->rounds;
+    f[i++] = run->K;
+    f[i++] = sh->continuous;
+    f[i++] = run->d.adaptive;
+    f[i++] = run->d.window;
+    f[i++] = avgpipe__bits(run->d.mem_limit);
+    f[i++] = run->d.ea_mode ? run->d.ea_mode : AVGPIPE_EA_MEAN;
+    f[i++] = avgpipe__bits(avgpipe__or_default(run->d.alpha, 0.1));
+    f[i++] = avgpipe__bits(run->d.momentum);
+    f[i++] = run->d.deterministic;
+    f[i++] = (int64_t)avgpipe__fnv(h, run->act, (size_t)run->G * sizeof(size_t));
+    f[i++] = (int64_t)avgpipe__fnv(h, run->d.param_count, (size_t)run->G * sizeof(size_t));
+    for (r = 0; r < run->low.nranks; r++) h = avgpipe__fnv(h, run->low.ops[r], (size_t)run->low.len[r] * sizeof(avgpipe_op));
+    f[i++] = (int64_t)h;
+    f[i++] = run->G;
+}
+
+static avgpipe_result avgpipe__run_agree(avgpipe_run *run) {
+    size_t rec = AVGPIPE__FP_FIELDS * sizeof(int64_t);
+    unsigned char *mine = (unsigned char *)avgpipe_alloc(run->ctx, rec * (size_t)run->nlocal);
+    unsigned char *all = (unsigned char *)avgpipe_alloc(run->ctx, rec * (size_t)run->P);
+    avgpipe_result res = AVGPIPE_OK;
+    int64_t f[AVGPIPE__FP_FIELDS], a[AVGPIPE__FP_FIELDS], b[AVGPIPE__FP_FIELDS];
+    int k, q, i;
+    if (!mine || !all) res = avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    if (!res) {
+        avgpipe__fingerprint(run, f);
+        for (k = 0; k < run->nlocal; k++) memcpy(mine + (size_t)k * rec, f, rec);
+        res = avgpipe__ctl_allgather(run, mine, rec, all, AVGPIPE__TAG_CTL + 2, "the processes' agreement check");
+    }
+    for (q = 1; q < run->P && !res; q++) {
+        memcpy(a, all, rec);
+        memcpy(b, all + (size_t)q * rec, rec);
+        for (i = 0; i < AVGPIPE__FP_FIELDS && !res; i++)
+            if (a[i] != b[i]) {
+                int num = i != 17 && i != 18 && i != 15 && i < 20; /* a plain number, shown as such */
+                if (num)
+                    res = avgpipe__fail(run->ctx, AVGPIPE_MISMATCH, "the processes describe different runs: rank %d has %s = %lld, rank 0 "
+                                        "has %lld (start every process with the same flags)", q, avgpipe__fp_names[i], (long long)b[i],
+                                        (long long)a[i]);
+                else
+                    res = avgpipe__fail(run->ctx, AVGPIPE_MISMATCH, "the processes describe different runs: rank %d and rank 0 differ in "
+                                        "%s (start every process with the same flags)", q, avgpipe__fp_names[i]);
+            }
+    }
+    avgpipe_free(run->ctx, mine);
+    avgpipe_free(run->ctx, all);
+    return res;
+}
+
+/* The slowest process's iteration time (the adaptive controller's input, equal on every process). */
+static avgpipe_result avgpipe__run_max_time(avgpipe_run *run, double *seconds) {
+    unsigned char *mine, *all;
+    avgpipe_result res;
+    int k;
+    if (run->all_local) return AVGPIPE_OK;
+    mine = (unsigned char *)avgpipe_alloc(run->ctx, sizeof(double) * (size_t)(run->nlocal + run->P));
+    if (!mine) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    all = mine + sizeof(double) * (size_t)run->nlocal;
+    for (k = 0; k < run->nlocal; k++) memcpy(mine + sizeof(double) * (size_t)k, seconds, sizeof(double));
+    res = avgpipe__ctl_allgather(run, mine, sizeof(double), all, AVGPIPE__TAG_CTL + 4, "the adaptive controller's time exchange");
+    for (k = 0; k < run->P && !res; k++) {
+        double t;
+        memcpy(&t, all + sizeof(double) * (size_t)k, sizeof t);
+        if (t > *seconds) *seconds = t;
+    }
+    avgpipe_free(run->ctx, mine);
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count) {
+    unsigned char *mine, *all;
+    avgpipe_result res;
+    size_t bytes;
+    int k, i;
+    if (!run || (!values && count) || count < 0 || count > 4096)
+        return avgpipe__fail(run ? run->ctx : NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_allreduce: bad argument (count %d, 0..4096)", count);
+    if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_allreduce: the run failed earlier (%s)", run->abort_msg);
+    if (run->all_local || count == 0) return AVGPIPE_OK;
+    bytes = (size_t)count * sizeof(double);
+    mine = (unsigned char *)avgpipe__calloc(run->ctx, (size_t)(run->nlocal + run->P), bytes);
+    if (!mine) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_allreduce: out of memory");
+    all = mine + bytes * (size_t)run->nlocal;
+    memcpy(mine, values, bytes); /* the process counts once: through its first local rank; the others add 0 */
+    res = avgpipe__ctl_allgather(run, mine, bytes, all, AVGPIPE__TAG_CTL + 6, "avgpipe_run_allreduce");
+    if (!res)
+        for (i = 0; i < count; i++) {
+            double sum = 0, v;
+            for (k = 0; k < run->P; k++) {
+                memcpy(&v, all + bytes * (size_t)k + sizeof(double) * (size_t)i, sizeof v);
+                sum += v;
+            }
+            values[i] = sum;
+        }
+    avgpipe_free(run->ctx, mine);
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst) {
+    avgpipe__ctl c;
+    avgpipe_result res = AVGPIPE_OK;
+    int g, root = 0;
+    const char *what = "avgpipe_run_gather_reference";
+    if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "%s: run is NULL", what);
+    if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "%s: the run failed earlier (%s)", what, run->abort_msg);
+    root = avgpipe_run_is_local(run, 0);
+    if (root && !dst) return avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst is NULL on the process that runs rank 0", what);
+    c.n = 0;
+    for (g = 0; g < run->G && !res; g++) {
+        int r = avgpipe__run_rank(run, g), mine = avgpipe_run_is_local(run, r);
+        size_t bytes = run->d.param_count[g] * sizeof(float);
+        const float *z = mine ? avgpipe_run_replica_reference(run, 0, g, NULL) : NULL;
+        if (root && !dst[g]) res = avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst[%d] is NULL", what, g);
+        else if (root && mine) memcpy(dst[g], z, bytes);
+        else if (root) res = avgpipe__ctl_post(run, &c, 0, 0, r, dst[g], bytes, AVGPIPE__TAG_CTL + 16 + (uint32_t)(g & 0xffff), what);
+        else if (mine) res = avgpipe__ctl_post(run, &c, 1, r, 0, (void *)(uintptr_t)z, bytes, AVGPIPE__TAG_CTL + 16 + (uint32_t)(g & 0xffff), what);
+    }
+    if (!res) res = avgpipe__ctl_wait(run, &c, what);
+    avgpipe__ctl_wait(run, &c, what);
+    return res;
+}
+
 /* ---- create, iterate, destroy ---- */
 
-static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run_desc *d, int G, int N) {
-    int g, p;
+static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
+    const avgpipe_run_desc *d = &run->d;
+    int k, g, p;
     if (!d->cb.forward) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.forward: required");
     if (!d->cb.backward && !(d->cb.backward_input && d->cb.backward_weight))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward: required (or both backward_input and backward_weight)");
     if (!d->cb.backward_input != !d->cb.backward_weight)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward_input, cb.backward_weight: give both or neither");
-    if (G > 1 && !d->act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "act_bytes: required for %d stages (one entry per boundary)", G);
+    if (run->G > 1 && !d->act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "act_bytes: required for %d stages (one entry per boundary)", run->G);
     if (!d->params || !d->param_count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params, param_count: required");
-    for (g = 0; g < G; g++) {
+    for (g = 0; g < run->G; g++)
         if (d->param_count[g] < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "param_count[%d]: must be >= 1", g);
-        for (p = 0; p < N; p++)
-            if (!d->params[p * G + g]) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (pipeline %d, stage %d)", p * G + g, p, g);
-    }
+    for (k = 0; k < run->nlocal; k++) /* the local ranks' partitions of every model */
+        for (g = run->w[k].srank; g < run->G; g += run->S)
+            for (p = 0; p < run->N; p++)
+                if (!avgpipe__run_params(run, run->w[k].replica, p, g))
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (replica %d, pipeline %d, stage %d, run by local rank %d)",
+                                         (run->w[k].replica * run->N + p) * run->G + g, run->w[k].replica, p, g, run->w[k].rank);
     if (d->timeout_s < 0 || d->mem_limit < 0 || d->window < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "timeout_s, mem_limit and window must be >= 0");
     if (d->adaptive && (d->schedule || d->sched.kind != AVGPIPE_SCHED_ADVANCE))
@@ -5310,50 +6047,152 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
-    int g, r;
-    avgpipe_result res;
-    for (g = 0; g < run->G; g++) { /* averaging: one module per stage partition, z0 = pipeline 0's weights */
-        avgpipe_ea_desc ed;
-        memset(&ed, 0, sizeof ed);
-        ed.count = run->d.param_count[g];
-        ed.pipes = run->N;
-        ed.mode = run->d.ea_mode;
-        ed.alpha = run->d.alpha;
-        ed.momentum = run->d.momentum;
-        ed.initial = run->d.params[g];
-        ed.device = &run->dev;
-        ed.stage = g;
-        res = avgpipe_ea_create(run->ctx, &ed, &run->st[g].ea);
-        if (res) return res;
-        run->st[g].avg_done = (int *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof(int));
-        if (!run->st[g].avg_done) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+/* Which ranks run here: desc.local_ranks (checked, sorted), or all of them. */
+static avgpipe_result avgpipe__run_locals(avgpipe_context *ctx, avgpipe_run *run) {
+    const avgpipe_run_desc *d = &run->d;
+    int k, i, n = d->local_ranks ? d->local_count : run->P;
+    if (d->local_ranks && (d->local_count < 1 || d->local_count > run->P))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "local_count: %d with local_ranks given (1..%d)", d->local_count, run->P);
+    if (!d->local_ranks && d->local_count)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "local_count: %d without local_ranks", d->local_count);
+    run->w = (avgpipe__worker *)avgpipe__calloc(ctx, (size_t)n, sizeof(avgpipe__worker));
+    if (!run->w) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    for (k = 0; k < n; k++) {
+        int r = d->local_ranks ? d->local_ranks[k] : k;
+        if (r < 0 || r >= run->P)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "local_ranks[%d]: rank %d outside 0..%d (%d replica groups of %d ranks)", k, r,
+                                 run->P - 1, run->D, run->S);
+        for (i = k; i > 0 && run->w[i - 1].rank > r; i--) run->w[i] = run->w[i - 1]; /* insertion sort */
+        run->w[i].rank = r;
     }
-    for (r = 0; r < run->S; r++) {
-        avgpipe__worker *w = &run->w[r];
-        w->run = run;
-        w->rank = r;
+    for (k = 0; k < n; k++) {
+        if (k > 0 && run->w[k].rank == run->w[k - 1].rank)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "local_ranks: rank %d is listed twice", run->w[k].rank);
+        run->w[k].run = run;
+        run->w[k].replica = run->w[k].rank / run->S;
+        run->w[k].srank = run->w[k].rank % run->S;
+    }
+    run->nlocal = n;
+    run->all_local = n == run->P;
+    return AVGPIPE_OK;
+}
+
+/* The comm backend: the user's (checked), or the in-process one when every rank runs here. */
+static avgpipe_result avgpipe__run_comm(avgpipe_context *ctx, avgpipe_run *run) {
+    avgpipe_result res;
+    if (!run->d.comm) {
+        if (!run->all_local)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm: required when local_ranks leaves ranks to other processes");
+        res = avgpipe_comm_local_create(ctx, run->P, &run->comm);
+        run->own_comm = !res;
+        return res;
+    }
+    run->comm = *run->d.comm;
+    if ((res = avgpipe_comm_check(ctx, &run->comm)) != AVGPIPE_OK) return res;
+    if (run->comm.size != run->P)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm: size %d but the run has %d ranks (%d replica groups x %d)", run->comm.size, run->P,
+                             run->D, run->S);
+    return AVGPIPE_OK;
+}
+
+/* Replica groups: each local rank joins the sub-communicator of the D ranks that hold its stages. */
+static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run) {
+    int k, d, *members;
+    avgpipe_result res = AVGPIPE_OK;
+    if (run->D == 1) return AVGPIPE_OK;
+    if (!run->comm.split || !run->comm.allreduce_sum)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': replicas need its split and allreduce_sum entries",
+                             run->comm.name ? run->comm.name : "?");
+    if (!run->dev.scale) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "device '%s': replicas need its scale entry", run->dev.name);
+    members = (int *)avgpipe_alloc(ctx, (size_t)run->D * sizeof(int));
+    if (!members) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    for (k = 0; k < run->nlocal && !res; k++) {
+        avgpipe__worker *w = &run->w[k];
+        for (d = 0; d < run->D; d++) members[d] = d * run->S + w->srank;
+        res = run->comm.split(run->comm.user, w->rank, members, run->D, &w->group);
+        if (res)
+            res = avgpipe__fail(ctx, res, "comm '%s': rank %d cannot form its replica group: %s", run->comm.name ? run->comm.name : "?", w->rank,
+                                run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+        else
+            w->has_group = 1;
+    }
+    avgpipe_free(ctx, members);
+    return res;
+}
+
+static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
+    int k, g;
+    avgpipe_result res;
+    for (k = 0; k < run->nlocal; k++) /* averaging: one module per local stage partition */
+        for (g = run->w[k].srank; g < run->G; g += run->S) {
+            avgpipe__stage *st = avgpipe__run_stage(run, run->w[k].replica, g);
+            avgpipe_ea_desc ed;
+            memset(&ed, 0, sizeof ed);
+            ed.count = run->d.param_count[g];
+            ed.pipes = run->N;
+            ed.mode = run->d.ea_mode;
+            ed.alpha = run->d.alpha;
+            ed.momentum = run->d.momentum;
+            ed.initial = run->d.reference && run->d.reference[g] ? run->d.reference[g] : avgpipe__run_params(run, run->w[k].replica, 0, g);
+            ed.device = &run->dev;
+            ed.stage = g;
+            ed.hold_every = run->D > 1 ? run->H : 0;
+            if ((res = avgpipe_ea_create(run->ctx, &ed, &st->ea)) != AVGPIPE_OK) return res;
+            st->avg_done = (int *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof(int));
+            if (!st->avg_done) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+        }
+    for (k = 0; k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
         avgpipe_context_init(&w->ctx, &run->ctx->desc);
         avgpipe_context_init(&w->avg_ctx, &run->ctx->desc);
         w->jcap = 2 * run->N * run->G * run->R + 16; /* AVG jobs of one iteration fit */
         w->jobs = (avgpipe__job *)avgpipe__calloc(run->ctx, (size_t)w->jcap, sizeof(avgpipe__job));
-        w->seq = (int *)avgpipe__calloc(run->ctx, (size_t)run->S, sizeof(int));
-        w->rseq = (int *)avgpipe__calloc(run->ctx, (size_t)run->S, sizeof(int));
+        w->seq = (int *)avgpipe__calloc(run->ctx, (size_t)run->P, sizeof(int));
+        w->rseq = (int *)avgpipe__calloc(run->ctx, (size_t)run->P, sizeof(int));
         if (!w->jobs || !w->seq || !w->rseq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
         if (pthread_create(&w->thread, NULL, avgpipe__worker_main, w) != 0)
-            return avgpipe__fail(run->ctx, AVGPIPE_BACKEND_ERROR, "runtime: cannot start the worker thread of rank %d", r);
+            return avgpipe__fail(run->ctx, AVGPIPE_BACKEND_ERROR, "runtime: cannot start the worker thread of rank %d", w->rank);
         w->started = 1;
         if (pthread_create(&w->avg_thread, NULL, avgpipe__avg_main, w) != 0)
-            return avgpipe__fail(run->ctx, AVGPIPE_BACKEND_ERROR, "runtime: cannot start the averaging thread of rank %d", r);
+            return avgpipe__fail(run->ctx, AVGPIPE_BACKEND_ERROR, "runtime: cannot start the averaging thread of rank %d", w->rank);
         w->avg_started = 1;
     }
+    return AVGPIPE_OK;
+}
+
+/* The shape, the groups and the local ranks of desc (create and the memory model). */
+static avgpipe_result avgpipe__run_shape(avgpipe_context *ctx, avgpipe_run *run) {
+    const avgpipe_run_desc *d = &run->d;
+    avgpipe_result res;
+    if (d->schedule) {
+        if (!d->schedule->len || d->schedule->nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "schedule: empty");
+        run->sd = d->schedule->shape;
+        run->S = d->schedule->nranks;
+        run->G = d->schedule->nstages;
+        run->N = d->schedule->shape.pipes;
+    } else {
+        if ((res = avgpipe_sched_resolve(ctx, &d->sched, &run->sd)) != AVGPIPE_OK) return res;
+        run->S = run->sd.stages;
+        run->G = run->sd.stages * run->sd.chunks;
+        run->N = run->sd.pipes;
+        run->K = d->adaptive ? 0 : run->sd.advance;
+    }
+    if (d->replicas < 0 || d->replicas > 65536) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "replicas: %d (0..65536; 0 means 1)", d->replicas);
+    if (d->average_every < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "average_every: %d (>= 0; 0 means 1)", d->average_every);
+    run->D = d->replicas ? d->replicas : 1;
+    run->H = d->average_every ? d->average_every : 1;
+    if ((long long)run->D * run->S > 1 << 20) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "replicas x stages: too many ranks");
+    run->P = run->D * run->S;
+    run->act = (size_t *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(size_t));
+    if (!run->act) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    if (run->G > 1 && !d->act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "act_bytes: required for %d stages (one entry per boundary)", run->G);
+    if (run->G > 1) memcpy(run->act, d->act_bytes, (size_t)(run->G - 1) * sizeof(size_t));
     return AVGPIPE_OK;
 }
 
 AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpipe_run_desc *desc, avgpipe_run **out) {
     avgpipe_run *run;
     avgpipe_result res;
-    int G, N, g;
     if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_create: NULL argument");
     *out = NULL;
     ctx = avgpipe__ctx(ctx);
@@ -5365,62 +6204,34 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     pthread_cond_init(&run->cv, NULL);
     if (run->d.timeout_s == 0) run->d.timeout_s = 60;
     if (run->d.window == 0) run->d.window = 3;
-    if (desc->schedule) {
-        run->S = desc->schedule->nranks;
-        run->G = desc->schedule->nstages;
-        run->N = desc->schedule->shape.pipes;
-    } else {
-        res = avgpipe_sched_resolve(ctx, &desc->sched, &run->sd);
-        if (res) goto fail;
-        run->S = run->sd.stages;
-        run->G = run->sd.stages * run->sd.chunks;
-        run->N = run->sd.pipes;
-        run->K = desc->adaptive ? 0 : run->sd.advance;
+    res = avgpipe__run_shape(ctx, run);
+    if (!res) res = avgpipe__run_locals(ctx, run);
+    if (!res) res = avgpipe__run_check(ctx, run);
+    if (!res) {
+        run->st = (avgpipe__stage *)avgpipe__calloc(ctx, (size_t)run->D * run->G, sizeof(avgpipe__stage));
+        run->win = (double *)avgpipe__calloc(ctx, (size_t)run->d.window, sizeof(double));
+        if (!run->st || !run->win) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
     }
-    G = run->G;
-    N = run->N;
-    res = avgpipe__run_check(ctx, desc, G, N);
-    if (res) goto fail;
-    run->act = (size_t *)avgpipe__calloc(ctx, (size_t)G, sizeof(size_t));
-    run->st = (avgpipe__stage *)avgpipe__calloc(ctx, (size_t)G, sizeof(avgpipe__stage));
-    run->w = (avgpipe__worker *)avgpipe__calloc(ctx, (size_t)run->S, sizeof(avgpipe__worker));
-    run->win = (double *)avgpipe__calloc(ctx, (size_t)run->d.window, sizeof(double));
-    if (!run->act || !run->st || !run->w || !run->win) {
-        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
-        goto fail;
-    }
-    for (g = 0; g + 1 < G; g++) run->act[g] = desc->act_bytes[g];
     run->best = -1;
     run->best_k = run->K;
-    if (desc->comm) {
-        run->comm = *desc->comm;
-        res = avgpipe_comm_check(ctx, &run->comm);
-        if (!res && run->comm.size != run->S)
-            res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm: size %d but the schedule has %d ranks", run->comm.size, run->S);
-    } else {
-        res = avgpipe_comm_local_create(ctx, run->S, &run->comm);
-        run->own_comm = !res;
-    }
-    if (res) goto fail;
-    res = avgpipe_device_cpu_create(ctx, NULL, &run->dev);
-    if (res) goto fail;
-    run->own_dev = 1;
-    res = avgpipe__run_prepare(run);
+    if (!res) res = avgpipe__run_comm(ctx, run);
+    if (!res && (res = avgpipe_device_cpu_create(ctx, NULL, &run->dev)) == AVGPIPE_OK) run->own_dev = 1;
+    if (!res) res = avgpipe__run_prepare(run);
+    if (!res) res = avgpipe__run_agree(run);
+    if (!res) res = avgpipe__run_groups(ctx, run);
     if (!res) res = avgpipe__run_start(run);
-    if (res) goto fail;
-    *out = run;
-    return AVGPIPE_OK;
-fail:
-    {
+    if (res) {
         char msg[AVGPIPE_ERROR_MAX];
         snprintf(msg, sizeof msg, "%s", ctx->error);
         avgpipe_run_destroy(run);
         return avgpipe__fail(ctx, res, "%s", msg);
     }
+    *out = run;
+    return AVGPIPE_OK;
 }
 
 AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
-    int r, g;
+    int k, g;
     avgpipe_context *ctx;
     if (!run) return;
     ctx = run->ctx;
@@ -5428,20 +6239,25 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
     run->quit = 1;
     pthread_cond_broadcast(&run->cv);
     pthread_mutex_unlock(&run->mu);
-    if (run->w)
-        for (r = 0; r < run->S; r++) {
-            avgpipe__worker *w = &run->w[r];
-            if (w->started) pthread_join(w->thread, NULL);
-            if (w->avg_started) pthread_join(w->avg_thread, NULL);
+    if (run->w) {
+        for (k = 0; k < run->nlocal; k++) {
+            if (run->w[k].started) pthread_join(run->w[k].thread, NULL);
+            if (run->w[k].avg_started) pthread_join(run->w[k].avg_thread, NULL);
+        }
+        if (run->st && run->comm.isend) avgpipe__run_cancel_pending(run);
+        for (k = 0; k < run->nlocal; k++) {
+            avgpipe__worker *w = &run->w[k];
+            if (w->has_group) avgpipe_comm_destroy(&w->group);
             avgpipe_free(ctx, w->jobs);
             avgpipe_free(ctx, w->seq);
             avgpipe_free(ctx, w->rseq);
             avgpipe_free(ctx, w->ev);
             avgpipe_free(ctx, w->evbytes);
         }
+    }
     avgpipe__free_plan(run);
     if (run->st)
-        for (g = 0; g < run->G; g++) {
+        for (g = 0; g < run->D * run->G; g++) {
             avgpipe_ea_destroy(run->st[g].ea);
             avgpipe_free(ctx, run->st[g].avg_done);
         }
@@ -5479,8 +6295,10 @@ static double avgpipe__predicted_stash(const avgpipe_run *run, int K, int rank) 
 static avgpipe_result avgpipe__adapt(avgpipe_run *run, double seconds) {
     double med;
     int next, r, fits = 1;
+    avgpipe_result res;
     if (!run->d.adaptive || run->adapt_done) return AVGPIPE_OK;
     if (run->iter == 1) return AVGPIPE_OK; /* the first iteration warms caches and pages up */
+    if ((res = avgpipe__run_max_time(run, &seconds)) != AVGPIPE_OK) return res; /* every process decides alike */
     run->win[run->win_n++] = seconds;
     if (run->win_n < run->d.window) return AVGPIPE_OK;
     qsort(run->win, (size_t)run->win_n, sizeof(double), avgpipe__cmp_double);
@@ -5510,21 +6328,21 @@ static avgpipe_result avgpipe__adapt(avgpipe_run *run, double seconds) {
 }
 
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats) {
-    int r, g, i;
+    int k, g, i;
     double busy = 0, loss = 0, t1;
     long long nloss = 0, ops = 0;
     avgpipe_result res;
     if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_iteration: run is NULL");
     if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_iteration: an earlier iteration failed (%s)", run->abort_msg);
-    for (i = 0; i < run->G * run->N * run->U; i++) run->slot_of[i] = -1;
-    for (g = 0; g < run->G; g++) {
+    for (i = 0; i < run->D * run->G * run->N * run->U; i++) run->slot_of[i] = -1;
+    for (g = 0; g < run->D * run->G; g++) {
         avgpipe__stage *st = &run->st[g];
         st->fq_head = 0;
         st->fq_len = st->nslots;
         for (i = 0; i < st->nslots; i++) st->freeq[i] = i;
     }
-    for (r = 0; r < run->S; r++) {
-        avgpipe__worker *w = &run->w[r];
+    for (k = 0; k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
         w->busy = w->loss = 0;
         w->nloss = w->ops = 0;
         w->nev = 0;
@@ -5534,21 +6352,21 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     run->done = 0;
     run->go++;
     pthread_cond_broadcast(&run->cv);
-    while (run->done < run->S) pthread_cond_wait(&run->cv, &run->mu); /* every worker wait has its own timeout */
-    for (r = 0; r < run->S; r++) /* and the averaging of this iteration */
-        while ((run->w[r].jlen > 0 || run->w[r].avg_busy) && !run->aborted) pthread_cond_wait(&run->cv, &run->mu);
+    while (run->done < run->nlocal) pthread_cond_wait(&run->cv, &run->mu); /* every worker wait has its own timeout */
+    for (k = 0; k < run->nlocal; k++) /* and the averaging of this iteration */
+        while ((run->w[k].jlen > 0 || run->w[k].avg_busy) && !run->aborted) pthread_cond_wait(&run->cv, &run->mu);
     pthread_mutex_unlock(&run->mu);
     t1 = avgpipe__now();
     run->iter++;
-    if (run->aborted) {
+    if (avgpipe__run_aborted(run)) {
         run->dead = 1;
         return avgpipe__fail(run->ctx, run->abort_res, "%s", run->abort_msg);
     }
-    for (r = 0; r < run->S; r++) {
-        busy += run->w[r].busy;
-        loss += run->w[r].loss;
-        nloss += run->w[r].nloss;
-        ops += run->w[r].ops;
+    for (k = 0; k < run->nlocal; k++) {
+        busy += run->w[k].busy;
+        loss += run->w[k].loss;
+        nloss += run->w[k].nloss;
+        ops += run->w[k].ops;
     }
     run->seconds = t1 - run->t0;
     if (stats) {
@@ -5556,7 +6374,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
         stats->seconds = run->seconds;
         stats->loss = nloss ? loss / (double)nloss : 0;
         stats->micro_batches = nloss;
-        stats->bubble = run->seconds > 0 ? 1 - busy / (run->S * run->seconds) : 0;
+        stats->bubble = run->seconds > 0 ? 1 - busy / (run->nlocal * run->seconds) : 0;
         stats->advance = run->K;
         stats->ops = ops;
     }
@@ -5565,38 +6383,100 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     return res;
 }
 
-AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count) {
-    if (!run || stage < 0 || stage >= run->G) return NULL;
+AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank) {
+    int lo = 0, hi;
+    if (!run || rank < 0 || rank >= run->P) return 0;
+    if (run->all_local) return 1;
+    hi = run->nlocal - 1;
+    while (lo <= hi) { /* the workers are sorted by rank */
+        int mid = (lo + hi) / 2;
+        if (run->w[mid].rank == rank) return 1;
+        if (run->w[mid].rank < rank) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return 0;
+}
+
+AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int replica, int stage, size_t *count) {
+    if (!run || stage < 0 || stage >= run->G || replica < 0 || replica >= run->D) return NULL;
+    if (!avgpipe_run_is_local(run, replica * run->S + avgpipe__run_rank(run, stage))) return NULL;
     if (count) *count = run->d.param_count[stage];
-    return avgpipe_ea_reference(run->st[stage].ea, NULL);
+    return avgpipe_ea_reference(avgpipe__run_stage(run, replica, stage)->ea, NULL);
+}
+
+AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count) {
+    int d;
+    if (!run) return NULL;
+    for (d = 0; d < run->D; d++)
+        if (avgpipe_run_is_local(run, d * run->S + avgpipe__run_rank(run, stage))) return avgpipe_run_replica_reference(run, d, stage, count);
+    return NULL;
 }
 
 AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run) { return run ? &run->low : NULL; }
 
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
-    return run && stage >= 0 && stage < run->G ? run->st[stage].nslots : -1;
+    return run && stage >= 0 && stage < run->G ? run->plan.slots[stage] : -1;
+}
+
+/* The averaging buffers of stage g under desc's averaging settings. */
+static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d, int N, size_t count) {
+    avgpipe_ea_desc ed;
+    avgpipe_ea_memory_info mi;
+    memset(&ed, 0, sizeof ed);
+    ed.count = count;
+    ed.pipes = N;
+    ed.mode = d->ea_mode;
+    ed.alpha = d->alpha;
+    ed.momentum = d->momentum;
+    return avgpipe_ea_memory_bytes(ctx, &ed, &mi) == AVGPIPE_OK ? (double)mi.device_bytes : -1;
 }
 
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
     double bytes = 0;
+    avgpipe_context quiet;
     int g;
-    if (!run || rank < 0 || rank >= run->S) return -1;
-    for (g = rank; g < run->G; g += run->S) {
-        avgpipe_ea_desc ed = avgpipe_ea_query_desc(run->st[g].ea);
-        avgpipe_ea_memory_info mi;
-        avgpipe_context quiet;
-        avgpipe_context_init(&quiet, NULL);
-        bytes += (double)run->st[g].slot_bytes * run->st[g].nslots;
-        if (!avgpipe_ea_memory_bytes(&quiet, &ed, &mi)) bytes += (double)mi.device_bytes;
-    }
+    if (!run || !avgpipe_run_is_local(run, rank)) return -1;
+    avgpipe_context_init(&quiet, NULL);
+    for (g = rank % run->S; g < run->G; g += run->S)
+        bytes += (double)run->plan.slot_bytes[g] * run->plan.slots[g] + avgpipe__ea_bytes(&quiet, &run->d, run->N, run->d.param_count[g]);
     return bytes;
 }
 
-/* All ranks' events of the last iteration, gathered into one array (run->mev). */
+AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
+    avgpipe_run run;
+    avgpipe_schedule base, low;
+    avgpipe_run_plan plan;
+    avgpipe_result res;
+    int g;
+    if (!desc || !per_rank) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: NULL argument");
+    if (!desc->param_count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: param_count is required");
+    memset(&run, 0, sizeof run);
+    run.d = *desc;
+    res = avgpipe__run_shape(ctx, &run);
+    if (!res) res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, &base, &low);
+    if (!res) {
+        res = avgpipe_run_plan_buffers(ctx, &low, run.act, &plan);
+        avgpipe_sched_free(ctx, &base);
+        avgpipe_sched_free(ctx, &low);
+    }
+    if (!res) {
+        for (g = 0; g < run.S; g++) per_rank[g] = 0;
+        for (g = 0; g < run.G && !res; g++) {
+            double ea = avgpipe__ea_bytes(ctx, desc, run.N, desc->param_count[g]);
+            if (ea < 0) res = avgpipe_last_result(avgpipe__ctx(ctx));
+            per_rank[avgpipe__rank_of(g, run.S)] += (double)plan.slot_bytes[g] * plan.slots[g] + ea;
+        }
+        avgpipe_run_plan_free(ctx, &plan);
+    }
+    avgpipe_free(ctx, run.act);
+    return res;
+}
+
+/* The local ranks' events of the last iteration, gathered into one array (run->mev). */
 static size_t avgpipe__gather_events(avgpipe_run *run) {
     size_t n = 0, k = 0;
     int r;
-    for (r = 0; r < run->S; r++) n += run->w[r].nev;
+    for (r = 0; r < run->nlocal; r++) n += run->w[r].nev;
     if (n > run->mcap) {
         avgpipe_event *e = (avgpipe_event *)avgpipe__realloc(run->ctx, run->mev, 0, n * sizeof *e);
         double *b;
@@ -5607,7 +6487,7 @@ static size_t avgpipe__gather_events(avgpipe_run *run) {
         run->mbytes = b;
         run->mcap = n;
     }
-    for (r = 0; r < run->S; r++) {
+    for (r = 0; r < run->nlocal; r++) {
         if (run->w[r].nev == 0) continue;
         memcpy(run->mev + k, run->w[r].ev, run->w[r].nev * sizeof(avgpipe_event));
         memcpy(run->mbytes + k, run->w[r].evbytes, run->w[r].nev * sizeof(double));
@@ -5634,7 +6514,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_append_profile(avgpipe_run *run, const ch
 static avgpipe_result avgpipe__run_profile(avgpipe_run *run, const char *path, int append) {
     FILE *f;
     size_t n, i;
-    int g, bad;
+    int g, bad, group;
     const avgpipe_sched_desc *sh;
     if (!run || !path) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_write_profile: NULL argument");
     if (!run->d.profile) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_write_profile: create the run with profile = 1");
@@ -5642,15 +6522,17 @@ static avgpipe_result avgpipe__run_profile(avgpipe_run *run, const char *path, i
     f = fopen(path, append ? "a" : "w");
     if (!f) return avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot create '%s'", path);
     sh = &run->base.shape;
+    group = run->w[0].replica; /* one group's ranks: the tuner models one group */
     if (!append || ftell(f) == 0) fprintf(f, "# avgpipe profile v1\n");
     fprintf(f, "shape kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d samples=%.17g seconds=%.9f\n",
             avgpipe_sched_kind_name(sh->kind), run->S, sh->chunks, sh->micro, run->N, sh->rounds, run->K, sh->continuous,
             run->d.micro_samples > 0 ? run->d.micro_samples : 1.0, run->seconds);
     for (g = 0; g < run->G; g++)
-        fprintf(f, "stage %d param_floats=%zu act_bytes=%zu slots=%d\n", g, run->d.param_count[g], run->act[g], run->st[g].nslots);
+        fprintf(f, "stage %d param_floats=%zu act_bytes=%zu slots=%d\n", g, run->d.param_count[g], run->act[g], run->plan.slots[g]);
     for (i = 0; i < n; i++) {
         const avgpipe_event *e = &run->mev[i];
-        fprintf(f, "op rank=%d kind=%s pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=%.0f\n", (int)e->rank,
+        if (e->rank / run->S != group) continue;
+        fprintf(f, "op rank=%d kind=%s pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=%.0f\n", (int)e->rank % run->S,
                 e->track == 2 ? (e->op.kind == AVGPIPE_OP_F ? "RECV_F" : "RECV_B") : avgpipe_op_kind_name((avgpipe_op_kind)e->op.kind),
                 e->op.pipe, e->op.stage, e->op.micro, e->start, e->end, run->mbytes[i]);
     }
@@ -5670,7 +6552,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char 
     n = avgpipe__gather_events(run);
     memset(&rd, 0, sizeof rd);
     rd.us_per_unit = 1e6; /* event times are seconds */
-    res = avgpipe_render_chrome(run->ctx, run->mev, n, run->S, &rd, &b);
+    res = avgpipe_render_chrome(run->ctx, run->mev, n, run->P, &rd, &b);
     if (res) return res;
     f = fopen(path, "w");
     if (!f) res = avgpipe__fail(run->ctx, AVGPIPE_IO_ERROR, "cannot create '%s'", path);
@@ -6113,57 +6995,6 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     avgpipe_sched_free(ctx, &s);
     avgpipe_sim_result_free(ctx, &r);
     return AVGPIPE_OK;
-}
-
-AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
-    avgpipe_run *run;
-    avgpipe_result res = AVGPIPE_OK;
-    int g, r;
-    if (!desc || !per_rank) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: NULL argument");
-    ctx = avgpipe__ctx(ctx);
-    run = (avgpipe_run *)avgpipe__calloc(ctx, 1, sizeof *run);
-    if (!run) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_memory: out of memory");
-    run->ctx = ctx;
-    run->d = *desc;
-    run->plan_only = 1;
-    if (desc->schedule) {
-        run->S = desc->schedule->nranks;
-        run->G = desc->schedule->nstages;
-        run->N = desc->schedule->shape.pipes;
-    } else {
-        res = avgpipe_sched_resolve(ctx, &desc->sched, &run->sd);
-        run->S = run->sd.stages;
-        run->G = run->sd.stages * run->sd.chunks;
-        run->N = run->sd.pipes;
-        run->K = desc->adaptive ? 0 : run->sd.advance;
-    }
-    if (!res && (!desc->param_count || (run->G > 1 && !desc->act_bytes)))
-        res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: param_count and act_bytes are required");
-    if (!res) {
-        run->act = (size_t *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(size_t));
-        run->st = (avgpipe__stage *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(avgpipe__stage));
-        if (!run->act || !run->st) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_memory: out of memory");
-    }
-    for (g = 0; !res && g + 1 < run->G; g++) run->act[g] = desc->act_bytes[g];
-    if (!res) res = avgpipe__run_prepare(run);
-    for (r = 0; !res && r < run->S; r++) per_rank[r] = 0;
-    for (g = 0; !res && g < run->G; g++) {
-        avgpipe_ea_desc ed;
-        avgpipe_ea_memory_info mi;
-        memset(&ed, 0, sizeof ed);
-        ed.count = desc->param_count[g];
-        ed.pipes = run->N;
-        ed.mode = desc->ea_mode;
-        ed.alpha = desc->alpha;
-        ed.momentum = desc->momentum;
-        res = avgpipe_ea_memory_bytes(ctx, &ed, &mi);
-        if (!res) per_rank[avgpipe__run_rank(run, g)] += (double)run->st[g].slot_bytes * run->st[g].nslots + (double)mi.device_bytes;
-    }
-    avgpipe__free_plan(run);
-    avgpipe_free(ctx, run->act);
-    avgpipe_free(ctx, run->st);
-    avgpipe_free(ctx, run);
-    return res;
 }
 
 static int avgpipe__cmp_candidate(const void *x, const void *y) {

@@ -4,9 +4,12 @@
    (avgpipe_comm, section 9 of avgpipe.h). This file implements one from scratch over POSIX pipes
    between the stage threads of one process — the same shape a socket, RDMA or shared-memory backend
    would have:
-     - one pipe per ordered pair of ranks (src -> dst); a message is an 8-byte size header + payload;
+     - one pipe per ordered pair of ranks (src -> dst); a message is a 16-byte header (size, tag) + payload;
      - isend / irecv queue a request on its channel: requests of a channel are served in posting order,
-       so the k-th send from A to B meets B's k-th receive from A (no tags, as in NCCL);
+       so the k-th send from A to B meets B's k-th receive from A, whatever the tags (as in NCCL); the
+       receive then checks the header: another tag or size fails it with AVGPIPE_MISMATCH (the payload
+       is drained, so the stream stays in step), and its status says what arrived;
+     - cancel() takes a request that has not started moving out of its queue;
      - the pipes are non-blocking; a rank moves bytes only when it calls into the backend (post, test,
        wait), and then for ALL its pending requests, so a large send makes progress while its rank
        waits for something else; a message larger than the pipe's buffer streams through in pieces;
@@ -43,13 +46,16 @@
 typedef struct preq {
     struct preq *next;           /* next request on the same channel, in posting order */
     struct preq *prev_live, *next_live; /* every unreleased request of the rank (freed by destroy) */
-    int send, peer, done;
+    int send, peer, done, drain; /* drain: a mismatched payload being read into nowhere */
     avgpipe_result res;
     const unsigned char *sbuf;
     unsigned char *rbuf;
-    uint64_t bytes, hdr; /* hdr: the size header as sent / as received */
+    uint64_t bytes;
+    uint64_t hdr[2];     /* the header as sent / as received: size, tag */
     uint64_t off;        /* bytes moved so far, header included */
+    uint32_t tag;
 } preq;
+enum { HDR = 16 };
 
 typedef struct pqueue {
     preq *head, *tail;
@@ -92,30 +98,38 @@ static avgpipe_result aborted(pcomm *C, int self) {
 /* Move what the pipe accepts / holds for the head requests of one channel, finishing them in order. */
 static void pump(pcomm *C, int self, pqueue *q, int fd, int send) {
     prank *R = &C->rank[self];
+    unsigned char sink[4096];
     while (q->head) {
         preq *r = q->head;
-        while (!q->broken && r->off < 8 + r->bytes) {
-            int in_hdr = r->off < 8;
-            size_t len = (size_t)(in_hdr ? 8 - r->off : r->bytes - (r->off - 8));
-            ssize_t k = send ? write(fd, in_hdr ? (unsigned char *)&r->hdr + r->off : r->sbuf + (r->off - 8), len)
-                             : read(fd, in_hdr ? (unsigned char *)&r->hdr + r->off : r->rbuf + (r->off - 8), len);
+        uint64_t total = HDR + (r->drain ? r->hdr[0] : r->bytes);
+        while (!q->broken && r->off < total) {
+            int in_hdr = r->off < HDR;
+            uint64_t body = r->off - HDR;
+            size_t len = (size_t)(in_hdr ? HDR - r->off : total - r->off);
+            unsigned char *dst = in_hdr ? (unsigned char *)r->hdr + r->off : r->drain ? sink : r->rbuf + body;
+            ssize_t k;
+            if (!in_hdr && r->drain && len > sizeof sink) len = sizeof sink;
+            k = send ? write(fd, in_hdr ? (unsigned char *)r->hdr + r->off : r->sbuf + body, len) : read(fd, dst, len);
             if (k < 0 && errno == EINTR) continue;
             if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return; /* pipe full / empty: later */
             if (k <= 0) {
                 snprintf(R->err, sizeof R->err, "%s rank %d: %s", send ? "write to" : "read from", r->peer,
                          k ? strerror(errno) : "end of stream");
                 r->res = AVGPIPE_BACKEND_ERROR;
+                q->broken = 1;
                 break;
             }
             r->off += (uint64_t)k;
-            if (!send && r->off == 8 && r->hdr != r->bytes) {
-                snprintf(R->err, sizeof R->err, "receive of %llu bytes from rank %d met a send of %llu bytes",
-                         (unsigned long long)r->bytes, r->peer, (unsigned long long)r->hdr);
-                r->res = AVGPIPE_BACKEND_ERROR;
-                q->broken = 1;
+            if (!send && r->off == HDR && (r->hdr[0] != r->bytes || r->hdr[1] != r->tag)) { /* not the message it expects */
+                snprintf(R->err, sizeof R->err, "receive of %llu bytes with tag %u from rank %d met a message of %llu bytes with tag %llu",
+                         (unsigned long long)r->bytes, (unsigned)r->tag, r->peer, (unsigned long long)r->hdr[0],
+                         (unsigned long long)r->hdr[1]);
+                r->res = AVGPIPE_MISMATCH;
+                r->drain = 1;
+                total = HDR + r->hdr[0];
             }
         }
-        if (q->broken && !r->res) r->res = AVGPIPE_BACKEND_ERROR; /* later receives of a broken stream */
+        if (q->broken && !r->res) r->res = AVGPIPE_BACKEND_ERROR; /* later requests of a broken stream */
         r->done = 1;
         q->head = r->next;
         if (!q->head) q->tail = NULL;
@@ -143,7 +157,7 @@ static void sleep_on_channels(pcomm *C, int self, int ms) {
     poll(R->pfd, k, ms);
 }
 
-static avgpipe_result post(pcomm *C, int send, int self, int peer, const void *sbuf, void *rbuf, size_t bytes,
+static avgpipe_result post(pcomm *C, int send, int self, int peer, const void *sbuf, void *rbuf, size_t bytes, uint32_t tag,
                            avgpipe_comm_request *req) {
     if (!req || self < 0 || self >= C->n || peer < 0 || peer >= C->n || peer == self || (bytes && !sbuf && !rbuf))
         return AVGPIPE_INVALID_ARG;
@@ -151,7 +165,7 @@ static avgpipe_result post(pcomm *C, int send, int self, int peer, const void *s
     prank *R = &C->rank[self];
     preq *r = calloc(1, sizeof *r);
     if (!r) return AVGPIPE_OUT_OF_MEMORY;
-    *r = (preq){.send = send, .peer = peer, .sbuf = sbuf, .rbuf = rbuf, .bytes = bytes, .hdr = bytes};
+    *r = (preq){.send = send, .peer = peer, .sbuf = sbuf, .rbuf = rbuf, .bytes = bytes, .hdr = {bytes, tag}, .tag = tag};
     r->next_live = R->live; /* track it, so destroy frees what an aborted run never waited for */
     if (R->live) R->live->prev_live = r;
     R->live = r;
@@ -163,16 +177,18 @@ static avgpipe_result post(pcomm *C, int send, int self, int peer, const void *s
     progress(C, self); /* eager: small messages are gone before the caller returns */
     return AVGPIPE_OK;
 }
-static avgpipe_result pc_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req) {
-    return post(user, 1, self, peer, buf, NULL, bytes, req);
+static avgpipe_result pc_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    return post(user, 1, self, peer, buf, NULL, bytes, tag, req);
 }
-static avgpipe_result pc_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req) {
-    return post(user, 0, self, peer, NULL, buf, bytes, req);
+static avgpipe_result pc_irecv(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    return post(user, 0, self, peer, NULL, buf, bytes, tag, req);
 }
 
-static avgpipe_result release(pcomm *C, int self, preq *r) {
+/* Free a finished (or cancelled) request; a receive's status says what its message carried. */
+static avgpipe_result release(pcomm *C, int self, preq *r, avgpipe_comm_status *status) {
     prank *R = &C->rank[self];
     avgpipe_result res = r->res;
+    if (status && !r->send) status->bytes = (size_t)r->hdr[0], status->tag = (uint32_t)r->hdr[1];
     if (r->prev_live) r->prev_live->next_live = r->next_live;
     else R->live = r->next_live;
     if (r->next_live) r->next_live->prev_live = r->prev_live;
@@ -180,34 +196,53 @@ static avgpipe_result release(pcomm *C, int self, preq *r) {
     return res;
 }
 
-static avgpipe_result pc_test(void *user, int self, avgpipe_comm_request req, int *done) {
+static avgpipe_result pc_test(void *user, int self, avgpipe_comm_request req, int *done, avgpipe_comm_status *status) {
     pcomm *C = user;
     preq *r = (preq *)(void *)req;
     if (!r || !done || self < 0 || self >= C->n) return AVGPIPE_INVALID_ARG;
     progress(C, self);
     *done = r->done;
-    if (r->done) return release(C, self, r);
+    if (r->done) return release(C, self, r, status);
     return atomic_load(&C->aborted) ? aborted(C, self) : AVGPIPE_OK;
 }
 
-static avgpipe_result pc_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
+static avgpipe_result pc_wait(void *user, int self, avgpipe_comm_request req, double timeout_s, avgpipe_comm_status *status) {
     pcomm *C = user;
     preq *r = (preq *)(void *)req;
     double deadline = now_s() + (timeout_s > 0 ? timeout_s : 0);
     if (!r || self < 0 || self >= C->n) return AVGPIPE_INVALID_ARG;
     for (;;) {
         progress(C, self);
-        if (r->done) return release(C, self, r);
+        if (r->done) return release(C, self, r, status);
         if (atomic_load(&C->aborted)) return aborted(C, self);
         double left = deadline - now_s();
         if (left <= 0) {
             snprintf(C->rank[self].err, sizeof C->rank[self].err, "%s rank %d: %llu of %llu bytes moved in %.3g s",
-                     r->send ? "send to" : "receive from", r->peer, (unsigned long long)(r->off > 8 ? r->off - 8 : 0),
+                     r->send ? "send to" : "receive from", r->peer, (unsigned long long)(r->off > HDR ? r->off - HDR : 0),
                      (unsigned long long)r->bytes, timeout_s);
-            return AVGPIPE_TIMEOUT; /* still queued: wait again, or abort */
+            return AVGPIPE_TIMEOUT; /* still queued: wait again, cancel, or abort */
         }
         sleep_on_channels(C, self, poll_ms(left));
     }
+}
+
+/* Out of its channel's queue. One that has started moving cannot leave a byte stream: the channel is
+   then out of step, and its later requests fail. */
+static void pc_cancel(void *user, int self, avgpipe_comm_request req) {
+    pcomm *C = user;
+    preq *r = (preq *)(void *)req, *p = NULL, *c;
+    if (!r || self < 0 || self >= C->n) return;
+    if (!r->done) {
+        pqueue *q = r->send ? &C->rank[self].sends[r->peer] : &C->rank[self].recvs[r->peer];
+        for (c = q->head; c && c != r; c = c->next) p = c;
+        if (c) {
+            if (r->off > 0) q->broken = 1;
+            if (p) p->next = r->next;
+            else q->head = r->next;
+            if (q->tail == r) q->tail = p;
+        }
+    }
+    release(C, self, r, NULL);
 }
 
 /* Move exactly `bytes` through a collective pipe, within the deadline. */
@@ -304,7 +339,7 @@ static void pc_destroy(void *user) {
     }
     if (C->abort_fd[0] >= 0) close(C->abort_fd[0]), close(C->abort_fd[1]);
     for (int r = 0; C->rank && r < C->n; r++) {
-        while (C->rank[r].live) release(C, r, C->rank[r].live);
+        while (C->rank[r].live) release(C, r, C->rank[r].live, NULL);
         free(C->rank[r].sends), free(C->rank[r].recvs), free(C->rank[r].pfd);
     }
     free(C->rank), free(C->p2p), free(C->coll);
@@ -350,7 +385,7 @@ static avgpipe_result pipe_comm_create(int ranks, avgpipe_comm *out) {
         return AVGPIPE_BACKEND_ERROR;
     }
     *out = (avgpipe_comm){.name = "posix-pipes", .size = ranks, .isend = pc_isend, .irecv = pc_irecv, .test = pc_test,
-                          .wait = pc_wait, .barrier = pc_barrier, .allreduce_sum = pc_allreduce, .abort = pc_abort,
+                          .wait = pc_wait, .cancel = pc_cancel, .barrier = pc_barrier, .allreduce_sum = pc_allreduce, .abort = pc_abort,
                           .last_error = pc_last_error, .destroy = pc_destroy, .user = C};
     return AVGPIPE_OK;
 }
@@ -370,42 +405,56 @@ static void *contract_rank(void *arg) {
     int me = (int)(intptr_t)arg;
     static unsigned char big_out[BIG], big_in[BIG];
     avgpipe_comm_request rq[3];
+    avgpipe_comm_status st = {0, 0};
     float v[3] = {(float)me, 1, 0.5f};
-    int x = me == 0 ? 42 : 0, y = 7, done = 0; /* buffers outlive their requests */
+    int x = me == 0 ? 42 : 0, y = 7, z = 0, done = 0; /* buffers outlive their requests */
     double eight = 8;
     if (me == 0) { /* FIFO matching in posting order, sizes 300 kB / 0 / 4, all in flight at once */
         for (int i = 0; i < BIG; i++) big_out[i] = (unsigned char)(i * 7);
-        CHECK(!cc.isend(cc.user, 0, 1, big_out, BIG, &rq[0]) && !cc.isend(cc.user, 0, 1, NULL, 0, &rq[1]) &&
-              !cc.isend(cc.user, 0, 1, &x, sizeof x, &rq[2]));
-        for (int i = 0; i < 3; i++) CHECK(cc.wait(cc.user, 0, rq[i], 5) == AVGPIPE_OK);
+        CHECK(!cc.isend(cc.user, 0, 1, big_out, BIG, 10, &rq[0]) && !cc.isend(cc.user, 0, 1, NULL, 0, 11, &rq[1]) &&
+              !cc.isend(cc.user, 0, 1, &x, sizeof x, 12, &rq[2]));
+        for (int i = 0; i < 3; i++) CHECK(cc.wait(cc.user, 0, rq[i], 5, NULL) == AVGPIPE_OK);
     } else if (me == 1) {
-        CHECK(!cc.irecv(cc.user, 1, 0, big_in, BIG, &rq[0]) && !cc.irecv(cc.user, 1, 0, NULL, 0, &rq[1]) &&
-              !cc.irecv(cc.user, 1, 0, &x, sizeof x, &rq[2]));
-        CHECK(cc.wait(cc.user, 1, rq[2], 5) == AVGPIPE_OK && x == 42); /* the last one first: the rest streams */
-        CHECK(cc.test(cc.user, 1, rq[1], &done) == AVGPIPE_OK && done);
-        CHECK(cc.wait(cc.user, 1, rq[0], 5) == AVGPIPE_OK && !memcmp(big_in, big_out, BIG));
+        CHECK(!cc.irecv(cc.user, 1, 0, big_in, BIG, 10, &rq[0]) && !cc.irecv(cc.user, 1, 0, NULL, 0, 11, &rq[1]) &&
+              !cc.irecv(cc.user, 1, 0, &x, sizeof x, 12, &rq[2]));
+        CHECK(cc.wait(cc.user, 1, rq[2], 5, &st) == AVGPIPE_OK && x == 42 && st.tag == 12); /* the last one first: the rest streams */
+        CHECK(cc.test(cc.user, 1, rq[1], &done, NULL) == AVGPIPE_OK && done);
+        CHECK(cc.wait(cc.user, 1, rq[0], 5, NULL) == AVGPIPE_OK && !memcmp(big_in, big_out, BIG));
         /* a receive nobody has sent: the deadline returns TIMEOUT and leaves it pending */
-        CHECK(!cc.irecv(cc.user, 1, 2, &x, sizeof x, &rq[0]) && cc.wait(cc.user, 1, rq[0], 0.05) == AVGPIPE_TIMEOUT);
-    } else if (me == 2) { /* a send of 8 bytes meets a receive of 4: the receive fails and says why */
-        CHECK(!cc.isend(cc.user, 2, 3, &eight, sizeof eight, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5) == AVGPIPE_OK);
+        CHECK(!cc.irecv(cc.user, 1, 2, &x, sizeof x, 5, &rq[0]) && cc.wait(cc.user, 1, rq[0], 0.05, NULL) == AVGPIPE_TIMEOUT);
+    } else if (me == 2) { /* 8 bytes meet a receive of 4, then tag 3 meets a receive expecting tag 4: both receives fail */
+        CHECK(!cc.isend(cc.user, 2, 3, &eight, sizeof eight, 1, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK);
+        CHECK(!cc.isend(cc.user, 2, 3, &y, sizeof y, 3, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK);
+        CHECK(!cc.isend(cc.user, 2, 3, &y, sizeof y, 4, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK);
     } else {
-        CHECK(!cc.irecv(cc.user, 3, 2, &y, 4, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5) == AVGPIPE_BACKEND_ERROR);
-        CHECK(strstr(cc.last_error(cc.user, 3), "receive of 4 bytes from rank 2 met a send of 8 bytes") != NULL);
+        CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 1, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_MISMATCH && st.bytes == 8);
+        CHECK(strstr(cc.last_error(cc.user, 3), "receive of 4 bytes with tag 1 from rank 2 met a message of 8 bytes") != NULL);
+        CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 4, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_MISMATCH && st.tag == 3);
+        CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 4, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_OK && z == 7); /* in step */
     }
     CHECK(cc.barrier(cc.user, me, 5) == AVGPIPE_OK);
     if (me == 2) { /* ... now rank 2 sends it, and waiting again finds it */
-        CHECK(!cc.isend(cc.user, 2, 1, &y, sizeof y, &rq[1]) && cc.wait(cc.user, 2, rq[1], 5) == AVGPIPE_OK);
+        CHECK(!cc.isend(cc.user, 2, 1, &y, sizeof y, 5, &rq[1]) && cc.wait(cc.user, 2, rq[1], 5, NULL) == AVGPIPE_OK);
     } else if (me == 1) {
-        CHECK(cc.wait(cc.user, 1, rq[0], 5) == AVGPIPE_OK && x == 7);
+        CHECK(cc.wait(cc.user, 1, rq[0], 5, NULL) == AVGPIPE_OK && x == 7);
+        /* a receive cancelled before anything came is gone: the next message meets the next receive */
+        CHECK(!cc.irecv(cc.user, 1, 3, &x, sizeof x, 8, &rq[0]));
+        cc.cancel(cc.user, 1, rq[0]);
+    }
+    CHECK(cc.barrier(cc.user, me, 5) == AVGPIPE_OK);
+    if (me == 3) {
+        CHECK(!cc.isend(cc.user, 3, 1, &z, sizeof z, 9, &rq[1]) && cc.wait(cc.user, 3, rq[1], 5, NULL) == AVGPIPE_OK);
+    } else if (me == 1) {
+        CHECK(!cc.irecv(cc.user, 1, 3, &x, sizeof x, 9, &rq[0]) && cc.wait(cc.user, 1, rq[0], 5, NULL) == AVGPIPE_OK && x == 7);
     }
     CHECK(cc.allreduce_sum(cc.user, me, v, 3, 5) == AVGPIPE_OK && v[0] == 6 && v[1] == CRANKS && v[2] == 2);
     CHECK(cc.barrier(cc.user, me, 5) == AVGPIPE_OK);
     /* every rank blocks on a receive nobody will send, with a 10 s deadline: abort() must wake them all */
     double t = now_s();
-    CHECK(!cc.irecv(cc.user, me, (me + 1) % CRANKS, v, 4, &rq[0]));
+    CHECK(!cc.irecv(cc.user, me, (me + 1) % CRANKS, v, 4, 6, &rq[0]));
     atomic_fetch_add(&parked, 1);
-    CHECK(cc.wait(cc.user, me, rq[0], 10) == AVGPIPE_ABORTED && now_s() - t < 5);
-    CHECK(cc.isend(cc.user, me, (me + 1) % CRANKS, v, 4, &rq[1]) == AVGPIPE_ABORTED);
+    CHECK(cc.wait(cc.user, me, rq[0], 10, NULL) == AVGPIPE_ABORTED && now_s() - t < 5);
+    CHECK(cc.isend(cc.user, me, (me + 1) % CRANKS, v, 4, 6, &rq[1]) == AVGPIPE_ABORTED);
     CHECK(cc.barrier(cc.user, me, 5) == AVGPIPE_ABORTED);
     CHECK(strstr(cc.last_error(cc.user, me), "checks done") != NULL);
     return NULL;
@@ -520,7 +569,7 @@ static int train(const avgpipe_comm *comm, float w0[S][PMAX], result *out) {
     out->seconds = now_s() - t0;
     for (int l = 0; l < S && !res; l++) memcpy(out->ref[l], avgpipe_run_reference(run, l, NULL), count[l] * sizeof(float));
     if (res) fprintf(stderr, "avgpipe (%s): %s: %s\n", comm ? comm->name : "built-in", avgpipe_result_string(res), avgpipe_last_error(&ctx));
-    avgpipe_run_destroy(run); /* note: this aborts `comm` too; a backend serves one run */
+    avgpipe_run_destroy(run); /* a failed run aborts `comm`: then it cannot serve another run */
     return res;
 }
 
@@ -540,7 +589,8 @@ int main(void) {
         for (size_t i = 0; i < layer_size(l); i++) w0[l][i] = UNIFORM() / sqrtf((float)width[l]);
 
     if (contract_checks()) return 1;
-    printf("pipe backend contract: FIFO matching of 300 kB / 0 B / 4 B messages, size mismatch, timeout, abort wake-up, barrier, allreduce: ok\n");
+    printf("pipe backend contract: FIFO matching of 300 kB / 0 B / 4 B messages, size and tag mismatch, timeout, cancel, abort "
+           "wake-up, barrier, allreduce: ok\n");
 
     avgpipe_comm pc;
     if (pipe_comm_create(S, &pc)) return 1;

@@ -46,7 +46,8 @@ static inline void delaycomm_wait_until(double t) {
         }
 }
 
-static inline avgpipe_result delaycomm_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *out) {
+static inline avgpipe_result delaycomm_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag,
+                                             avgpipe_comm_request *out) {
     delaycomm *c = (delaycomm *)user;
     int ch = self * c->S + peer;
     long k = c->nsend[ch]++ % DELAYCOMM_RING;
@@ -56,37 +57,39 @@ static inline avgpipe_result delaycomm_isend(void *user, int self, int peer, con
     c->due[(size_t)ch * DELAYCOMM_RING + (size_t)k] = start + c->delay; /* published to the receiver by the inner backend's lock */
     r->recv = 0, r->done = 0, r->due = NULL;
     *out = (avgpipe_comm_request)(void *)r;
-    return c->inner.isend(c->inner.user, self, peer, buf, bytes, &r->inner);
+    return c->inner.isend(c->inner.user, self, peer, buf, bytes, tag, &r->inner);
 }
 
-static inline avgpipe_result delaycomm_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *out) {
+static inline avgpipe_result delaycomm_irecv(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag,
+                                             avgpipe_comm_request *out) {
     delaycomm *c = (delaycomm *)user;
     int ch = peer * c->S + self;
     long k = c->nrecv[ch]++ % DELAYCOMM_RING;
     delaycomm_req *r = &c->req[((size_t)ch * DELAYCOMM_RING + (size_t)k) * 2 + 1];
     r->recv = 1, r->done = 0, r->due = &c->due[(size_t)ch * DELAYCOMM_RING + (size_t)k];
     *out = (avgpipe_comm_request)(void *)r;
-    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, &r->inner);
+    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, tag, &r->inner);
 }
 
-static inline avgpipe_result delaycomm_waitreq(void *user, int self, avgpipe_comm_request req, double timeout_s) {
+static inline avgpipe_result delaycomm_waitreq(void *user, int self, avgpipe_comm_request req, double timeout_s,
+                                               avgpipe_comm_status *status) {
     delaycomm *c = (delaycomm *)user;
     delaycomm_req *r = (delaycomm_req *)(void *)req;
     avgpipe_result res = AVGPIPE_OK;
-    if (!r->done) res = c->inner.wait(c->inner.user, self, r->inner, timeout_s);
+    if (!r->done) res = c->inner.wait(c->inner.user, self, r->inner, timeout_s, status);
     if (res) return res;
     r->done = 1;
     if (r->recv) delaycomm_wait_until(*r->due);
     return AVGPIPE_OK;
 }
 
-static inline avgpipe_result delaycomm_test(void *user, int self, avgpipe_comm_request req, int *done) {
+static inline avgpipe_result delaycomm_test(void *user, int self, avgpipe_comm_request req, int *done, avgpipe_comm_status *status) {
     delaycomm *c = (delaycomm *)user;
     delaycomm_req *r = (delaycomm_req *)(void *)req;
     *done = 0;
     if (!r->done) {
         int d = 0;
-        avgpipe_result res = c->inner.test(c->inner.user, self, r->inner, &d);
+        avgpipe_result res = c->inner.test(c->inner.user, self, r->inner, &d, status);
         if (res || !d) return res;
         r->done = 1;
     }
@@ -94,6 +97,11 @@ static inline avgpipe_result delaycomm_test(void *user, int self, avgpipe_comm_r
     return AVGPIPE_OK;
 }
 
+static inline void delaycomm_cancel(void *user, int self, avgpipe_comm_request req) {
+    delaycomm *c = (delaycomm *)user;
+    delaycomm_req *r = (delaycomm_req *)(void *)req;
+    if (!r->done) c->inner.cancel(c->inner.user, self, r->inner);
+}
 static inline avgpipe_result delaycomm_barrier(void *user, int self, double timeout_s) {
     delaycomm *c = (delaycomm *)user;
     return c->inner.barrier(c->inner.user, self, timeout_s);
@@ -137,6 +145,7 @@ static inline avgpipe_result delaycomm_init(delaycomm *c, int S, double delay, a
     table->irecv = delaycomm_irecv;
     table->test = delaycomm_test;
     table->wait = delaycomm_waitreq;
+    table->cancel = delaycomm_cancel;
     table->barrier = delaycomm_barrier;
     table->abort = delaycomm_abort;
     table->last_error = delaycomm_last_error;

@@ -792,121 +792,183 @@ Test(runtime, non_finite_model_fails_the_iteration) {
     avgpipe_run_destroy(run);
 }
 
-/* A comm table around the in-process one that drops one message: the `drop_index`-th send from
-   `drop_src` to `drop_dst` is never delivered, and its request never completes (wait honours
-   the timeout and abort). */
-typedef struct dropcomm {
+/* A comm table around the in-process one that loses or duplicates one message: the `fault_index`-th
+   send from `fault_src` to `fault_dst` is either never delivered (its request never completes: wait
+   honours the timeout and abort) or delivered twice. */
+typedef struct faultcomm {
     avgpipe_comm inner;
-    int drop_src, drop_dst, drop_index;
-    int sent[16]; /* sends by drop_src to each peer (only drop_src's thread touches it) */
-    int aborted;  /* read with the lock below */
+    int fault_src, fault_dst, fault_index, duplicate;
+    int sent[16];                 /* sends by fault_src to each peer (only fault_src's thread touches it) */
+    avgpipe_comm_request extra;   /* the duplicate's own request, cancelled at the end */
+    int aborted;                  /* read with the lock below */
     pthread_mutex_t mu;
-} dropcomm;
+} faultcomm;
 static char drop_sentinel;
 
-static avgpipe_result dc_isend(void *user, int self, int peer, const void *buf, size_t bytes, avgpipe_comm_request *req) {
-    dropcomm *c = (dropcomm *)user;
-    if (self == c->drop_src && peer == c->drop_dst && c->sent[peer]++ == c->drop_index) {
-        *req = (avgpipe_comm_request)(void *)&drop_sentinel;
-        return AVGPIPE_OK;
+static avgpipe_result fc_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    faultcomm *c = (faultcomm *)user;
+    if (self == c->fault_src && peer == c->fault_dst && c->sent[peer]++ == c->fault_index) {
+        if (!c->duplicate) {
+            *req = (avgpipe_comm_request)(void *)&drop_sentinel;
+            return AVGPIPE_OK;
+        }
+        c->inner.isend(c->inner.user, self, peer, buf, bytes, tag, &c->extra);
     }
-    return c->inner.isend(c->inner.user, self, peer, buf, bytes, req);
+    return c->inner.isend(c->inner.user, self, peer, buf, bytes, tag, req);
 }
-static avgpipe_result dc_irecv(void *user, int self, int peer, void *buf, size_t bytes, avgpipe_comm_request *req) {
-    dropcomm *c = (dropcomm *)user;
-    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, req);
+static avgpipe_result fc_irecv(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    faultcomm *c = (faultcomm *)user;
+    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, tag, req);
 }
-static int dc_is_aborted(dropcomm *c) {
+static int fc_is_aborted(faultcomm *c) {
     int a;
     pthread_mutex_lock(&c->mu);
     a = c->aborted;
     pthread_mutex_unlock(&c->mu);
     return a;
 }
-static avgpipe_result dc_wait(void *user, int self, avgpipe_comm_request req, double timeout_s) {
-    dropcomm *c = (dropcomm *)user;
+static avgpipe_result fc_wait(void *user, int self, avgpipe_comm_request req, double timeout_s, avgpipe_comm_status *st) {
+    faultcomm *c = (faultcomm *)user;
     if (req == (avgpipe_comm_request)(void *)&drop_sentinel) {
         double t0 = now_s();
-        while (!dc_is_aborted(c) && now_s() - t0 < timeout_s) nap_us(1000);
-        return dc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
+        while (!fc_is_aborted(c) && now_s() - t0 < timeout_s) nap_us(1000);
+        return fc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
     }
-    return c->inner.wait(c->inner.user, self, req, timeout_s);
+    return c->inner.wait(c->inner.user, self, req, timeout_s, st);
 }
-static avgpipe_result dc_test(void *user, int self, avgpipe_comm_request req, int *done) {
-    dropcomm *c = (dropcomm *)user;
+static avgpipe_result fc_test(void *user, int self, avgpipe_comm_request req, int *done, avgpipe_comm_status *st) {
+    faultcomm *c = (faultcomm *)user;
     if (req == (avgpipe_comm_request)(void *)&drop_sentinel) {
         *done = 0;
-        return dc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_OK;
+        return fc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_OK;
     }
-    return c->inner.test(c->inner.user, self, req, done);
+    return c->inner.test(c->inner.user, self, req, done, st);
 }
-static avgpipe_result dc_barrier(void *user, int self, double timeout_s) {
-    dropcomm *c = (dropcomm *)user;
+static void fc_cancel(void *user, int self, avgpipe_comm_request req) {
+    faultcomm *c = (faultcomm *)user;
+    if (req != (avgpipe_comm_request)(void *)&drop_sentinel) c->inner.cancel(c->inner.user, self, req);
+}
+static avgpipe_result fc_barrier(void *user, int self, double timeout_s) {
+    faultcomm *c = (faultcomm *)user;
     return c->inner.barrier(c->inner.user, self, timeout_s);
 }
-static void dc_abort(void *user, avgpipe_result why, const char *message) {
-    dropcomm *c = (dropcomm *)user;
+static void fc_abort(void *user, avgpipe_result why, const char *message) {
+    faultcomm *c = (faultcomm *)user;
     pthread_mutex_lock(&c->mu);
     c->aborted = 1;
     pthread_mutex_unlock(&c->mu);
     c->inner.abort(c->inner.user, why, message);
 }
-static const char *dc_last_error(void *user, int self) {
-    dropcomm *c = (dropcomm *)user;
+static const char *fc_last_error(void *user, int self) {
+    faultcomm *c = (faultcomm *)user;
     return c->inner.last_error ? c->inner.last_error(c->inner.user, self) : "";
 }
 
-Test(runtime, peer_that_never_sends_times_out) {
+static void faultcomm_init(faultcomm *fc, avgpipe_comm *table, int ranks, int src, int dst, int index, int duplicate) {
+    memset(fc, 0, sizeof *fc);
+    pthread_mutex_init(&fc->mu, NULL);
+    cr_assert_eq(avgpipe_comm_local_create(NULL, ranks, &fc->inner), AVGPIPE_OK);
+    fc->fault_src = src, fc->fault_dst = dst, fc->fault_index = index, fc->duplicate = duplicate;
+    memset(table, 0, sizeof *table);
+    table->name = duplicate ? "duplicate-one" : "drop-one";
+    table->size = ranks;
+    table->isend = fc_isend;
+    table->irecv = fc_irecv;
+    table->test = fc_test;
+    table->wait = fc_wait;
+    table->cancel = fc_cancel;
+    table->barrier = fc_barrier;
+    table->abort = fc_abort;
+    table->last_error = fc_last_error;
+    table->user = fc;
+}
+static void faultcomm_free(faultcomm *fc) {
+    if (fc->extra) fc->inner.cancel(fc->inner.user, fc->fault_src, fc->extra);
+    avgpipe_comm_destroy(&fc->inner);
+    pthread_mutex_destroy(&fc->mu);
+}
+
+/* 1F1B, S = 2, M = 8 over a faulty comm; returns the failing iteration's result and the message. */
+static avgpipe_result run_faulty(faultcomm *fc, avgpipe_comm *table, double timeout_s, double *seconds, char *msg, size_t cap) {
     avgpipe_context ctx;
     avgpipe_run *run;
     avgpipe_result res;
-    avgpipe_comm table;
-    dropcomm dc;
     setup s;
-    double t0, dt;
-    const char *msg;
+    double t0;
     avgpipe_context_init(&ctx, NULL);
-    memset(&dc, 0, sizeof dc);
-    pthread_mutex_init(&dc.mu, NULL);
-    cr_assert_eq(avgpipe_comm_local_create(&ctx, 2, &dc.inner), AVGPIPE_OK);
-    /* 1F1B, S = 2, M = 8: rank 0's 8th send to rank 1 (the activation of micro-batch 7) is lost.
-       Rank 1 waits for it from right after its B6; rank 0 then runs a slow B6 (150 ms) before it waits
-       for the gradient of micro-batch 7, so rank 1's wait is the first to time out. */
-    dc.drop_src = 0, dc.drop_dst = 1, dc.drop_index = 7;
-    memset(&table, 0, sizeof table);
-    table.name = "drop-one";
-    table.size = 2;
-    table.isend = dc_isend;
-    table.irecv = dc_irecv;
-    table.test = dc_test;
-    table.wait = dc_wait;
-    table.barrier = dc_barrier;
-    table.abort = dc_abort;
-    table.last_error = dc_last_error;
-    table.user = &dc;
-    reset_state(2, 8, 1);
-    T.sleep_stage = 0, T.sleep_micro = 6, T.sleep_ms = 150;
+    (void)fc;
     setup_init(&s, 2, 1);
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 8;
     s.d.alpha = AVGPIPE_ZERO;
-    s.d.timeout_s = 0.5;
-    s.d.comm = &table;
+    s.d.timeout_s = timeout_s;
+    s.d.comm = table;
     run = create_run(&ctx, &s);
     t0 = now_s();
     res = avgpipe_run_iteration(run, NULL);
-    dt = now_s() - t0;
-    msg = avgpipe_last_error(&ctx);
+    *seconds = now_s() - t0;
+    snprintf(msg, cap, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
+    avgpipe_run_destroy(run);
+    return res;
+}
+
+Test(runtime, peer_that_never_sends_times_out) {
+    avgpipe_comm table;
+    faultcomm fc;
+    avgpipe_result res;
+    char msg[AVGPIPE_ERROR_MAX];
+    double dt;
+    /* 1F1B, S = 2, M = 8: rank 0's 8th send to rank 1 (the activation of micro-batch 7) is lost.
+       Rank 1 waits for it from right after its B6; rank 0 then runs a slow B6 (150 ms) before it waits
+       for the gradient of micro-batch 7, so rank 1's wait is the first to time out. */
+    faultcomm_init(&fc, &table, 2, 0, 1, 7, 0);
+    reset_state(2, 8, 1);
+    T.sleep_stage = 0, T.sleep_micro = 6, T.sleep_ms = 150;
+    res = run_faulty(&fc, &table, 0.5, &dt, msg, sizeof msg);
     cr_assert_eq(res, AVGPIPE_TIMEOUT, "got %s: %s", avgpipe_result_string(res), msg);
     cr_assert(strstr(msg, "rank 1") != NULL, "the message does not name the waiting rank 1: %s", msg);
     cr_assert(strstr(msg, "1F7") != NULL, "the message does not name the op 1F7: %s", msg);
     cr_assert(strstr(msg, "from rank 0") != NULL, "the message does not name the peer rank 0: %s", msg);
     cr_assert(dt >= 0.45 && dt < 3.0, "the iteration returned after %.3f s (timeout 0.5 s)", dt);
-    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
-    avgpipe_run_destroy(run);
-    avgpipe_comm_destroy(&dc.inner);
-    pthread_mutex_destroy(&dc.mu);
+    faultcomm_free(&fc);
+}
+
+/* A message lost in the middle of a stream: the next one arrives at its receive, which says so at
+   once (not at the timeout), naming the op that waited and the op whose message came. */
+Test(runtime, lost_message_is_reported_at_its_receive) {
+    avgpipe_comm table;
+    faultcomm fc;
+    avgpipe_result res;
+    char msg[AVGPIPE_ERROR_MAX];
+    double dt;
+    faultcomm_init(&fc, &table, 2, 0, 1, 3, 0); /* the activation of micro-batch 3 */
+    reset_state(2, 8, 1);
+    res = run_faulty(&fc, &table, 10, &dt, msg, sizeof msg);
+    cr_assert_eq(res, AVGPIPE_MISMATCH, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "rank 1, op 0:1F3") != NULL, "the message does not name the receiving op 1F3: %s", msg);
+    cr_assert(strstr(msg, "expected the message of 0:0SEND_F3") != NULL && strstr(msg, "received that of 0:0SEND_F4") != NULL,
+              "the message does not name both ops: %s", msg);
+    cr_assert(dt < 5.0, "reported after %.3f s: at the timeout, not at the receive", dt);
+    faultcomm_free(&fc);
+}
+
+Test(runtime, duplicated_message_is_reported_at_its_receive) {
+    avgpipe_comm table;
+    faultcomm fc;
+    avgpipe_result res;
+    char msg[AVGPIPE_ERROR_MAX];
+    double dt;
+    faultcomm_init(&fc, &table, 2, 1, 0, 2, 1); /* rank 1 sends the gradient of micro-batch 2 twice */
+    reset_state(2, 8, 1);
+    res = run_faulty(&fc, &table, 10, &dt, msg, sizeof msg);
+    cr_assert_eq(res, AVGPIPE_MISMATCH, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "rank 0, op 0:0B3") != NULL, "the message does not name the receiving op 0B3: %s", msg);
+    cr_assert(strstr(msg, "expected the message of 0:1SEND_B3") != NULL && strstr(msg, "received that of 0:1SEND_B2") != NULL,
+              "the message does not name both ops: %s", msg);
+    cr_assert(dt < 5.0, "reported after %.3f s", dt);
+    faultcomm_free(&fc);
 }
 
 /* ---- bad descriptions ------------------------------------------------------------------------- */
