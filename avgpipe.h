@@ -198,6 +198,14 @@ AVGPIPE_API const char *avgpipe_last_error(const avgpipe_context *ctx);
 AVGPIPE_API avgpipe_result avgpipe_last_result(const avgpipe_context *ctx);
 /* Forget the last error. */
 AVGPIPE_API void avgpipe_clear_error(avgpipe_context *ctx);
+/* Record an error on ctx (NULL: this thread's buffer) and return r: the detail goes to the last-error
+   buffer and the logger, as the library's own errors do. For backends written in other headers
+   (avgpipe_mpi.h, yours). */
+AVGPIPE_API avgpipe_result avgpipe_set_error(avgpipe_context *ctx, avgpipe_result r, const char *fmt, ...)
+#if defined(__GNUC__) || defined(__clang__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
 /* Memory through the context's allocator (ctx may be NULL). avgpipe_free(ctx, NULL) is harmless. */
 AVGPIPE_API void *avgpipe_alloc(avgpipe_context *ctx, size_t size);
 AVGPIPE_API void avgpipe_free(avgpipe_context *ctx, void *ptr);
@@ -1339,6 +1347,17 @@ static void avgpipe__log(avgpipe_context *ctx, avgpipe_log_level lvl, const char
 
 /* Record an error on ctx (the detail goes to the last-error buffer and to the logger) and return it. */
 static avgpipe_result avgpipe__fail(avgpipe_context *ctx, avgpipe_result r, const char *fmt, ...) {
+    va_list ap;
+    ctx = avgpipe__ctx(ctx);
+    va_start(ap, fmt);
+    vsnprintf(ctx->error, sizeof ctx->error, fmt, ap);
+    va_end(ap);
+    ctx->last_result = r;
+    avgpipe__log(ctx, AVGPIPE_LOG_ERROR, "%s", ctx->error);
+    return r;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_set_error(avgpipe_context *ctx, avgpipe_result r, const char *fmt, ...) {
     va_list ap;
     ctx = avgpipe__ctx(ctx);
     va_start(ap, fmt);

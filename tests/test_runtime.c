@@ -1,14 +1,10 @@
-/* Tests of the runtime (section 10): a small real model (an MLP, one Linear layer per stage partition,
-   tanh between stages, softmax cross-entropy on the last one) trained by the runtime on stage threads,
-   checked against a non-pipelined single-thread run (N = 1, alpha = 0: bit for bit) and against an
-   independent float64 computation of the elastic-averaging math (N = 2, deterministic mode);
-   failure propagation (callback errors, a peer that never sends), bad descriptions, profiling and the
-   adaptive advance controller.
-
-   The model code is written once as a macro and instantiated for float (what the callbacks and the
-   single-thread reference run) and double (the independent float64 computation).
-   Weight gradients are kept per (pipeline, stage, micro-batch) and summed in micro-batch order by the
-   step callback, as the reference does, so every schedule must reproduce the reference's bits.
+/* Tests of the runtime (section 10): the small real model of tests/toy_model.h trained by the runtime
+   on stage threads, checked against a non-pipelined single-thread run (N = 1, alpha = 0: bit for bit)
+   and against an independent float64 computation of the elastic-averaging math (N = 2, deterministic
+   mode; replica groups); ranks split over several runs sharing one comm backend, as processes do
+   (bitwise the single run's parameters); the agreement check; failure propagation (callback errors, a
+   peer that never sends, lost and duplicated messages), bad descriptions, profiling and the adaptive
+   advance controller.
 
    Tests run with the repository root as working directory; the PyTorch golden schedule is read from
    ../shared/golden/ (override the directory with AVGPIPE_GOLDEN_DIR). */
@@ -26,333 +22,7 @@
 #include <time.h>
 #include <unistd.h>
 
-/* ---- the model -------------------------------------------------------------------------------- */
-
-#define BS 4                /* samples per micro-batch */
-#define MAXW 9              /* widest layer */
-#define PMAX (MAXW * MAXW + MAXW)
-#define ACT (BS * MAXW)     /* floats of the largest activation of one micro-batch */
-#define MAXG 8
-#define MAXN 2
-#define MAXM 8
-#define MAXSLOT 64
-#define LR 0.2
-
-/* Widths differ from boundary to boundary, so that a buffer of the wrong boundary is caught:
-   stage g maps wid(g) features to wid(g + 1); the last stage's output width is the class count. */
-static int wid(int g) { return 5 + (3 * g) % 5; } /* 5 8 6 9 7 5 8 6 9 */
-static int pcount(int g) { return wid(g + 1) * wid(g) + wid(g + 1); }
-static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * sizeof(float); } /* boundary g|g+1 */
-
-/* Stage forward: h = W x + b per sample (W: dout rows of din, then b); y = tanh(h) unless this is
-   the last stage (h are the logits). Stage backward: gh = gy * (1 - tanh(h)^2), or on the last stage
-   (softmax(h) - onehot(target)) / BS; gx = W^T gh; gW += gh x^T, gb += gh. */
-#define MODEL_FUNCS(T, PFX, TANH, EXP, LOG)                                                  \
-    static void PFX##_fwd(int last, int din, int dout, const T *p, const T *x, T *h, T *y) { \
-        int b, i, j;                                                                         \
-        for (b = 0; b < BS; b++)                                                             \
-            for (i = 0; i < dout; i++) {                                                     \
-                T a = p[dout * din + i];                                                     \
-                for (j = 0; j < din; j++) a += p[i * din + j] * x[b * din + j];              \
-                h[b * dout + i] = a;                                                         \
-                if (!last) y[b * dout + i] = TANH(a);                                        \
-            }                                                                                \
-    }                                                                                        \
-    static void PFX##_softmax(int n, const T *h, T *out) {                                   \
-        int i;                                                                               \
-        T mx = h[0], s = 0;                                                                  \
-        for (i = 1; i < n; i++) mx = h[i] > mx ? h[i] : mx;                                  \
-        for (i = 0; i < n; i++) s += (out[i] = EXP(h[i] - mx));                              \
-        for (i = 0; i < n; i++) out[i] /= s;                                                 \
-    }                                                                                        \
-    static T PFX##_loss(int n, const T *h, const int *tgt) {                                 \
-        int b;                                                                               \
-        T l = 0, pr[MAXW];                                                                   \
-        for (b = 0; b < BS; b++) {                                                           \
-            PFX##_softmax(n, h + b * n, pr);                                                 \
-            l -= LOG(pr[tgt[b]]);                                                            \
-        }                                                                                    \
-        return l / (T)BS;                                                                    \
-    }                                                                                        \
-    static void PFX##_gh(int last, int n, const T *h, const T *gy, const int *tgt, T *gh) {  \
-        int b, i;                                                                            \
-        for (b = 0; b < BS; b++) {                                                           \
-            if (last) {                                                                      \
-                PFX##_softmax(n, h + b * n, gh + b * n);                                     \
-                gh[b * n + tgt[b]] -= 1;                                                     \
-                for (i = 0; i < n; i++) gh[b * n + i] /= (T)BS;                              \
-            } else {                                                                         \
-                for (i = 0; i < n; i++) {                                                    \
-                    T t = TANH(h[b * n + i]);                                                \
-                    gh[b * n + i] = gy[b * n + i] * (1 - t * t);                             \
-                }                                                                            \
-            }                                                                                \
-        }                                                                                    \
-    }                                                                                        \
-    static void PFX##_gx(int din, int dout, const T *p, const T *gh, T *gx) {                \
-        int b, i, j;                                                                         \
-        for (b = 0; b < BS; b++)                                                             \
-            for (j = 0; j < din; j++) {                                                      \
-                T a = 0;                                                                     \
-                for (i = 0; i < dout; i++) a += p[i * din + j] * gh[b * dout + i];           \
-                gx[b * din + j] = a;                                                         \
-            }                                                                                \
-    }                                                                                        \
-    static void PFX##_gw(int din, int dout, const T *x, const T *gh, T *gw) {                \
-        int b, i, j;                                                                         \
-        for (b = 0; b < BS; b++)                                                             \
-            for (i = 0; i < dout; i++) {                                                     \
-                for (j = 0; j < din; j++) gw[i * din + j] += gh[b * dout + i] * x[b * din + j]; \
-                gw[dout * din + i] += gh[b * dout + i];                                      \
-            }                                                                                \
-    }
-
-MODEL_FUNCS(float, mf, tanhf, expf, logf)
-MODEL_FUNCS(double, md, tanh, exp, log)
-
-/* Deterministic data: stage 0's input and the last stage's targets of (pipeline, round, micro-batch). */
-static void gen_input(int pipe, int round, int micro, float *x) {
-    int b, j, n = wid(0);
-    for (b = 0; b < BS; b++)
-        for (j = 0; j < n; j++)
-            x[b * n + j] = (float)sin(1.3 * pipe + 0.71 * round + 0.37 * micro + 0.53 * b + 0.29 * j * (j + 1) + 0.1);
-}
-static void gen_target(int classes, int pipe, int round, int micro, int *t) {
-    int b;
-    for (b = 0; b < BS; b++) t[b] = (pipe * 5 + round * 3 + micro * 7 + b * 3) % classes;
-}
-static void init_params(int g, float *p) { /* in [-0.6, 0.6], exactly representable as float */
-    int j;
-    for (j = 0; j < pcount(g); j++) p[j] = (float)(0.6 * sin(12.9898 * (g * PMAX + j + 1) + 78.233 * g));
-}
-
-/* ---- what the callbacks share ----------------------------------------------------------------- */
-
-typedef struct stash {
-    int valid, pipe, round, micro, has_gy;
-    float h[ACT];
-    float gy[ACT];
-} stash;
-
-static struct {
-    int G, M, N, nslots[MAXG];
-    float w[MAXN][MAXG][PMAX];
-    float gacc[MAXN][MAXG][MAXM][PMAX]; /* weight gradient of each micro-batch, summed in order by step */
-    stash st[MAXG][MAXSLOT];
-    /* calls per (pipe, stage): forward, backward (B or I), weight (B or W), step */
-    long nf[MAXN][MAXG], nbi[MAXN][MAXG], nw[MAXN][MAXG], nstep[MAXN][MAXG];
-    char err[MAXG][256]; /* the first problem a callback saw, per stage (the stage's own thread writes it) */
-    /* fault injection */
-    int fail_stage, fail_micro, fail_round;
-    int sleep_stage, sleep_micro, sleep_ms; /* a slow backward */
-    int op_sleep_us;                         /* every op sleeps this long (adaptive test) */
-} T;
-
-static void reset_state(int G, int M, int N) {
-    int i, g;
-    memset(&T, 0, sizeof T);
-    T.G = G, T.M = M, T.N = N;
-    T.fail_stage = T.sleep_stage = -1;
-    for (i = 0; i < N; i++)
-        for (g = 0; g < G; g++) init_params(g, T.w[i][g]);
-}
-
-static int bad(int g, int code, const char *what) {
-    if (!T.err[g][0]) snprintf(T.err[g], sizeof T.err[g], "%s", what);
-    return code;
-}
-
-static void nap_us(long us) {
-    struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
-
-/* Checks every callback makes on the context the runtime passes. */
-static int check_ctx(const avgpipe_op_ctx *op, int is_fwd, int is_weight) {
-    int g = op->stage;
-    if (g < 0 || g >= T.G || op->pipe < 0 || op->pipe >= T.N || op->micro < 0 || op->micro >= T.M) return bad(0, 90, "bad indices");
-    if (op->stages != T.G) return bad(g, 91, "op->stages != G");
-    if (op->params != T.w[op->pipe][g]) return bad(g, 92, "op->params is not the pipeline's partition");
-    if (op->slot < 0 || op->slot >= T.nslots[g] || op->slot >= MAXSLOT) return bad(g, 93, "slot out of range");
-    if ((g == 0) != (op->input == NULL)) return bad(g, 94, "input must be NULL exactly on stage 0");
-    if (is_fwd && (g == T.G - 1) != (op->output == NULL)) return bad(g, 95, "output must be NULL exactly on the last stage");
-    if (!is_fwd && !is_weight && (g == T.G - 1) != (op->grad_output == NULL))
-        return bad(g, 96, "grad_output must be NULL exactly on the last stage");
-    if (!is_fwd && !is_weight && (g == 0) != (op->grad_input == NULL)) return bad(g, 97, "grad_input must be NULL exactly on stage 0");
-    return 0;
-}
-
-static const float *stage_input(const avgpipe_op_ctx *op, float *buf) {
-    if (op->stage > 0) return (const float *)op->input;
-    gen_input(op->pipe, op->round, op->micro, buf);
-    return buf;
-}
-
-/* The stash of this op's slot, which must hold this micro-batch's forward. */
-static stash *own_stash(const avgpipe_op_ctx *op) {
-    stash *s = &T.st[op->stage][op->slot];
-    if (!s->valid || s->pipe != op->pipe || s->round != op->round || s->micro != op->micro) {
-        bad(op->stage, 0, "a backward found another micro-batch's forward in its slot");
-        return NULL;
-    }
-    return s;
-}
-
-static int cb_forward(avgpipe_op_ctx *op) {
-    float xb[ACT];
-    const float *x;
-    stash *s;
-    int g = op->stage, rc = check_ctx(op, 1, 0);
-    if (rc) return rc;
-    if (g == T.fail_stage && op->micro == T.fail_micro && op->round == T.fail_round) return 7;
-    if (T.op_sleep_us) nap_us(T.op_sleep_us);
-    s = &T.st[g][op->slot];
-    if (s->valid) return bad(g, 98, "forward into a slot still in use");
-    s->valid = 1, s->pipe = op->pipe, s->round = op->round, s->micro = op->micro, s->has_gy = 0;
-    x = stage_input(op, xb);
-    mf_fwd(g == T.G - 1, wid(g), wid(g + 1), op->params, x, s->h, (float *)op->output);
-    if (g == T.G - 1) {
-        int t[BS];
-        gen_target(wid(T.G), op->pipe, op->round, op->micro, t);
-        op->loss = mf_loss(wid(T.G), s->h, t);
-    }
-    T.nf[op->pipe][g]++;
-    return 0;
-}
-
-/* gh of this micro-batch from the stashed pre-activations and the output gradient gy. */
-static void grad_h(const avgpipe_op_ctx *op, const stash *s, const float *gy, float *gh) {
-    int t[BS];
-    gen_target(wid(T.G), op->pipe, op->round, op->micro, t);
-    mf_gh(op->stage == T.G - 1, wid(op->stage + 1), s->h, gy, t, gh);
-}
-
-static int cb_backward(avgpipe_op_ctx *op) {
-    float xb[ACT], gh[ACT];
-    stash *s;
-    int g = op->stage, rc = check_ctx(op, 0, 0);
-    if (rc) return rc;
-    if (T.op_sleep_us) nap_us(T.op_sleep_us);
-    if (g == T.sleep_stage && op->micro == T.sleep_micro) nap_us(1000L * T.sleep_ms);
-    if (!(s = own_stash(op))) return 99;
-    grad_h(op, s, (const float *)op->grad_output, gh);
-    if (g > 0) mf_gx(wid(g), wid(g + 1), op->params, gh, (float *)op->grad_input);
-    mf_gw(wid(g), wid(g + 1), stage_input(op, xb), gh, T.gacc[op->pipe][g][op->micro]);
-    s->valid = 0;
-    T.nbi[op->pipe][g]++;
-    T.nw[op->pipe][g]++;
-    return 0;
-}
-
-/* I: the input gradient; keeps the output gradient for W (the runtime's buffer is not promised to W). */
-static int cb_backward_input(avgpipe_op_ctx *op) {
-    float gh[ACT];
-    stash *s;
-    int g = op->stage, rc = check_ctx(op, 0, 0);
-    if (rc) return rc;
-    if (!(s = own_stash(op))) return 99;
-    if (s->has_gy) return bad(g, 100, "I ran twice for one micro-batch");
-    grad_h(op, s, (const float *)op->grad_output, gh);
-    if (g > 0) mf_gx(wid(g), wid(g + 1), op->params, gh, (float *)op->grad_input);
-    if (op->grad_output) memcpy(s->gy, op->grad_output, act_bytes_of(g));
-    s->has_gy = 1;
-    T.nbi[op->pipe][g]++;
-    return 0;
-}
-
-static int cb_backward_weight(avgpipe_op_ctx *op) {
-    float xb[ACT], gh[ACT];
-    stash *s;
-    int g = op->stage, rc = check_ctx(op, 0, 1);
-    if (rc) return rc;
-    if (!(s = own_stash(op))) return 99;
-    if (!s->has_gy) return bad(g, 101, "W before its I");
-    grad_h(op, s, s->gy, gh);
-    mf_gw(wid(g), wid(g + 1), stage_input(op, xb), gh, T.gacc[op->pipe][g][op->micro]);
-    s->valid = 0;
-    T.nw[op->pipe][g]++;
-    return 0;
-}
-
-/* SGD on the mean gradient of the batch; gradients summed in micro-batch order. */
-static void sgd_f(float *p, float (*gacc)[PMAX], int M, int n) {
-    float gsum[PMAX];
-    const float lr = (float)(LR / M);
-    int m, j;
-    memset(gsum, 0, sizeof gsum);
-    for (m = 0; m < M; m++)
-        for (j = 0; j < n; j++) {
-            gsum[j] += gacc[m][j];
-            gacc[m][j] = 0;
-        }
-    for (j = 0; j < n; j++) p[j] -= lr * gsum[j];
-}
-
-static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
-    (void)rank, (void)round, (void)user;
-    if (params != T.w[pipe][stage]) return bad(stage, 102, "step got another partition");
-    sgd_f(params, T.gacc[pipe][stage], T.M, pcount(stage));
-    T.nstep[pipe][stage]++;
-    return 0;
-}
-
-/* ---- the non-pipelined single-thread reference (float, same layer code) ------------------------ */
-
-/* Train one model of G stages on batches (pipe, rounds[0..nr-1]); returns the mean loss. */
-static double reference_train(float (*w)[PMAX], int G, int M, int pipe, int round) {
-    static float gacc[MAXG][MAXM][PMAX];
-    float a[MAXG + 1][ACT], h[MAXG][ACT], gy[ACT], gx[ACT], gh[ACT];
-    double loss = 0;
-    int m, g, t[BS];
-    memset(gacc, 0, sizeof gacc);
-    for (m = 0; m < M; m++) {
-        gen_input(pipe, round, m, a[0]);
-        gen_target(wid(G), pipe, round, m, t);
-        for (g = 0; g < G; g++) mf_fwd(g == G - 1, wid(g), wid(g + 1), w[g], a[g], h[g], a[g + 1]);
-        loss += mf_loss(wid(G), h[G - 1], t);
-        for (g = G - 1; g >= 0; g--) {
-            mf_gh(g == G - 1, wid(g + 1), h[g], gy, t, gh);
-            if (g > 0) mf_gx(wid(g), wid(g + 1), w[g], gh, gx);
-            mf_gw(wid(g), wid(g + 1), a[g], gh, gacc[g][m]);
-            memcpy(gy, gx, sizeof gy);
-        }
-    }
-    for (g = 0; g < G; g++) sgd_f(w[g], gacc[g], M, pcount(g));
-    return loss / M;
-}
-
-/* ---- running ---------------------------------------------------------------------------------- */
-
-typedef struct setup {
-    avgpipe_run_desc d;
-    size_t act[MAXG], pc[MAXG];
-    float *params[MAXN * MAXG];
-} setup;
-
-/* A run description over T's parameters for G stages and N pipelines, full backward callbacks. */
-static void setup_init(setup *s, int G, int N) {
-    int i, g;
-    memset(s, 0, sizeof *s);
-    for (g = 0; g < G; g++) {
-        s->act[g] = act_bytes_of(g);
-        s->pc[g] = (size_t)pcount(g);
-        for (i = 0; i < N; i++) s->params[i * G + g] = T.w[i][g];
-    }
-    s->d.cb.forward = cb_forward;
-    s->d.cb.backward = cb_backward;
-    s->d.cb.step = cb_step;
-    s->d.act_bytes = s->act;
-    s->d.params = s->params;
-    s->d.param_count = s->pc;
-    s->d.timeout_s = 20;
-}
-
-static void use_split(setup *s, int keep_full) {
-    s->d.cb.backward_input = cb_backward_input;
-    s->d.cb.backward_weight = cb_backward_weight;
-    if (!keep_full) s->d.cb.backward = NULL;
-}
+#include "tests/toy_model.h"
 
 static avgpipe_run *create_run(avgpipe_context *ctx, const setup *s) {
     avgpipe_run *run = NULL;
@@ -476,53 +146,6 @@ Test(runtime, equivalence_golden_torch_zb1p) {
 }
 
 /* ---- N = 2, deterministic: the elastic-averaging math in float64 ------------------------------- */
-
-/* Double-precision training of N models of G stages for `rounds` rounds with MEAN averaging:
-   local SGD step of each model, then w_i <- w_i - alpha (w_i - z_prev), z <- mean_i w_i. */
-static void averaging_f64(int G, int M, int N, int rounds, double alpha, double (*w)[MAXG][PMAX], double (*z)[PMAX],
-                          double *loss) {
-    static double gsum[MAXG][PMAX];
-    double a[MAXG + 1][ACT], h[MAXG][ACT], gy[ACT], gx[ACT], gh[ACT];
-    int t, i, m, g, j, tg[BS];
-    float xf[ACT] = {0};
-    for (i = 0; i < N; i++)
-        for (g = 0; g < G; g++) {
-            float p[PMAX];
-            init_params(g, p);
-            for (j = 0; j < pcount(g); j++) w[i][g][j] = p[j];
-        }
-    for (g = 0; g < G; g++) memcpy(z[g], w[0][g], sizeof z[g]);
-    for (t = 0; t < rounds; t++) {
-        loss[t] = 0;
-        for (i = 0; i < N; i++) {
-            memset(gsum, 0, sizeof gsum);
-            for (m = 0; m < M; m++) {
-                gen_input(i, t, m, xf);
-                for (j = 0; j < ACT; j++) a[0][j] = xf[j];
-                gen_target(wid(G), i, t, m, tg);
-                for (g = 0; g < G; g++) md_fwd(g == G - 1, wid(g), wid(g + 1), w[i][g], a[g], h[g], a[g + 1]);
-                loss[t] += md_loss(wid(G), h[G - 1], tg) / (N * M);
-                for (g = G - 1; g >= 0; g--) {
-                    md_gh(g == G - 1, wid(g + 1), h[g], gy, tg, gh);
-                    if (g > 0) md_gx(wid(g), wid(g + 1), w[i][g], gh, gx);
-                    md_gw(wid(g), wid(g + 1), a[g], gh, gsum[g]);
-                    memcpy(gy, gx, sizeof gy);
-                }
-            }
-            for (g = 0; g < G; g++)
-                for (j = 0; j < pcount(g); j++) w[i][g][j] -= LR / M * gsum[g][j];
-        }
-        for (g = 0; g < G; g++)
-            for (j = 0; j < pcount(g); j++) {
-                double acc = 0;
-                for (i = 0; i < N; i++) {
-                    w[i][g][j] -= alpha * (w[i][g][j] - z[g][j]);
-                    acc += w[i][g][j];
-                }
-                z[g][j] = acc / N;
-            }
-    }
-}
 
 /* |got - want| <= tol * max(|want|, rms(want)) elementwise. */
 static void expect_close(const char *what, const float *got, const double *want, int n, double tol) {
@@ -1063,6 +686,321 @@ Test(runtime, bad_desc_comm_size) {
     s.d.comm = &c;
     expect_invalid(&s, "comm");
     avgpipe_comm_destroy(&c);
+}
+
+/* ---- ranks in several processes: runs on threads that share one comm backend ------------------ */
+
+/* One "process": a run of some of the ranks, on its own thread, over the shared backend. */
+typedef struct proc {
+    avgpipe_run_desc d;
+    int ranks[8], iters, gather;
+    avgpipe_context ctx;
+    avgpipe_result res;
+    char msg[AVGPIPE_ERROR_MAX];
+    float gathered[MAXG][PMAX]; /* the reference gathered on the process of rank 0 */
+    double sum[2];              /* what avgpipe_run_allreduce returned */
+} proc;
+
+static void *proc_main(void *arg) {
+    proc *p = (proc *)arg;
+    avgpipe_run *run = NULL;
+    float *dst[MAXG];
+    int it, g;
+    avgpipe_context_init(&p->ctx, NULL);
+    p->res = avgpipe_run_create(&p->ctx, &p->d, &run);
+    for (it = 0; it < p->iters && !p->res; it++) p->res = avgpipe_run_iteration(run, NULL);
+    if (!p->res && p->gather) {
+        for (g = 0; g < MAXG; g++) dst[g] = p->gathered[g];
+        p->res = avgpipe_run_gather_reference(run, avgpipe_run_is_local(run, 0) ? dst : NULL);
+        p->sum[0] = p->ranks[0] + 1, p->sum[1] = 0.5;
+        if (!p->res) p->res = avgpipe_run_allreduce(run, p->sum, 2);
+    }
+    if (p->res) snprintf(p->msg, sizeof p->msg, "%s", avgpipe_last_error(&p->ctx));
+    avgpipe_run_destroy(run);
+    return NULL;
+}
+
+/* Run s's ranks as `nproc` processes (process k runs ranks k*per .. k*per+per-1), `iters` iterations,
+   over one in-process backend of all the ranks; they share T (each writes only its stages). */
+static void run_processes(const setup *s, int nranks, int nproc, int iters, int gather, proc *p) {
+    pthread_t th[8];
+    avgpipe_comm comm;
+    int k, j, per = nranks / nproc;
+    cr_assert(nproc <= 8 && per * nproc == nranks);
+    cr_assert_eq(avgpipe_comm_local_create(NULL, nranks, &comm), AVGPIPE_OK);
+    for (k = 0; k < nproc; k++) {
+        memset(&p[k], 0, sizeof p[k]);
+        p[k].d = s->d;
+        for (j = 0; j < per; j++) p[k].ranks[j] = k * per + j;
+        p[k].d.local_ranks = p[k].ranks;
+        p[k].d.local_count = per;
+        p[k].d.comm = &comm;
+        p[k].iters = iters;
+        p[k].gather = gather;
+        cr_assert_eq(pthread_create(&th[k], NULL, proc_main, &p[k]), 0);
+    }
+    for (k = 0; k < nproc; k++) pthread_join(th[k], NULL);
+    avgpipe_comm_destroy(&comm);
+}
+
+/* The same description run (a) by one process with every rank on its threads and (b) split over
+   processes of `per` ranks each: (b)'s parameters and references must be (a)'s, bit for bit. */
+static void processes_equal_threads(avgpipe_sched_kind kind, int S, int V, int N, int D, float alpha, int split, const char *name) {
+    static float want[MAXN][MAXG][PMAX], zwant[MAXD][MAXG][PMAX];
+    int G = S * (V > 0 ? V : 1), M = 4, iters = 2, nslots[MAXG], k, i, g;
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    proc p[8];
+    setup s;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state_d(G, M, N, D);
+    setup_init_d(&s, G, N, D, S);
+    s.d.sched.kind = kind, s.d.sched.stages = S, s.d.sched.chunks = V, s.d.sched.micro = M, s.d.sched.pipes = N;
+    s.d.sched.rounds = 2, s.d.sched.advance = kind == AVGPIPE_SCHED_ADVANCE ? 2 : 0;
+    s.d.alpha = alpha == 0 ? AVGPIPE_ZERO : alpha;
+    s.d.deterministic = 1;
+    s.d.timeout_s = 20;
+    if (split) use_split(&s, 0);
+    run = create_run(&ctx, &s);
+    for (k = 0; k < iters; k++) iterate(&ctx, run, NULL);
+    memcpy(want, T.w, sizeof want);
+    for (k = 0; k < D; k++)
+        for (g = 0; g < G; g++) memcpy(zwant[k][g], avgpipe_run_replica_reference(run, k, g, NULL), (size_t)pcount(g) * sizeof(float));
+    avgpipe_run_destroy(run);
+    memcpy(nslots, T.nslots, sizeof nslots);
+    reset_state_d(G, M, N, D);
+    memcpy(T.nslots, nslots, sizeof nslots);
+    T.S = S;
+    run_processes(&s, D * S, D * S, iters, 1, p);
+    first_callback_error();
+    for (k = 0; k < D * S; k++) cr_assert_eq(p[k].res, AVGPIPE_OK, "%s: process of rank %d: %s: %s", name, k, avgpipe_result_string(p[k].res), p[k].msg);
+    for (i = 0; i < N * D; i++)
+        for (g = 0; g < G; g++)
+            cr_assert(memcmp(T.w[i][g], want[i][g], (size_t)pcount(g) * sizeof(float)) == 0,
+                      "%s: model %d, stage %d: one process per rank differs from one process of threads", name, i, g);
+    for (g = 0; g < G; g++) /* rank 0 gathered group 0's reference */
+        cr_assert(memcmp(p[0].gathered[g], zwant[0][g], (size_t)pcount(g) * sizeof(float)) == 0, "%s: gathered reference of stage %d", name, g);
+    for (k = 0; k < D * S; k++) /* every process counted once, in the same bits */
+        cr_assert(p[k].sum[0] == D * S * (D * S + 1) / 2.0 && p[k].sum[1] == 0.5 * D * S, "%s: allreduce on rank %d: %g %g", name, k,
+                  p[k].sum[0], p[k].sum[1]);
+    {
+        float z0[PMAX];
+        init_params(0, z0);
+        cr_assert(memcmp(T.w[0][0], z0, (size_t)pcount(0) * sizeof(float)) != 0, "%s: nothing trained", name);
+    }
+}
+
+Test(runtime, processes_equal_threads_afab) { processes_equal_threads(AVGPIPE_SCHED_AFAB, 2, 0, 1, 1, 0, 0, "afab N=1"); }
+Test(runtime, processes_equal_threads_1f1b_n2) { processes_equal_threads(AVGPIPE_SCHED_1F1B, 4, 0, 2, 1, 0.3f, 0, "1f1b N=2"); }
+Test(runtime, processes_equal_threads_advance_n2) { processes_equal_threads(AVGPIPE_SCHED_ADVANCE, 4, 0, 2, 1, 0.3f, 0, "advance N=2"); }
+Test(runtime, processes_equal_threads_interleaved) { processes_equal_threads(AVGPIPE_SCHED_INTERLEAVED, 2, 2, 2, 1, 0.3f, 0, "interleaved"); }
+Test(runtime, processes_equal_threads_zbh1_split) { processes_equal_threads(AVGPIPE_SCHED_ZBH1, 4, 0, 1, 1, 0, 1, "zbh1 I/W"); }
+Test(runtime, processes_equal_threads_replicas) { processes_equal_threads(AVGPIPE_SCHED_1F1B, 2, 0, 2, 2, 0.3f, 0, "1f1b D=2"); }
+
+/* Processes that describe different runs are refused at create, every one of them, naming the field. */
+static void disagree(void (*spoil)(avgpipe_run_desc *), const char *field) {
+    static size_t other_act[MAXG];
+    proc p[2];
+    pthread_t th[2];
+    avgpipe_comm comm;
+    setup s;
+    int k;
+    reset_state(2, 4, 1);
+    setup_init(&s, 2, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 2, s.d.sched.micro = 4;
+    s.d.timeout_s = 5;
+    cr_assert_eq(avgpipe_comm_local_create(NULL, 2, &comm), AVGPIPE_OK);
+    for (k = 0; k < 2; k++) {
+        memset(&p[k], 0, sizeof p[k]);
+        p[k].d = s.d;
+        p[k].ranks[0] = k;
+        p[k].d.local_ranks = p[k].ranks, p[k].d.local_count = 1, p[k].d.comm = &comm;
+        p[k].iters = 1;
+    }
+    memcpy(other_act, s.act, sizeof other_act);
+    p[1].d.act_bytes = other_act;
+    spoil(&p[1].d);
+    for (k = 0; k < 2; k++) cr_assert_eq(pthread_create(&th[k], NULL, proc_main, &p[k]), 0);
+    for (k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    avgpipe_comm_destroy(&comm);
+    for (k = 0; k < 2; k++) {
+        cr_assert_eq(p[k].res, AVGPIPE_MISMATCH, "process %d: %s (%s)", k, avgpipe_result_string(p[k].res), p[k].msg);
+        cr_assert(strstr(p[k].msg, field) != NULL, "process %d: the message does not name %s: %s", k, field, p[k].msg);
+        cr_assert(strstr(p[k].msg, "rank 1") != NULL, "process %d: the message does not name rank 1: %s", k, p[k].msg);
+    }
+}
+static void spoil_micro(avgpipe_run_desc *d) { d->sched.micro = 8; }
+static void spoil_alpha(avgpipe_run_desc *d) { d->alpha = 0.5f; }
+static void spoil_act(avgpipe_run_desc *d) { ((size_t *)(void *)d->act_bytes)[0] += 4; }
+static void spoil_kind(avgpipe_run_desc *d) { d->sched.kind = AVGPIPE_SCHED_AFAB; }
+Test(runtime, processes_disagree_on_micro) { disagree(spoil_micro, "sched.micro = 8, rank 0 has 4"); }
+Test(runtime, processes_disagree_on_alpha) { disagree(spoil_alpha, "alpha"); }
+Test(runtime, processes_disagree_on_act_bytes) { disagree(spoil_act, "act_bytes"); }
+Test(runtime, processes_disagree_on_schedule) { disagree(spoil_kind, "sched.kind"); }
+
+/* A process whose peers never come: create fails at the timeout, naming the silent rank. */
+Test(runtime, process_alone_times_out_at_create) {
+    avgpipe_comm comm;
+    avgpipe_context ctx;
+    avgpipe_run *run = NULL;
+    avgpipe_result res;
+    setup s;
+    int me = 1;
+    double t0;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(2, 4, 1);
+    setup_init(&s, 2, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 2, s.d.sched.micro = 4;
+    s.d.timeout_s = 0.3;
+    cr_assert_eq(avgpipe_comm_local_create(NULL, 2, &comm), AVGPIPE_OK);
+    s.d.comm = &comm, s.d.local_ranks = &me, s.d.local_count = 1;
+    t0 = now_s();
+    res = avgpipe_run_create(&ctx, &s.d, &run);
+    cr_assert_eq(res, AVGPIPE_TIMEOUT, "%s: %s", avgpipe_result_string(res), avgpipe_last_error(&ctx));
+    cr_assert(run == NULL && now_s() - t0 < 3);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "rank 0") != NULL, "%s", avgpipe_last_error(&ctx));
+    avgpipe_comm_destroy(&comm);
+}
+
+Test(runtime, bad_desc_local_ranks) {
+    setup s;
+    int twice[2] = {1, 1}, out_of_range = 9;
+    bad_base(&s);
+    s.d.local_ranks = twice, s.d.local_count = 2;
+    expect_invalid(&s, "listed twice");
+    s.d.local_ranks = &out_of_range, s.d.local_count = 1;
+    expect_invalid(&s, "local_ranks[0]");
+    s.d.local_ranks = NULL, s.d.local_count = 1;
+    expect_invalid(&s, "local_count");
+    s.d.local_ranks = twice, s.d.local_count = 1; /* rank 1 alone, no comm to reach the others */
+    expect_invalid(&s, "comm");
+}
+
+/* ---- replica groups: two-level averaging against float64 ------------------------------------- */
+
+/* D = 2 groups of N = 2 pipelines, S = 2, MEAN, alpha 0.5, deterministic, every H rounds. */
+static void replicas_match_f64(int H, int continuous) {
+    static double w[MAXN][MAXG][PMAX], z[MAXD][MAXG][PMAX], loss[64];
+    const int S = 2, G = 2, M = 4, N = 2, D = 2, R = 2, ITER = 3;
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_run_stats st;
+    setup s;
+    char what[96];
+    int it, i, g, d;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state_d(G, M, N, D);
+    setup_init_d(&s, G, N, D, S);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = S, s.d.sched.micro = M, s.d.sched.pipes = N;
+    s.d.sched.rounds = R, s.d.sched.continuous = continuous;
+    s.d.average_every = H;
+    s.d.alpha = 0.5f;
+    s.d.deterministic = 1;
+    run = create_run(&ctx, &s);
+    for (it = 0; it < ITER; it++) {
+        iterate(&ctx, run, &st);
+        cr_assert_eq(st.micro_batches, (long long)D * N * M * R);
+    }
+    averaging_f64_d(G, M, N, D, H, R * ITER, 0.5, w, z, loss);
+    for (i = 0; i < N * D; i++)
+        for (g = 0; g < G; g++) {
+            snprintf(what, sizeof what, "H = %d: model %d, stage %d", H, i, g);
+            expect_close(what, T.w[i][g], w[i][g], pcount(g), 1e-6);
+        }
+    for (d = 0; d < D; d++)
+        for (g = 0; g < G; g++) {
+            snprintf(what, sizeof what, "H = %d: reference of group %d, stage %d", H, d, g);
+            expect_close(what, avgpipe_run_replica_reference(run, d, g, NULL), z[d][g], pcount(g), 1e-6);
+        }
+    if ((R * ITER) % H == 0) /* the last round was a replica round: the groups' references are one */
+        for (g = 0; g < G; g++)
+            cr_assert(memcmp(avgpipe_run_replica_reference(run, 0, g, NULL), avgpipe_run_replica_reference(run, 1, g, NULL),
+                             (size_t)pcount(g) * sizeof(float)) == 0, "H = %d: stage %d: the groups' references differ after a replica round", H, g);
+    else
+        cr_assert(memcmp(avgpipe_run_replica_reference(run, 0, 0, NULL), avgpipe_run_replica_reference(run, 1, 0, NULL),
+                         (size_t)pcount(0) * sizeof(float)) != 0, "H = %d: the groups' references agree without a replica round", H);
+    avgpipe_run_destroy(run);
+}
+Test(runtime, replicas_every_round_match_f64) { replicas_match_f64(1, 0); }
+Test(runtime, replicas_every_second_round_match_f64) { replicas_match_f64(2, 1); }
+Test(runtime, replicas_every_fourth_round_match_f64) { replicas_match_f64(4, 0); }
+
+/* ---- requests left behind by a failure --------------------------------------------------------- */
+
+/* A backend that counts requests: posted, finished (wait or test said so), cancelled. */
+typedef struct countcomm {
+    avgpipe_comm inner;
+    pthread_mutex_t mu;
+    long posted, finished, cancelled;
+} countcomm;
+static void cnt_add(countcomm *c, long *what) {
+    pthread_mutex_lock(&c->mu);
+    ++*what;
+    pthread_mutex_unlock(&c->mu);
+}
+static avgpipe_result cnt_isend(void *u, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    countcomm *c = (countcomm *)u;
+    avgpipe_result r = c->inner.isend(c->inner.user, self, peer, buf, bytes, tag, req);
+    if (!r) cnt_add(c, &c->posted);
+    return r;
+}
+static avgpipe_result cnt_irecv(void *u, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    countcomm *c = (countcomm *)u;
+    avgpipe_result r = c->inner.irecv(c->inner.user, self, peer, buf, bytes, tag, req);
+    if (!r) cnt_add(c, &c->posted);
+    return r;
+}
+static avgpipe_result cnt_wait(void *u, int self, avgpipe_comm_request req, double t, avgpipe_comm_status *st) {
+    countcomm *c = (countcomm *)u;
+    avgpipe_result r = c->inner.wait(c->inner.user, self, req, t, st);
+    if (r != AVGPIPE_TIMEOUT && r != AVGPIPE_ABORTED) cnt_add(c, &c->finished);
+    return r;
+}
+static avgpipe_result cnt_test(void *u, int self, avgpipe_comm_request req, int *done, avgpipe_comm_status *st) {
+    countcomm *c = (countcomm *)u;
+    avgpipe_result r = c->inner.test(c->inner.user, self, req, done, st);
+    if (*done) cnt_add(c, &c->finished);
+    return r;
+}
+static void cnt_cancel(void *u, int self, avgpipe_comm_request req) {
+    countcomm *c = (countcomm *)u;
+    c->inner.cancel(c->inner.user, self, req);
+    cnt_add(c, &c->cancelled);
+}
+static avgpipe_result cnt_barrier(void *u, int self, double t) { return ((countcomm *)u)->inner.barrier(((countcomm *)u)->inner.user, self, t); }
+static void cnt_abort(void *u, avgpipe_result why, const char *m) { ((countcomm *)u)->inner.abort(((countcomm *)u)->inner.user, why, m); }
+
+/* A callback fails mid-iteration, leaving receives posted and sends unmatched: after the run is
+   destroyed every request it posted was either finished or cancelled (none is left to the backend). */
+Test(runtime, failed_run_releases_every_request) {
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    countcomm cc;
+    avgpipe_comm table;
+    setup s;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&cc, 0, sizeof cc);
+    pthread_mutex_init(&cc.mu, NULL);
+    cr_assert_eq(avgpipe_comm_local_create(NULL, 4, &cc.inner), AVGPIPE_OK);
+    memset(&table, 0, sizeof table);
+    table.name = "counting", table.size = 4, table.user = &cc;
+    table.isend = cnt_isend, table.irecv = cnt_irecv, table.wait = cnt_wait, table.test = cnt_test, table.cancel = cnt_cancel;
+    table.barrier = cnt_barrier, table.abort = cnt_abort;
+    reset_state(4, 8, 1);
+    setup_init(&s, 4, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_ADVANCE, s.d.sched.stages = 4, s.d.sched.micro = 8, s.d.sched.advance = 3;
+    s.d.alpha = AVGPIPE_ZERO;
+    s.d.comm = &table;
+    run = create_run(&ctx, &s);
+    iterate(&ctx, run, NULL);
+    T.fail_stage = 2, T.fail_micro = 5, T.fail_round = 1;
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_CALLBACK_ERROR, "%s", avgpipe_last_error(&ctx));
+    avgpipe_run_destroy(run);
+    cr_assert(cc.posted > 0 && cc.cancelled > 0, "posted %ld, cancelled %ld: nothing was left pending?", cc.posted, cc.cancelled);
+    cr_assert_eq(cc.posted, cc.finished + cc.cancelled, "posted %ld requests, %ld finished and %ld cancelled: %ld left behind", cc.posted,
+                 cc.finished, cc.cancelled, cc.posted - cc.finished - cc.cancelled);
+    avgpipe_comm_destroy(&cc.inner);
+    pthread_mutex_destroy(&cc.mu);
 }
 
 /* ---- profiling -------------------------------------------------------------------------------- */
