@@ -5414,8 +5414,11 @@ static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_reques
     res = run->comm.wait(run->comm.user, w->rank, *req, run->d.timeout_s, &st);
     if (res != AVGPIPE_TIMEOUT && res != AVGPIPE_ABORTED) *req = NULL;
     if (!res) return AVGPIPE_OK;
-    if (res == AVGPIPE_ABORTED) return res;
+    if (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run)) return res; /* this process's own failure says why */
     avgpipe_op_format(op, 1, txt, sizeof txt);
+    if (res == AVGPIPE_ABORTED) /* another process stopped: say what this rank was waiting for, and why it stopped */
+        return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d: stopped: %s", w->rank, txt, what, peer,
+                                 run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "aborted");
     if (res == AVGPIPE_MISMATCH && expect) {
         avgpipe__tag_text(run, expect, want, sizeof want);
         avgpipe__tag_text(run, st.tag, got, sizeof got);

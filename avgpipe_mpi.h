@@ -609,7 +609,7 @@ static avgpipe_result avgpipe__mpi_split(void *user, int self, const int *member
     avgpipe_context_init(&ctx, &cd);
     res = avgpipe__mpi_new(&ctx, &m->desc, sub, m, out);
     MPI_Comm_free(&sub); /* the backend keeps its own duplicates */
-    if (res) snprintf(m->err, sizeof m->err, "rank %d: split: %s", self, avgpipe_last_error(&ctx));
+    if (res) snprintf(m->err, sizeof m->err, "rank %d: split: %.200s", self, avgpipe_last_error(&ctx));
     return res;
 }
 

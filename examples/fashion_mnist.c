@@ -2,7 +2,13 @@
    parallel pipelines of G stages, with elastic averaging of the N models after every round.
 
    Each stage partition runs on its own stage thread (the runtime's workers; OpenBLAS single-threaded
-   inside them). Every parallel model starts from the same weights, trains on its own batches (an epoch
+   inside them), or, with --backend mpi, one pipeline rank per MPI process (avgpipe_mpi.h):
+       mpirun -np 4 build/fashion_mnist --backend mpi                    4 ranks, one per process
+       mpirun -np 8 build/fashion_mnist --backend mpi --replicas 2       2 replica groups of 4
+   Each process loads only what its stages need (stage 0 the pixels, the last stage the labels; rank 0
+   also the test set, which it evaluates the gathered reference model on) and allocates only its stages;
+   rank 0 tunes (in threads, on its own) and prints. --replicas D (threads or MPI) trains D groups of N
+   pipelines on disjoint shares of every epoch and averages their reference models every round. Every parallel model starts from the same weights, trains on its own batches (an epoch
    shows each training sample to one pipeline) with its own Adam state, and is pulled toward the
    reference model, the mean of the N models, after each of its steps. The reference model is what
    gets evaluated.
@@ -12,7 +18,7 @@
    choice and the best alternatives on stderr, and trains with the choice (see tune()).
 
    Build: gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. examples/fashion_mnist.c -o fashion_mnist \
-              -lopenblas -lz -lm -pthread
+              -lopenblas -lz -lm -pthread                  (meson adds MPI when it finds it: -DFMNIST_MPI)
    Run:   ./fashion_mnist                       (4 stages; schedule, M, N, K from the tuner)
           ./fashion_mnist --micro 4 --pipes 2   (no tuner: advance forward with the runtime's adaptive K)
           ./fashion_mnist --schedule zbh1 --pipes 3 --trace trace.json           (--help lists all)
@@ -27,6 +33,9 @@
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
+#ifdef FMNIST_MPI
+#include "avgpipe_mpi.h"
+#endif
 #define MLP_IMPLEMENTATION
 #include "examples/mlp.h"
 
@@ -44,10 +53,11 @@ void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; n
 #define PROG "fashion_mnist"
 #define ADVANCE_AUTO (-1)
 #define AUTO 0 /* --micro auto, --pipes auto: the tuner picks them */
+#define MAX_REPLICAS 8
 
 typedef struct options {
-    int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train;
-    int deterministic, continuous, normalize, cosine;
+    int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train, replicas;
+    int deterministic, continuous, normalize, cosine, mpi;
     int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
     avgpipe_sched_kind schedule;
     double alpha, lr;
@@ -56,31 +66,39 @@ typedef struct options {
     const char *data, *hidden, *trace, *profile, *save, *profile_tune;
 } options;
 
-/* Everything the callbacks reach through op->user. Per-stage state (stash[g], perm[g]) is touched only by
-   the worker of the rank that holds stage g; per-(pipe, stage) state (the nets' gradients and Adam) too. */
+/* Everything the callbacks reach through op->user. Per-(replica, stage) state (stash, perm) is touched
+   only by the worker of the rank that holds that stage of that replica group; per-model state (the nets'
+   gradients and Adam) too. A model is replica * N + pipe. */
 typedef struct app {
     options opt;
     mlp_model model;
     mlp_data train, test;
-    mlp_order order;
-    int G, mb;
+    mlp_order order;              /* over D * N "pipelines": each model its share of every epoch */
+    int G, S, mb;                 /* stage partitions, ranks per replica group */
     float loss_scale;             /* 1 / samples per batch: gradients are batch means */
     int64_t decay_steps;          /* optimizer steps of one model over the whole run */
     mlp_adam_hp adam;
-    mlp_net *nets;                /* [N] */
-    float **params;               /* [pipe * G + stage] -> nets[pipe].params[stage] */
+    mlp_net *nets;                /* [D * N]; only those of local replica groups are allocated */
+    float **params;               /* [model * G + stage] -> nets[model].params[stage], NULL when not local */
     size_t act_bytes[MLP_MAX_LAYERS];
     int slots[MLP_MAX_LAYERS];
-    mlp_stash *stash[MLP_MAX_LAYERS]; /* [stage][slot] */
-    mlp_perm perm[MLP_MAX_LAYERS];    /* sample order cache of stage 0 and of the last stage */
-    long long correct;            /* last stage's argmax hits; read by the main thread between iterations */
+    mlp_stash *stash[MAX_REPLICAS][MLP_MAX_LAYERS]; /* [replica][stage][slot] */
+    mlp_perm perm[MAX_REPLICAS][MLP_MAX_LAYERS];    /* sample order cache of stage 0 and of the last stage */
+    long long correct[MAX_REPLICAS]; /* last stage's argmax hits; read by the main thread between iterations */
+    /* processes (--backend mpi): this one's rank and the comm backend; me = -1 with threads */
+    int me, nproc;
+    avgpipe_comm comm;
+    float *ref[MLP_MAX_LAYERS];   /* rank 0: the gathered reference model */
 } app;
 
-/* Print "fashion_mnist: <message>" on stderr; returns -1. */
+static int g_rank = -1; /* --backend mpi: this process's rank, for messages */
+
+/* Print "fashion_mnist: <message>" (mpi: "fashion_mnist (rank R): ...") on stderr; returns -1. */
 static int fail(const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
-    fputs(PROG ": ", stderr);
+    if (g_rank >= 0) fprintf(stderr, PROG " (rank %d): ", g_rank);
+    else fputs(PROG ": ", stderr);
     vfprintf(stderr, fmt, ap);
     fputc('\n', stderr);
     va_end(ap);
@@ -92,6 +110,10 @@ static int fail(const char *fmt, ...) {
 static const char *usage =
     "usage: " PROG " [options]\n"
     "  --stages G          stage partitions of the model (default 4)\n"
+    "  --backend B         threads (default: every rank a thread of this process) | mpi (one rank per\n"
+    "                      process: mpirun -np <replicas x ranks> " PROG " --backend mpi ...)\n"
+    "  --replicas D        replica groups of the pipelines, each on its own share of the data, their\n"
+    "                      reference models averaged every round (default 1)\n"
     "  --pipes N|auto      parallel pipelines = parallel models (default auto: the tuner picks 1..4)\n"
     "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n"
     "                      at least 16 samples)\n"
@@ -115,8 +137,9 @@ static const char *usage =
     "  --data DIR          (default /usr/share/datasets/fashion-mnist)\n"
     "  --limit-train N     use only the first N training samples\n"
     "  --deterministic     every averaging waits for the previous round's reference (reproducible)\n"
-    "  --trace FILE.json   Chrome trace of the last iteration (open in ui.perfetto.dev)\n"
-    "  --profile FILE      per-op profile of the last iteration (the tuner's input)\n"
+    "  --trace FILE.json   Chrome trace of the last iteration (open in ui.perfetto.dev); with --backend\n"
+    "                      mpi each process writes its ranks' part, rank R's to FILE.R (rank 0's to FILE)\n"
+    "  --profile FILE      per-op profile of the last iteration (the tuner's input); mpi: as --trace\n"
     "  --save FILE         write the reference model's parameters (mlp_params_save)\n"
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
     "Tuning (when --micro or --pipes is auto, the default): before training, the model is profiled for\n"
@@ -180,6 +203,7 @@ static int tuning(const options *o) { return o->micro == AUTO || o->pipes == AUT
 static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
     o->stages = 4, o->pipes = AUTO, o->micro = AUTO, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
+    o->replicas = 1;
     o->advance = ADVANCE_AUTO, o->continuous = 1, o->normalize = 1, o->cosine = 1;
     o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->lr = 1e-3, o->seed = 1;
     o->data = "/usr/share/datasets/fashion-mnist", o->hidden = "512,256,128";
@@ -204,6 +228,15 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--rounds")) o->rounds = (int)parse_long(f, v, 1, 100000);
     else if (!strcmp(f, "--chunks")) o->chunks = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
     else if (!strcmp(f, "--limit-train")) o->limit_train = (int)parse_long(f, v, 1, 1 << 24);
+    else if (!strcmp(f, "--replicas")) o->replicas = (int)parse_long(f, v, 1, MAX_REPLICAS);
+    else if (!strcmp(f, "--backend")) {
+        if (!strcmp(v, "mpi")) o->mpi = 1;
+        else if (!strcmp(v, "threads")) o->mpi = 0;
+        else bad_usage("--backend expects threads or mpi, got '%s'", v);
+#ifndef FMNIST_MPI
+        if (o->mpi) bad_usage("--backend mpi: this build has no MPI (install libopenmpi-dev and rebuild)");
+#endif
+    }
     else if (!strcmp(f, "--alpha")) o->alpha = parse_double(f, v, 0, 1);
     else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
     else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)parse_long(f, v, 0, 2147483647L);
@@ -264,7 +297,7 @@ static int is_value_flag(const char *f) {
     static const char *const names[] = {"--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds",
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
                                         "--schedule", "--data", "--hidden", "--trace", "--profile", "--save",
-                                        "--mem-limit", "--profile-tune"};
+                                        "--mem-limit", "--profile-tune", "--replicas", "--backend"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -286,23 +319,42 @@ static void parse_options(int argc, char **argv, options *o) {
     }
     check_options(o, advance_flag);
     check_model(o);
+    if (o->mpi) return; /* the process's rank says which files it writes: check_outputs() once it is known */
     check_output("--trace", o->trace);
     check_output("--profile", o->profile);
     check_output("--save", o->save);
     check_output("--profile-tune", o->profile_tune);
 }
 
+/* --backend mpi: what rank r writes: FILE for rank 0, FILE.r for the others. */
+static const char *rank_path(const app *A, const char *path, char *buf, size_t cap) {
+    if (!path || A->me <= 0) return path;
+    snprintf(buf, cap, "%s.%d", path, A->me);
+    return buf;
+}
+
+static void check_outputs(const app *A) {
+    char b1[4096], b2[4096];
+    check_output("--trace", rank_path(A, A->opt.trace, b1, sizeof b1));
+    check_output("--profile", rank_path(A, A->opt.profile, b2, sizeof b2));
+    if (A->me == 0) check_output("--save", A->opt.save);
+    if (A->me == 0) check_output("--profile-tune", A->opt.profile_tune);
+}
+
 /* ---- Stage callbacks -------------------------------------------------------------------------- */
+
+/* The model an op belongs to: replica group's pipeline. */
+static int model_of(const app *A, const avgpipe_op_ctx *op) { return op->replica * A->opt.pipes + op->pipe; }
 
 static mlp_stash *op_stash(app *A, const avgpipe_op_ctx *op) {
     if (op->stage < 0 || op->stage >= A->G || op->slot < 0 || op->slot >= A->slots[op->stage] || op->pipe < 0 ||
-        op->pipe >= A->opt.pipes) {
-        fprintf(stderr, "\n" PROG ": op of pipeline %d, stage %d, slot %d is outside the model's %d pipelines, %d "
-                "stages, %d slots\n", op->pipe, op->stage, op->slot, A->opt.pipes, A->G,
-                op->stage >= 0 && op->stage < A->G ? A->slots[op->stage] : 0);
+        op->pipe >= A->opt.pipes || op->replica < 0 || op->replica >= A->opt.replicas || !A->stash[op->replica][op->stage]) {
+        fprintf(stderr, "\n" PROG ": op of replica %d, pipeline %d, stage %d, slot %d is outside the model's %d replicas, %d "
+                "pipelines, %d stages, %d slots\n", op->replica, op->pipe, op->stage, op->slot, A->opt.replicas, A->opt.pipes,
+                A->G, op->stage >= 0 && op->stage < A->G ? A->slots[op->stage] : 0);
         return NULL;
     }
-    return &A->stash[op->stage][op->slot];
+    return &A->stash[op->replica][op->stage][op->slot];
 }
 
 static int op_failed(const avgpipe_op_ctx *op, const char *what) {
@@ -313,7 +365,7 @@ static int op_failed(const avgpipe_op_ctx *op, const char *what) {
 
 /* Stage 0 gathers the micro-batch's pixels, the last stage its labels (both when G = 1). */
 static int load_samples(app *A, const avgpipe_op_ctx *op, mlp_stash *st) {
-    const uint32_t *idx = mlp_order_micro(&A->order, &A->perm[op->stage], op->pipe, op->round, op->micro, A->mb);
+    const uint32_t *idx = mlp_order_micro(&A->order, &A->perm[op->replica][op->stage], model_of(A, op), op->round, op->micro, A->mb);
     if (!idx || mlp_stash_load(st, &A->train, idx, A->mb) != 0) return op_failed(op, "cannot load the samples");
     return 0;
 }
@@ -331,7 +383,7 @@ static int cb_forward(avgpipe_op_ctx *op) {
     if (!last) return 0;
     op->loss = mlp_stage_loss(&A->model, st, &correct);
     if (!isfinite(op->loss)) return op_failed(op, "non-finite loss: lower --lr?");
-    A->correct += correct;
+    A->correct[op->replica] += correct;
     return 0;
 }
 
@@ -340,7 +392,7 @@ static int cb_backward(avgpipe_op_ctx *op) {
     mlp_stash *st = op_stash(A, op);
     if (!st || mlp_stage_backward(&A->model, op->stage, op->params, st, (const float *)op->input,
                                   (const float *)op->grad_output, (float *)op->grad_input,
-                                  A->nets[op->pipe].grad[op->stage], A->loss_scale) != 0)
+                                  A->nets[model_of(A, op)].grad[op->stage], A->loss_scale) != 0)
         return op_failed(op, "backward failed");
     return 0;
 }
@@ -358,7 +410,7 @@ static int cb_backward_weight(avgpipe_op_ctx *op) {
     app *A = (app *)op->user;
     mlp_stash *st = op_stash(A, op);
     if (!st || mlp_stage_backward_weight(&A->model, op->stage, st, (const float *)op->input,
-                                         A->nets[op->pipe].grad[op->stage]) != 0)
+                                         A->nets[model_of(A, op)].grad[op->stage]) != 0)
         return op_failed(op, "backward to the weights (W) failed");
     return 0;
 }
@@ -367,25 +419,38 @@ static int cb_backward_weight(avgpipe_op_ctx *op) {
    the runtime numbers rounds. */
 static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
     app *A = (app *)user;
+    int model = rank / A->S * A->opt.pipes + pipe; /* the replica group is rank / S */
     mlp_adam *adam;
     mlp_adam_hp hp;
-    (void)rank, (void)round;
-    if (pipe < 0 || pipe >= A->opt.pipes || stage < 0 || stage >= A->G) return 1;
-    adam = &A->nets[pipe].adam[stage];
+    (void)round;
+    if (pipe < 0 || pipe >= A->opt.pipes || stage < 0 || stage >= A->G || model >= A->opt.pipes * A->opt.replicas) return 1;
+    adam = &A->nets[model].adam[stage];
     hp = A->adam;
     hp.lr = mlp_lr_cosine(A->adam.lr, adam->t, A->decay_steps);
-    mlp_adam_step(adam, &hp, params, A->nets[pipe].grad[stage]);
+    mlp_adam_step(adam, &hp, params, A->nets[model].grad[stage]);
     return 0;
 }
 
 /* ---- Setup ------------------------------------------------------------------------------------ */
 
+/* Does this process run stage g of replica group d? (Threads, or rank 0 tuning on its own: every stage.) */
+static int is_local(const app *A, int d, int g) { return A->me < 0 || A->me == d * A->S + g % A->S; }
+
+/* With --backend mpi a process reads only what its stages need: stage 0 the pixels, the last stage the
+   labels; rank 0 everything (it tunes on its own and evaluates the reference on the test set). */
 static int load_data(app *A) {
     char err[512];
-    if (mlp_data_load_fashion(A->opt.data, &A->train, &A->test, err, sizeof err) != 0) {
+    int parts = 0, test = 0, d, G = A->opt.stages;
+    for (d = 0; d < A->opt.replicas; d++) {
+        if (is_local(A, d, 0)) parts |= MLP_PIXELS;
+        if (is_local(A, d, G - 1)) parts |= MLP_LABELS;
+    }
+    if (A->me <= 0) parts = MLP_PIXELS | MLP_LABELS, test = MLP_PIXELS | MLP_LABELS;
+    if (!parts) parts = MLP_LABELS; /* a middle stage: the header gives the sample count the order needs */
+    if (mlp_data_load_fashion_parts(A->opt.data, &A->train, parts, &A->test, test, err, sizeof err) != 0) {
         return fail("%s", err);
     }
-    if (A->opt.normalize) {
+    if (A->opt.normalize && A->train.x) {
         float mean, std;
         mlp_data_stats(&A->train, &mean, &std);
         mlp_data_normalize(&A->train, mean, std);
@@ -396,48 +461,57 @@ static int load_data(app *A) {
 }
 
 /* Rounds per iteration: at most what one epoch holds, so that an epoch is a whole number of iterations.
-   quiet: no note when the rounds are lowered (the tuner's profile runs). */
+   The order hands each of the D x N models its own batches. quiet: no note when the rounds are lowered
+   (the tuner's profile runs). */
 static int setup_order(app *A, int quiet) {
     options *o = &A->opt;
-    long per_round = (long)o->pipes * o->batch;
+    long per_round = (long)o->replicas * o->pipes * o->batch;
     char err[512];
+    int d;
     if (A->train.n / per_round < 1) {
-        return fail("%d training samples cannot fill one round of %d pipelines x %d samples", A->train.n, o->pipes,
-                    o->batch);
+        return fail("%d training samples cannot fill one round of %d x %d pipelines x %d samples", A->train.n, o->replicas,
+                    o->pipes, o->batch);
     }
     if (A->train.n / per_round < o->rounds) {
         o->rounds = (int)(A->train.n / per_round);
-        if (!quiet) fprintf(stderr, PROG ": note: --rounds lowered to %d (one epoch holds %d rounds)\n", o->rounds, o->rounds);
+        if (!quiet && A->me <= 0)
+            fprintf(stderr, PROG ": note: --rounds lowered to %d (one epoch holds %d rounds)\n", o->rounds, o->rounds);
     }
-    if (mlp_order_init(&A->order, A->train.n, o->batch, o->pipes, o->rounds, o->seed, err, sizeof err) != 0) {
+    if (mlp_order_init(&A->order, A->train.n, o->batch, o->replicas * o->pipes, o->rounds, o->seed, err, sizeof err) != 0) {
         return fail("%s", err);
     }
     A->decay_steps = o->cosine ? A->order.rounds_per_epoch * o->epochs : 0;
-    if (mlp_perm_init(&A->perm[0], A->train.n) != 0 ||
-        (o->stages > 1 && mlp_perm_init(&A->perm[o->stages - 1], A->train.n) != 0))
-        return fail("out of memory");
+    for (d = 0; d < o->replicas; d++)
+        if ((is_local(A, d, 0) && mlp_perm_init(&A->perm[d][0], A->train.n) != 0) ||
+            (o->stages > 1 && is_local(A, d, o->stages - 1) && mlp_perm_init(&A->perm[d][o->stages - 1], A->train.n) != 0))
+            return fail("out of memory");
     return 0;
 }
 
-/* N nets, all from the same seed: every parallel model (and so the reference) starts identical. */
+/* D x N nets, all from the same seed: every parallel model (and so every reference) starts identical.
+   Only the local replica groups' nets exist, and only local stages reach the runtime. */
 static int setup_model(app *A) {
     options *o = &A->opt;
     char err[512];
-    int i, g;
+    int i, g, n = o->replicas * o->pipes;
     if (mlp_model_parse(&A->model, A->train.dim, o->hidden, o->stages, err, sizeof err) != 0) {
         return fail("%s", err);
     }
     A->G = o->stages;
+    A->S = o->stages / o->chunks;
     A->mb = o->batch / o->micro;
     A->loss_scale = 1.0f / (float)o->batch;
     A->adam = mlp_adam_defaults();
     A->adam.lr = (float)o->lr;
-    A->nets = (mlp_net *)calloc((size_t)o->pipes, sizeof *A->nets);
-    A->params = (float **)calloc((size_t)o->pipes * (size_t)A->G, sizeof *A->params);
+    A->nets = (mlp_net *)calloc((size_t)n, sizeof *A->nets);
+    A->params = (float **)calloc((size_t)n * (size_t)A->G, sizeof *A->params);
     if (!A->nets || !A->params) return fail("out of memory");
-    for (i = 0; i < o->pipes; i++) {
+    for (i = 0; i < n; i++) {
+        int d = i / o->pipes, mine = 0;
+        for (g = 0; g < A->G; g++) mine |= is_local(A, d, g);
+        if (!mine) continue;
         if (mlp_net_init(&A->nets[i], &A->model, o->seed) != 0) return fail("out of memory");
-        for (g = 0; g < A->G; g++) A->params[i * A->G + g] = A->nets[i].params[g];
+        for (g = 0; g < A->G; g++) A->params[i * A->G + g] = is_local(A, d, g) ? A->nets[i].params[g] : NULL;
     }
     for (g = 0; g + 1 < A->G; g++)
         A->act_bytes[g] = (size_t)A->mb * (size_t)mlp_stage_out_width(&A->model, g) * sizeof(float);
@@ -469,23 +543,34 @@ static avgpipe_run_desc make_run_desc(app *A) {
     d.alpha = o->alpha == 0.0 ? AVGPIPE_ZERO : (float)o->alpha;
     d.deterministic = o->deterministic;
     d.profile = o->trace || o->profile;
+    d.replicas = o->replicas;
+    if (A->me >= 0) { /* one rank per process over MPI */
+        d.comm = &A->comm;
+        d.local_ranks = &A->me;
+        d.local_count = 1;
+        d.timeout_s = 120;
+    }
     return d;
 }
 
-/* One stash per slot the runtime reserved on stage g. The count can grow between iterations (the adaptive
-   controller raising K re-plans the slots), so this runs after every iteration too, while no callback runs. */
+/* One stash per slot the runtime reserved on stage g, for each local replica group. The count can grow
+   between iterations (the adaptive controller raising K re-plans the slots), so this runs after every
+   iteration too, while no callback runs. */
 static int grow_stashes(app *A, const avgpipe_run *run, int g) {
-    int want = avgpipe_run_slots(run, g), s;
-    mlp_stash *grown;
+    int want = avgpipe_run_slots(run, g), s, d;
     if (want < 1) return fail("the runtime reports %d slots on stage %d", want, g);
     if (want <= A->slots[g]) return 0;
-    grown = (mlp_stash *)realloc(A->stash[g], sizeof(mlp_stash) * (size_t)want);
-    if (!grown) return fail("out of memory");
-    A->stash[g] = grown;
-    for (s = A->slots[g]; s < want; s++) {
-        if (mlp_stash_init(&grown[s], &A->model, g, A->mb) != 0) return fail("out of memory");
-        A->slots[g] = s + 1;
+    for (d = 0; d < A->opt.replicas; d++) {
+        mlp_stash *grown;
+        if (!is_local(A, d, g)) continue;
+        grown = (mlp_stash *)realloc(A->stash[d][g], sizeof(mlp_stash) * (size_t)want);
+        if (!grown) return fail("out of memory");
+        A->stash[d][g] = grown;
+        memset(grown + A->slots[g], 0, sizeof(mlp_stash) * (size_t)(want - A->slots[g]));
+        for (s = A->slots[g]; s < want; s++)
+            if (mlp_stash_init(&grown[s], &A->model, g, A->mb) != 0) return fail("out of memory");
     }
+    A->slots[g] = want;
     return 0;
 }
 
@@ -499,20 +584,21 @@ static int setup_stashes(app *A, const avgpipe_run *run) {
 /* Undo setup_order, setup_model and setup_stashes (the data stays): the tuner's profile runs use them on
    throwaway nets, then training sets them up afresh for the chosen shape. */
 static void free_model(app *A) {
-    int i, g;
-    for (g = 0; g < MLP_MAX_LAYERS; g++) {
-        for (i = 0; A->stash[g] && i < A->slots[g]; i++) mlp_stash_free(&A->stash[g][i]);
-        free(A->stash[g]);
-        A->stash[g] = NULL;
-        A->slots[g] = 0;
-        mlp_perm_free(&A->perm[g]);
-    }
-    for (i = 0; A->nets && i < A->opt.pipes; i++) mlp_net_free(&A->nets[i]);
+    int i, g, d;
+    for (d = 0; d < MAX_REPLICAS; d++)
+        for (g = 0; g < MLP_MAX_LAYERS; g++) {
+            for (i = 0; A->stash[d][g] && i < A->slots[g]; i++) mlp_stash_free(&A->stash[d][g][i]);
+            free(A->stash[d][g]);
+            A->stash[d][g] = NULL;
+            mlp_perm_free(&A->perm[d][g]);
+        }
+    for (g = 0; g < MLP_MAX_LAYERS; g++) A->slots[g] = 0;
+    for (i = 0; A->nets && i < A->opt.pipes * A->opt.replicas; i++) mlp_net_free(&A->nets[i]);
     free(A->nets);
     free(A->params);
     A->nets = NULL;
     A->params = NULL;
-    A->correct = 0;
+    memset(A->correct, 0, sizeof A->correct);
 }
 
 static void free_app(app *A) {
@@ -525,13 +611,20 @@ static void free_app(app *A) {
 
 typedef struct epoch_stats {
     double seconds, loss, bubble_time; /* bubble_time: sum of bubble * seconds */
-    long long micro_batches, samples;
+    long long micro_batches, samples, correct;
     int advance;
 } epoch_stats;
 
-/* The reference model's partitions, one per stage; -1 if the runtime has none to give. */
-static int get_reference(app *A, avgpipe_run *run, const float **ref) {
+/* The reference model's partitions, one per stage, on the process that evaluates it (threads: this one;
+   mpi: rank 0, gathered from the ranks that hold them: collective). -1 if there is none to give. */
+static int get_reference(app *A, avgpipe_run *run, avgpipe_context *ctx, const float **ref) {
     int g;
+    if (A->me >= 0) {
+        if (avgpipe_run_gather_reference(run, A->me == 0 ? A->ref : NULL) != AVGPIPE_OK)
+            return fail("gathering the reference model: %s", avgpipe_last_error(ctx));
+        for (g = 0; g < A->G; g++) ref[g] = A->ref[g];
+        return 0;
+    }
     for (g = 0; g < A->G; g++) {
         size_t count = 0;
         ref[g] = avgpipe_run_reference(run, g, &count);
@@ -542,43 +635,59 @@ static int get_reference(app *A, avgpipe_run *run, const float **ref) {
     return 0;
 }
 
-/* The reference model's test accuracy (-1 on failure). */
-static double evaluate_reference(app *A, avgpipe_run *run) {
+/* The reference model's test accuracy on the process that prints (-1 on failure; 0 elsewhere). */
+static double evaluate_reference(app *A, avgpipe_run *run, avgpipe_context *ctx) {
     const float *ref[MLP_MAX_LAYERS];
-    if (get_reference(A, run, ref) != 0) return -1;
-    return mlp_evaluate(&A->model, ref, &A->test, NULL);
+    if (get_reference(A, run, ctx, ref) != 0) return -1;
+    return A->me <= 0 ? mlp_evaluate(&A->model, ref, &A->test, NULL) : 0;
 }
 
+/* A progress bar redrawn in place on a terminal; to a file or a pipe, one line per epoch. */
 static void progress(const app *A, int epoch, double frac, const epoch_stats *s, int done) {
     char bar[21];
-    int i, filled = (int)(frac * 20 + 0.5);
+    int i, filled = (int)(frac * 20 + 0.5), tty = isatty(fileno(stderr));
+    if (A->me > 0 || (!tty && !done)) return;
     for (i = 0; i < 20; i++) bar[i] = i < filled ? '#' : '.';
     bar[20] = '\0';
-    fprintf(stderr, "\repoch %d/%d [%s] %3.0f%%  loss %.4f  train acc %.4f  %.0f samples/s  bubble %4.1f%%  K %d%s",
+    fprintf(stderr, "%sepoch %d/%d [%s] %3.0f%%  loss %.4f  train acc %.4f  %.0f samples/s  bubble %4.1f%%  K %d%s", tty ? "\r" : "",
             epoch + 1, A->opt.epochs, bar, 100 * frac, s->micro_batches ? s->loss / (double)s->micro_batches : 0.0,
-            s->samples ? (double)A->correct / (double)s->samples : 0.0, s->seconds > 0 ? s->samples / s->seconds : 0.0,
+            s->samples ? (double)s->correct / (double)s->samples : 0.0, s->seconds > 0 ? s->samples / s->seconds : 0.0,
             s->seconds > 0 ? 100 * s->bubble_time / s->seconds : 0.0, s->advance, done ? "" : "   ");
     fflush(stderr);
+}
+
+/* One iteration's loss, micro-batches, hits and bubble, summed over the processes (mpi: collective). */
+static int iteration_stats(app *A, avgpipe_run *run, avgpipe_context *ctx, const avgpipe_run_stats *rs, epoch_stats *s) {
+    double v[4];
+    int d;
+    v[0] = rs->loss * (double)rs->micro_batches, v[1] = (double)rs->micro_batches, v[2] = 0, v[3] = rs->bubble * rs->seconds;
+    for (d = 0; d < A->opt.replicas; d++) v[2] += (double)A->correct[d], A->correct[d] = 0;
+    if (A->me >= 0 && avgpipe_run_allreduce(run, v, 4) != AVGPIPE_OK) return fail("reducing the statistics: %s", avgpipe_last_error(ctx));
+    s->seconds += rs->seconds;
+    s->loss += v[0];
+    s->micro_batches += (long long)v[1];
+    s->correct += (long long)v[2];
+    s->bubble_time += A->me >= 0 ? v[3] / A->nproc : v[3];
+    s->samples += (long long)A->opt.rounds * A->opt.replicas * A->opt.pipes * A->opt.batch;
+    s->advance = rs->advance;
+    return 0;
 }
 
 static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, epoch_stats *s) {
     int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, it;
     memset(s, 0, sizeof *s);
-    A->correct = 0;
+    memset(A->correct, 0, sizeof A->correct);
     for (it = 0; it < iters; it++) {
         avgpipe_run_stats rs;
         avgpipe_result r = avgpipe_run_iteration(run, &rs);
         if (r != AVGPIPE_OK) {
-            fprintf(stderr, "\n" PROG ": iteration %lld of epoch %d: %s: %s\n", (long long)it, epoch + 1,
-                    avgpipe_result_string(r), avgpipe_last_error(ctx));
+            if (A->me >= 0) fprintf(stderr, "\n" PROG " (rank %d): iteration %lld of epoch %d: %s: %s\n", A->me, (long long)it, epoch + 1,
+                                    avgpipe_result_string(r), avgpipe_last_error(ctx));
+            else fprintf(stderr, "\n" PROG ": iteration %lld of epoch %d: %s: %s\n", (long long)it, epoch + 1, avgpipe_result_string(r),
+                         avgpipe_last_error(ctx));
             return -1;
         }
-        s->seconds += rs.seconds;
-        s->loss += rs.loss * (double)rs.micro_batches;
-        s->micro_batches += rs.micro_batches;
-        s->bubble_time += rs.bubble * rs.seconds;
-        s->samples += (long long)A->opt.rounds * A->opt.pipes * A->opt.batch;
-        s->advance = rs.advance;
+        if (iteration_stats(A, run, ctx, &rs, s) != 0) return -1;
         progress(A, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
         if (setup_stashes(A, run) != 0) return -1;
     }
@@ -587,15 +696,14 @@ static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, 
 
 static int write_outputs(app *A, avgpipe_run *run, avgpipe_context *ctx) {
     const float *ref[MLP_MAX_LAYERS];
-    char err[512];
+    char err[512], b1[4096], b2[4096];
+    const char *trace = rank_path(A, A->opt.trace, b1, sizeof b1), *prof = rank_path(A, A->opt.profile, b2, sizeof b2);
     int rc = 0;
-    if (A->opt.save && get_reference(A, run, ref) != 0) rc = -1;
-    else if (A->opt.save && mlp_params_save(A->opt.save, &A->model, ref, err, sizeof err) != 0)
+    if (A->opt.save && get_reference(A, run, ctx, ref) != 0) rc = -1;
+    else if (A->opt.save && A->me <= 0 && mlp_params_save(A->opt.save, &A->model, ref, err, sizeof err) != 0)
         rc = fail("--save: %s", err);
-    if (A->opt.trace && avgpipe_run_write_trace(run, A->opt.trace) != AVGPIPE_OK)
-        rc = fail("--trace %s: %s", A->opt.trace, avgpipe_last_error(ctx));
-    if (A->opt.profile && avgpipe_run_write_profile(run, A->opt.profile) != AVGPIPE_OK)
-        rc = fail("--profile %s: %s", A->opt.profile, avgpipe_last_error(ctx));
+    if (trace && avgpipe_run_write_trace(run, trace) != AVGPIPE_OK) rc = fail("--trace %s: %s", trace, avgpipe_last_error(ctx));
+    if (prof && avgpipe_run_write_profile(run, prof) != AVGPIPE_OK) rc = fail("--profile %s: %s", prof, avgpipe_last_error(ctx));
     return rc;
 }
 
@@ -608,12 +716,14 @@ static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
         if (run_epoch(A, run, ctx, e, &s) != 0) return -1;
         total_s += s.seconds;
         samples += s.samples;
-        acc = evaluate_reference(A, run);
-        fprintf(stderr, "  test acc %.4f\n", acc);
+        acc = evaluate_reference(A, run, ctx);
+        if (acc < 0) return -1;
+        if (A->me <= 0) fprintf(stderr, "  test acc %.4f\n", acc);
     }
-    printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", A->opt.epochs,
-           total_s, total_s > 0 ? (double)samples / total_s : 0.0, acc);
-    return acc < 0 ? -1 : write_outputs(A, run, ctx);
+    if (A->me <= 0)
+        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", A->opt.epochs, total_s,
+               total_s > 0 ? (double)samples / total_s : 0.0, acc);
+    return write_outputs(A, run, ctx);
 }
 
 static void print_header(const app *A) {
@@ -626,6 +736,11 @@ static void print_header(const app *A) {
            avgpipe_sched_kind_name(o->schedule), o->stages / o->chunks, o->chunks, o->chunks > 1 ? "s" : "",
            o->pipes, o->batch, o->micro, A->mb, o->rounds, o->continuous ? "continuous" : "synchronous", o->alpha,
            o->lr, o->cosine ? " (cosine decay)" : "", A->train.n, (long long)A->order.rounds_per_epoch);
+    if (o->replicas > 1)
+        printf("%d replica groups, their reference models averaged every round; %s\n", o->replicas,
+               A->me >= 0 ? "one rank per MPI process" : "every rank a thread of this process");
+    else if (A->me >= 0)
+        printf("one rank per MPI process\n");
     fflush(stdout);
 }
 
@@ -686,7 +801,9 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path
     avgpipe_run *run = NULL;
     avgpipe_run_desc d;
     avgpipe_result r;
-    int i, rc = -1;
+    int i, rc = -1, me = A->me;
+    A->me = -1; /* rank 0 of an MPI job profiles on its own threads */
+    A->opt.replicas = 1;
     A->opt.pipes = 1;
     A->opt.micro = micro;
     A->opt.schedule = AVGPIPE_SCHED_ADVANCE;
@@ -723,6 +840,7 @@ out:
     avgpipe_run_destroy(run);
     free_model(A); /* with A->opt still the profile's: it frees that many nets */
     A->opt = saved;
+    A->me = me;
     return rc;
 }
 
@@ -822,8 +940,8 @@ static int tune(app *A, avgpipe_context *ctx) {
     /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the list below. */
     memset(&td, 0, sizeof td);
     td.batch = o->batch;
-    td.max_pipes = o->pipes != AUTO ? o->pipes : A->train.n / o->batch < TUNE_MAX_PIPES ? A->train.n / o->batch
-                                                                                        : TUNE_MAX_PIPES;
+    td.max_pipes = o->pipes != AUTO ? o->pipes
+                   : A->train.n / (o->batch * o->replicas) < TUNE_MAX_PIPES ? A->train.n / (o->batch * o->replicas) : TUNE_MAX_PIPES;
     td.rounds = o->rounds;
     td.mem_limit = o->mem_limit;
     td.opt_bytes_per_param = 8; /* Adam: two moments per parameter and model */
@@ -898,19 +1016,70 @@ done:
     return rc;
 }
 
+#ifdef FMNIST_MPI
+/* --backend mpi: join the job (one rank per process) and check that its size fits the flags. */
+static int start_mpi(app *A, avgpipe_context *ctx, int *argc, char ***argv) {
+    int S = A->opt.stages / A->opt.chunks;
+    if (avgpipe_mpi_init(ctx, argc, argv) != AVGPIPE_OK || avgpipe_mpi_create(ctx, NULL, &A->comm) != AVGPIPE_OK)
+        return fail("--backend mpi: %s", avgpipe_last_error(ctx));
+    A->me = g_rank = avgpipe_mpi_rank(&A->comm);
+    A->nproc = A->comm.size;
+    if (A->nproc != A->opt.replicas * S)
+        return fail("--backend mpi: %d processes, but %d replica group%s x %d ranks (--stages %d / --chunks %d) need %d: "
+                    "mpirun -np %d", A->nproc, A->opt.replicas, A->opt.replicas > 1 ? "s" : "", S, A->opt.stages, A->opt.chunks,
+                    A->opt.replicas * S, A->opt.replicas * S);
+    check_outputs(A);
+    return 0;
+}
+
+/* Rank 0 tuned alone: everyone trains with its choice (or stops with it). Bounded: rank 0 has 10 minutes. */
+static int share_choice(app *A, int rc) {
+    options *o = &A->opt;
+    int v[8], done = 0;
+    MPI_Request req;
+    double t0 = MPI_Wtime();
+    struct timespec nap = {0, 1000000L};
+    v[0] = rc, v[1] = (int)o->schedule, v[2] = o->micro, v[3] = o->pipes, v[4] = o->continuous, v[5] = o->advance, v[6] = o->chunks,
+    v[7] = o->rounds;
+    if (MPI_Ibcast(v, 8, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
+    while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && MPI_Wtime() - t0 < 600) nanosleep(&nap, NULL);
+    if (!done) return fail("--backend mpi: rank 0 did not finish tuning within 10 minutes");
+    if (v[0] != 0) return A->me == 0 ? -1 : fail("rank 0 failed to tune (see its message)");
+    o->schedule = (avgpipe_sched_kind)v[1], o->micro = v[2], o->pipes = v[3], o->continuous = v[4], o->advance = v[5], o->chunks = v[6];
+    o->rounds = v[7];
+    return 0;
+}
+#endif
+
 int main(int argc, char **argv) {
     static app A; /* zeroed; large */
     avgpipe_context ctx;
     avgpipe_run *run = NULL;
     avgpipe_run_desc desc;
     avgpipe_result r;
-    int rc = 1;
+    int rc = 1, g;
     parse_options(argc, argv, &A.opt);
     openblas_set_num_threads(1); /* the stage threads are the parallelism */
     avgpipe_context_init(&ctx, NULL);
+    A.me = -1;
+    A.S = A.opt.stages / A.opt.chunks; /* ranks per replica group (is_local needs it before setup_model) */
+#ifdef FMNIST_MPI
+    if (A.opt.mpi && start_mpi(&A, &ctx, &argc, &argv) != 0) goto done;
+#endif
     if (load_data(&A) != 0) goto done;
-    if (tuning(&A.opt) && tune(&A, &ctx) != 0) goto done;
+    if (tuning(&A.opt)) {
+        int trc = A.me <= 0 ? tune(&A, &ctx) : 0;
+#ifdef FMNIST_MPI
+        if (A.me >= 0) trc = share_choice(&A, trc);
+#endif
+        if (trc != 0) goto done;
+    }
     if (setup_order(&A, 0) != 0 || setup_model(&A) != 0) goto done;
+    for (g = 0; A.me == 0 && g < A.G; g++) /* rank 0 gathers the reference model here */
+        if (!(A.ref[g] = (float *)malloc(A.model.count[g] * sizeof(float)))) {
+            fail("out of memory");
+            goto done;
+        }
     desc = make_run_desc(&A);
     r = avgpipe_run_create(&ctx, &desc, &run);
     if (r != AVGPIPE_OK) {
@@ -918,10 +1087,22 @@ int main(int argc, char **argv) {
         goto done;
     }
     if (setup_stashes(&A, run) != 0) goto done;
-    print_header(&A);
+    if (A.me <= 0) print_header(&A);
     rc = train(&A, run, &ctx) == 0 ? 0 : 1;
 done:
     avgpipe_run_destroy(run);
     free_app(&A);
+    for (g = 0; g < MLP_MAX_LAYERS; g++) free(A.ref[g]);
+#ifdef FMNIST_MPI
+    if (A.me >= 0 && rc != 0) { /* MPI_Finalize could wait for a process that is gone: leave at once */
+        fflush(stdout);
+        fflush(stderr);
+        _exit(rc);
+    }
+    if (A.me >= 0) {
+        avgpipe_comm_destroy(&A.comm);
+        MPI_Finalize();
+    }
+#endif
     return rc;
 }

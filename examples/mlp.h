@@ -51,12 +51,21 @@ typedef struct mlp_data {
 /* Load an IDX image file (magic 0x00000803) and its IDX label file (magic 0x00000801), gzip-compressed or
    not. Checks the magic numbers, the dimensions, that both files hold the same number of samples, that
    every label is < MLP_CLASSES, and that neither file is truncated or has trailing bytes. On failure *d is
-   zeroed and err gets "path: what is wrong". Returns 0 or -1. */
+   zeroed and err gets "path: what is wrong". Returns 0 or -1.
+   What a pipeline stage does not need it need not load: with `parts` MLP_PIXELS only the images are
+   read (y stays NULL), with MLP_LABELS only the labels and the image file's header (x stays NULL; n and
+   the dimensions are known). MLP_PIXELS | MLP_LABELS reads both. */
+#define MLP_PIXELS 1
+#define MLP_LABELS 2
 int mlp_data_load(mlp_data *d, const char *images_path, const char *labels_path, char *err, size_t errcap);
+int mlp_data_load_parts(mlp_data *d, const char *images_path, const char *labels_path, int parts, char *err, size_t errcap);
 
 /* Load Fashion-MNIST from dir: {train,t10k}-{images-idx3,labels-idx1}-ubyte.gz. Returns 0 or -1 (err set,
-   both sets zeroed). */
+   both sets zeroed). _parts: the parts of the training set (MLP_PIXELS, MLP_LABELS) and of the test set
+   (0: not loaded) to read. */
 int mlp_data_load_fashion(const char *dir, mlp_data *train, mlp_data *test, char *err, size_t errcap);
+int mlp_data_load_fashion_parts(const char *dir, mlp_data *train, int train_parts, mlp_data *test, int test_parts, char *err,
+                                size_t errcap);
 
 /* Mean and standard deviation of all pixels of d (computed in double). */
 void mlp_data_stats(const mlp_data *d, float *mean, float *std);
@@ -400,7 +409,7 @@ static gzFile mlp__idx_open(const char *path, int ndims, uint32_t *dims, char *e
     return f;
 }
 
-static int mlp__load_images(mlp_data *d, const char *path, char *err, size_t cap) {
+static int mlp__load_images(mlp_data *d, const char *path, int pixels, char *err, size_t cap) {
     uint32_t dims[3];
     unsigned char *raw;
     size_t total, i;
@@ -417,6 +426,10 @@ static int mlp__load_images(mlp_data *d, const char *path, char *err, size_t cap
     d->rows = (int)dims[1];
     d->cols = (int)dims[2];
     d->dim = d->rows * d->cols;
+    if (!pixels) { /* the header says what a stage that never reads a pixel needs to know */
+        gzclose(f);
+        return 0;
+    }
     total = (size_t)d->n * (size_t)d->dim;
     raw = (unsigned char *)malloc(total);
     d->x = (float *)malloc(total * sizeof(float));
@@ -467,20 +480,25 @@ static int mlp__load_labels(mlp_data *d, const char *path, char *err, size_t cap
     return 0;
 }
 
-int mlp_data_load(mlp_data *d, const char *images_path, const char *labels_path, char *err, size_t errcap) {
-    if (!d || !images_path || !labels_path) {
-        mlp__err(err, errcap, "mlp_data_load: NULL argument");
+int mlp_data_load_parts(mlp_data *d, const char *images_path, const char *labels_path, int parts, char *err, size_t errcap) {
+    if (!d || !images_path || !labels_path || !(parts & (MLP_PIXELS | MLP_LABELS))) {
+        mlp__err(err, errcap, "mlp_data_load: NULL argument or no part to load");
         return -1;
     }
     memset(d, 0, sizeof *d);
-    if (mlp__load_images(d, images_path, err, errcap) != 0 || mlp__load_labels(d, labels_path, err, errcap) != 0) {
+    if (mlp__load_images(d, images_path, parts & MLP_PIXELS, err, errcap) != 0 ||
+        ((parts & MLP_LABELS) && mlp__load_labels(d, labels_path, err, errcap) != 0)) {
         mlp_data_free(d);
         return -1;
     }
     return 0;
 }
 
-static int mlp__load_set(const char *dir, const char *prefix, mlp_data *d, char *err, size_t cap) {
+int mlp_data_load(mlp_data *d, const char *images_path, const char *labels_path, char *err, size_t errcap) {
+    return mlp_data_load_parts(d, images_path, labels_path, MLP_PIXELS | MLP_LABELS, err, errcap);
+}
+
+static int mlp__load_set(const char *dir, const char *prefix, mlp_data *d, int parts, char *err, size_t cap) {
     char img[4096], lab[4096];
     int a = snprintf(img, sizeof img, "%s/%s-images-idx3-ubyte.gz", dir, prefix);
     int b = snprintf(lab, sizeof lab, "%s/%s-labels-idx1-ubyte.gz", dir, prefix);
@@ -488,17 +506,19 @@ static int mlp__load_set(const char *dir, const char *prefix, mlp_data *d, char 
         mlp__err(err, cap, "%s: directory name too long", dir);
         return -1;
     }
-    return mlp_data_load(d, img, lab, err, cap);
+    return mlp_data_load_parts(d, img, lab, parts, err, cap);
 }
 
-int mlp_data_load_fashion(const char *dir, mlp_data *train, mlp_data *test, char *err, size_t errcap) {
+int mlp_data_load_fashion_parts(const char *dir, mlp_data *train, int train_parts, mlp_data *test, int test_parts, char *err,
+                                size_t errcap) {
     if (!dir || !train || !test) {
         mlp__err(err, errcap, "mlp_data_load_fashion: NULL argument");
         return -1;
     }
     memset(test, 0, sizeof *test);
-    if (mlp__load_set(dir, "train", train, err, errcap) != 0) return -1;
-    if (mlp__load_set(dir, "t10k", test, err, errcap) != 0) {
+    if (mlp__load_set(dir, "train", train, train_parts, err, errcap) != 0) return -1;
+    if (!test_parts) return 0;
+    if (mlp__load_set(dir, "t10k", test, test_parts, err, errcap) != 0) {
         mlp_data_free(train);
         return -1;
     }
@@ -512,9 +532,13 @@ int mlp_data_load_fashion(const char *dir, mlp_data *train, mlp_data *test, char
     return 0;
 }
 
+int mlp_data_load_fashion(const char *dir, mlp_data *train, mlp_data *test, char *err, size_t errcap) {
+    return mlp_data_load_fashion_parts(dir, train, MLP_PIXELS | MLP_LABELS, test, MLP_PIXELS | MLP_LABELS, err, errcap);
+}
+
 void mlp_data_stats(const mlp_data *d, float *mean, float *std) {
     double s = 0, s2 = 0;
-    size_t i, total = (size_t)d->n * (size_t)d->dim;
+    size_t i, total = d->x ? (size_t)d->n * (size_t)d->dim : 0;
     for (i = 0; i < total; i++) {
         s += d->x[i];
         s2 += (double)d->x[i] * d->x[i];
@@ -526,7 +550,7 @@ void mlp_data_stats(const mlp_data *d, float *mean, float *std) {
 }
 
 void mlp_data_normalize(mlp_data *d, float mean, float std) {
-    size_t i, total = (size_t)d->n * (size_t)d->dim;
+    size_t i, total = d->x ? (size_t)d->n * (size_t)d->dim : 0;
     float inv = std > 0 ? 1.0f / std : 1.0f;
     for (i = 0; i < total; i++) d->x[i] = (d->x[i] - mean) * inv;
 }
@@ -827,7 +851,7 @@ int mlp_stash_init(mlp_stash *st, const mlp_model *m, int stage, int cap) {
 
 int mlp_stash_load(mlp_stash *st, const mlp_data *d, const uint32_t *idx, int n) {
     int i;
-    if (n < 1 || n > st->cap || !idx) return -1;
+    if (n < 1 || n > st->cap || !idx || (st->x && !d->x) || (st->labels && !d->y)) return -1; /* a part not loaded */
     for (i = 0; i < n; i++) {
         if (idx[i] >= (uint32_t)d->n) return -1;
         if (st->x) memcpy(st->x + (size_t)i * d->dim, d->x + (size_t)idx[i] * d->dim, sizeof(float) * (size_t)d->dim);

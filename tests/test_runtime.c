@@ -14,6 +14,7 @@
 
 #include <criterion/criterion.h>
 #include "tests/delaycomm.h"
+#include "tests/faultcomm.h"
 #include <math.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -415,100 +416,10 @@ Test(runtime, non_finite_model_fails_the_iteration) {
     avgpipe_run_destroy(run);
 }
 
-/* A comm table around the in-process one that loses or duplicates one message: the `fault_index`-th
-   send from `fault_src` to `fault_dst` is either never delivered (its request never completes: wait
-   honours the timeout and abort) or delivered twice. */
-typedef struct faultcomm {
-    avgpipe_comm inner;
-    int fault_src, fault_dst, fault_index, duplicate;
-    int sent[16];                 /* sends by fault_src to each peer (only fault_src's thread touches it) */
-    avgpipe_comm_request extra;   /* the duplicate's own request, cancelled at the end */
-    int aborted;                  /* read with the lock below */
-    pthread_mutex_t mu;
-} faultcomm;
-static char drop_sentinel;
-
-static avgpipe_result fc_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
-    faultcomm *c = (faultcomm *)user;
-    if (self == c->fault_src && peer == c->fault_dst && c->sent[peer]++ == c->fault_index) {
-        if (!c->duplicate) {
-            *req = (avgpipe_comm_request)(void *)&drop_sentinel;
-            return AVGPIPE_OK;
-        }
-        c->inner.isend(c->inner.user, self, peer, buf, bytes, tag, &c->extra);
-    }
-    return c->inner.isend(c->inner.user, self, peer, buf, bytes, tag, req);
-}
-static avgpipe_result fc_irecv(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
-    faultcomm *c = (faultcomm *)user;
-    return c->inner.irecv(c->inner.user, self, peer, buf, bytes, tag, req);
-}
-static int fc_is_aborted(faultcomm *c) {
-    int a;
-    pthread_mutex_lock(&c->mu);
-    a = c->aborted;
-    pthread_mutex_unlock(&c->mu);
-    return a;
-}
-static avgpipe_result fc_wait(void *user, int self, avgpipe_comm_request req, double timeout_s, avgpipe_comm_status *st) {
-    faultcomm *c = (faultcomm *)user;
-    if (req == (avgpipe_comm_request)(void *)&drop_sentinel) {
-        double t0 = now_s();
-        while (!fc_is_aborted(c) && now_s() - t0 < timeout_s) nap_us(1000);
-        return fc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
-    }
-    return c->inner.wait(c->inner.user, self, req, timeout_s, st);
-}
-static avgpipe_result fc_test(void *user, int self, avgpipe_comm_request req, int *done, avgpipe_comm_status *st) {
-    faultcomm *c = (faultcomm *)user;
-    if (req == (avgpipe_comm_request)(void *)&drop_sentinel) {
-        *done = 0;
-        return fc_is_aborted(c) ? AVGPIPE_ABORTED : AVGPIPE_OK;
-    }
-    return c->inner.test(c->inner.user, self, req, done, st);
-}
-static void fc_cancel(void *user, int self, avgpipe_comm_request req) {
-    faultcomm *c = (faultcomm *)user;
-    if (req != (avgpipe_comm_request)(void *)&drop_sentinel) c->inner.cancel(c->inner.user, self, req);
-}
-static avgpipe_result fc_barrier(void *user, int self, double timeout_s) {
-    faultcomm *c = (faultcomm *)user;
-    return c->inner.barrier(c->inner.user, self, timeout_s);
-}
-static void fc_abort(void *user, avgpipe_result why, const char *message) {
-    faultcomm *c = (faultcomm *)user;
-    pthread_mutex_lock(&c->mu);
-    c->aborted = 1;
-    pthread_mutex_unlock(&c->mu);
-    c->inner.abort(c->inner.user, why, message);
-}
-static const char *fc_last_error(void *user, int self) {
-    faultcomm *c = (faultcomm *)user;
-    return c->inner.last_error ? c->inner.last_error(c->inner.user, self) : "";
-}
-
-static void faultcomm_init(faultcomm *fc, avgpipe_comm *table, int ranks, int src, int dst, int index, int duplicate) {
-    memset(fc, 0, sizeof *fc);
-    pthread_mutex_init(&fc->mu, NULL);
-    cr_assert_eq(avgpipe_comm_local_create(NULL, ranks, &fc->inner), AVGPIPE_OK);
-    fc->fault_src = src, fc->fault_dst = dst, fc->fault_index = index, fc->duplicate = duplicate;
-    memset(table, 0, sizeof *table);
-    table->name = duplicate ? "duplicate-one" : "drop-one";
-    table->size = ranks;
-    table->isend = fc_isend;
-    table->irecv = fc_irecv;
-    table->test = fc_test;
-    table->wait = fc_wait;
-    table->cancel = fc_cancel;
-    table->barrier = fc_barrier;
-    table->abort = fc_abort;
-    table->last_error = fc_last_error;
-    table->user = fc;
-}
-static void faultcomm_free(faultcomm *fc) {
-    if (fc->extra) fc->inner.cancel(fc->inner.user, fc->fault_src, fc->extra);
-    avgpipe_comm_destroy(&fc->inner);
-    pthread_mutex_destroy(&fc->mu);
+static const avgpipe_comm *local_comm(int ranks) {
+    static avgpipe_comm c;
+    cr_assert_eq(avgpipe_comm_local_create(NULL, ranks, &c), AVGPIPE_OK);
+    return &c;
 }
 
 /* 1F1B, S = 2, M = 8 over a faulty comm; returns the failing iteration's result and the message. */
@@ -546,7 +457,7 @@ Test(runtime, peer_that_never_sends_times_out) {
     /* 1F1B, S = 2, M = 8: rank 0's 8th send to rank 1 (the activation of micro-batch 7) is lost.
        Rank 1 waits for it from right after its B6; rank 0 then runs a slow B6 (150 ms) before it waits
        for the gradient of micro-batch 7, so rank 1's wait is the first to time out. */
-    faultcomm_init(&fc, &table, 2, 0, 1, 7, 0);
+    faultcomm_init(&fc, &table, local_comm(2), 0, 1, 7, 0);
     reset_state(2, 8, 1);
     T.sleep_stage = 0, T.sleep_micro = 6, T.sleep_ms = 150;
     res = run_faulty(&fc, &table, 0.5, &dt, msg, sizeof msg);
@@ -566,7 +477,7 @@ Test(runtime, lost_message_is_reported_at_its_receive) {
     avgpipe_result res;
     char msg[AVGPIPE_ERROR_MAX];
     double dt;
-    faultcomm_init(&fc, &table, 2, 0, 1, 3, 0); /* the activation of micro-batch 3 */
+    faultcomm_init(&fc, &table, local_comm(2), 0, 1, 3, 0); /* the activation of micro-batch 3 */
     reset_state(2, 8, 1);
     res = run_faulty(&fc, &table, 10, &dt, msg, sizeof msg);
     cr_assert_eq(res, AVGPIPE_MISMATCH, "got %s: %s", avgpipe_result_string(res), msg);
@@ -583,7 +494,7 @@ Test(runtime, duplicated_message_is_reported_at_its_receive) {
     avgpipe_result res;
     char msg[AVGPIPE_ERROR_MAX];
     double dt;
-    faultcomm_init(&fc, &table, 2, 1, 0, 2, 1); /* rank 1 sends the gradient of micro-batch 2 twice */
+    faultcomm_init(&fc, &table, local_comm(2), 1, 0, 2, 1); /* rank 1 sends the gradient of micro-batch 2 twice */
     reset_state(2, 8, 1);
     res = run_faulty(&fc, &table, 10, &dt, msg, sizeof msg);
     cr_assert_eq(res, AVGPIPE_MISMATCH, "got %s: %s", avgpipe_result_string(res), msg);

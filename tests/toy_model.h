@@ -20,6 +20,12 @@
 #include <string.h>
 #include <time.h>
 
+#if defined(__GNUC__) || defined(__clang__)
+#define TOY_FN static __attribute__((unused)) /* a program need not use every helper */
+#else
+#define TOY_FN static
+#endif
+
 /* ---- the model -------------------------------------------------------------------------------- */
 
 #define BS 4                /* samples per micro-batch */
@@ -35,15 +41,15 @@
 
 /* Widths differ from boundary to boundary, so that a buffer of the wrong boundary is caught:
    stage g maps wid(g) features to wid(g + 1); the last stage's output width is the class count. */
-static int wid(int g) { return 5 + (3 * g) % 5; } /* 5 8 6 9 7 5 8 6 9 */
-static int pcount(int g) { return wid(g + 1) * wid(g) + wid(g + 1); }
-static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * sizeof(float); } /* boundary g|g+1 */
+TOY_FN int wid(int g) { return 5 + (3 * g) % 5; } /* 5 8 6 9 7 5 8 6 9 */
+TOY_FN int pcount(int g) { return wid(g + 1) * wid(g) + wid(g + 1); }
+TOY_FN size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * sizeof(float); } /* boundary g|g+1 */
 
 /* Stage forward: h = W x + b per sample (W: dout rows of din, then b); y = tanh(h) unless this is
    the last stage (h are the logits). Stage backward: gh = gy * (1 - tanh(h)^2), or on the last stage
    (softmax(h) - onehot(target)) / BS; gx = W^T gh; gW += gh x^T, gb += gh. */
 #define MODEL_FUNCS(T, PFX, TANH, EXP, LOG)                                                  \
-    static void PFX##_fwd(int last, int din, int dout, const T *p, const T *x, T *h, T *y) { \
+    TOY_FN void PFX##_fwd(int last, int din, int dout, const T *p, const T *x, T *h, T *y) { \
         int b, i, j;                                                                         \
         for (b = 0; b < BS; b++)                                                             \
             for (i = 0; i < dout; i++) {                                                     \
@@ -53,14 +59,14 @@ static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * siz
                 if (!last) y[b * dout + i] = TANH(a);                                        \
             }                                                                                \
     }                                                                                        \
-    static void PFX##_softmax(int n, const T *h, T *out) {                                   \
+    TOY_FN void PFX##_softmax(int n, const T *h, T *out) {                                   \
         int i;                                                                               \
         T mx = h[0], s = 0;                                                                  \
         for (i = 1; i < n; i++) mx = h[i] > mx ? h[i] : mx;                                  \
         for (i = 0; i < n; i++) s += (out[i] = EXP(h[i] - mx));                              \
         for (i = 0; i < n; i++) out[i] /= s;                                                 \
     }                                                                                        \
-    static T PFX##_loss(int n, const T *h, const int *tgt) {                                 \
+    TOY_FN T PFX##_loss(int n, const T *h, const int *tgt) {                                 \
         int b;                                                                               \
         T l = 0, pr[MAXW];                                                                   \
         for (b = 0; b < BS; b++) {                                                           \
@@ -69,7 +75,7 @@ static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * siz
         }                                                                                    \
         return l / (T)BS;                                                                    \
     }                                                                                        \
-    static void PFX##_gh(int last, int n, const T *h, const T *gy, const int *tgt, T *gh) {  \
+    TOY_FN void PFX##_gh(int last, int n, const T *h, const T *gy, const int *tgt, T *gh) {  \
         int b, i;                                                                            \
         for (b = 0; b < BS; b++) {                                                           \
             if (last) {                                                                      \
@@ -84,7 +90,7 @@ static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * siz
             }                                                                                \
         }                                                                                    \
     }                                                                                        \
-    static void PFX##_gx(int din, int dout, const T *p, const T *gh, T *gx) {                \
+    TOY_FN void PFX##_gx(int din, int dout, const T *p, const T *gh, T *gx) {                \
         int b, i, j;                                                                         \
         for (b = 0; b < BS; b++)                                                             \
             for (j = 0; j < din; j++) {                                                      \
@@ -93,7 +99,7 @@ static size_t act_bytes_of(int g) { return (size_t)BS * (size_t)wid(g + 1) * siz
                 gx[b * din + j] = a;                                                         \
             }                                                                                \
     }                                                                                        \
-    static void PFX##_gw(int din, int dout, const T *x, const T *gh, T *gw) {                \
+    TOY_FN void PFX##_gw(int din, int dout, const T *x, const T *gh, T *gw) {                \
         int b, i, j;                                                                         \
         for (b = 0; b < BS; b++)                                                             \
             for (i = 0; i < dout; i++) {                                                     \
@@ -106,17 +112,17 @@ MODEL_FUNCS(float, mf, tanhf, expf, logf)
 MODEL_FUNCS(double, md, tanh, exp, log)
 
 /* Deterministic data: stage 0's input and the last stage's targets of (pipeline, round, micro-batch). */
-static void gen_input(int pipe, int round, int micro, float *x) {
+TOY_FN void gen_input(int pipe, int round, int micro, float *x) {
     int b, j, n = wid(0);
     for (b = 0; b < BS; b++)
         for (j = 0; j < n; j++)
             x[b * n + j] = (float)sin(1.3 * pipe + 0.71 * round + 0.37 * micro + 0.53 * b + 0.29 * j * (j + 1) + 0.1);
 }
-static void gen_target(int classes, int pipe, int round, int micro, int *t) {
+TOY_FN void gen_target(int classes, int pipe, int round, int micro, int *t) {
     int b;
     for (b = 0; b < BS; b++) t[b] = (pipe * 5 + round * 3 + micro * 7 + b * 3) % classes;
 }
-static void init_params(int g, float *p) { /* in [-0.6, 0.6], exactly representable as float */
+TOY_FN void init_params(int g, float *p) { /* in [-0.6, 0.6], exactly representable as float */
     int j;
     for (j = 0; j < pcount(g); j++) p[j] = (float)(0.6 * sin(12.9898 * (g * PMAX + j + 1) + 78.233 * g));
 }
@@ -144,7 +150,7 @@ static struct {
 } T;
 
 /* D replica groups of N pipelines over G stages, M micro-batches per batch; every model starts alike. */
-static void reset_state_d(int G, int M, int N, int D) {
+TOY_FN void reset_state_d(int G, int M, int N, int D) {
     int i, g;
     memset(&T, 0, sizeof T);
     T.G = G, T.M = M, T.N = N, T.D = D;
@@ -152,24 +158,24 @@ static void reset_state_d(int G, int M, int N, int D) {
     for (i = 0; i < N * D; i++)
         for (g = 0; g < G; g++) init_params(g, T.w[i][g]);
 }
-static void reset_state(int G, int M, int N) { reset_state_d(G, M, N, 1); }
+TOY_FN void reset_state(int G, int M, int N) { reset_state_d(G, M, N, 1); }
 
 /* The model an op belongs to: its replica group's pipeline. */
-static int model_of(const avgpipe_op_ctx *op) { return op->replica * T.N + op->pipe; }
+TOY_FN int model_of(const avgpipe_op_ctx *op) { return op->replica * T.N + op->pipe; }
 
-static int bad(int g, int code, const char *what) {
+TOY_FN int bad(int g, int code, const char *what) {
     if (!T.err[g][0]) snprintf(T.err[g], sizeof T.err[g], "%s", what);
     return code;
 }
 
-static void nap_us(long us) {
+TOY_FN void nap_us(long us) {
     struct timespec ts = {us / 1000000, (us % 1000000) * 1000};
     while (nanosleep(&ts, &ts) != 0) {
     }
 }
 
 /* Checks every callback makes on the context the runtime passes. */
-static int check_ctx(const avgpipe_op_ctx *op, int is_fwd, int is_weight) {
+TOY_FN int check_ctx(const avgpipe_op_ctx *op, int is_fwd, int is_weight) {
     int g = op->stage;
     if (g < 0 || g >= T.G || op->pipe < 0 || op->pipe >= T.N || op->micro < 0 || op->micro >= T.M || op->replica < 0 ||
         op->replica >= (T.D ? T.D : 1))
@@ -185,14 +191,14 @@ static int check_ctx(const avgpipe_op_ctx *op, int is_fwd, int is_weight) {
     return 0;
 }
 
-static const float *stage_input(const avgpipe_op_ctx *op, float *buf) {
+TOY_FN const float *stage_input(const avgpipe_op_ctx *op, float *buf) {
     if (op->stage > 0) return (const float *)op->input;
     gen_input(model_of(op), op->round, op->micro, buf);
     return buf;
 }
 
 /* The stash of this op's slot, which must hold this micro-batch's forward. */
-static stash *own_stash(const avgpipe_op_ctx *op) {
+TOY_FN stash *own_stash(const avgpipe_op_ctx *op) {
     stash *s = &T.st[op->replica][op->stage][op->slot];
     if (!s->valid || s->pipe != model_of(op) || s->round != op->round || s->micro != op->micro) {
         bad(op->stage, 0, "a backward found another micro-batch's forward in its slot");
@@ -201,7 +207,7 @@ static stash *own_stash(const avgpipe_op_ctx *op) {
     return s;
 }
 
-static int cb_forward(avgpipe_op_ctx *op) {
+TOY_FN int cb_forward(avgpipe_op_ctx *op) {
     float xb[ACT];
     const float *x;
     stash *s;
@@ -224,13 +230,13 @@ static int cb_forward(avgpipe_op_ctx *op) {
 }
 
 /* gh of this micro-batch from the stashed pre-activations and the output gradient gy. */
-static void grad_h(const avgpipe_op_ctx *op, const stash *s, const float *gy, float *gh) {
+TOY_FN void grad_h(const avgpipe_op_ctx *op, const stash *s, const float *gy, float *gh) {
     int t[BS];
     gen_target(wid(T.G), model_of(op), op->round, op->micro, t);
     mf_gh(op->stage == T.G - 1, wid(op->stage + 1), s->h, gy, t, gh);
 }
 
-static int cb_backward(avgpipe_op_ctx *op) {
+TOY_FN int cb_backward(avgpipe_op_ctx *op) {
     float xb[ACT], gh[ACT];
     stash *s;
     int g = op->stage, rc = check_ctx(op, 0, 0);
@@ -248,7 +254,7 @@ static int cb_backward(avgpipe_op_ctx *op) {
 }
 
 /* I: the input gradient; keeps the output gradient for W (the runtime's buffer is not promised to W). */
-static int cb_backward_input(avgpipe_op_ctx *op) {
+TOY_FN int cb_backward_input(avgpipe_op_ctx *op) {
     float gh[ACT];
     stash *s;
     int g = op->stage, rc = check_ctx(op, 0, 0);
@@ -263,7 +269,7 @@ static int cb_backward_input(avgpipe_op_ctx *op) {
     return 0;
 }
 
-static int cb_backward_weight(avgpipe_op_ctx *op) {
+TOY_FN int cb_backward_weight(avgpipe_op_ctx *op) {
     float xb[ACT], gh[ACT];
     stash *s;
     int g = op->stage, rc = check_ctx(op, 0, 1);
@@ -278,7 +284,7 @@ static int cb_backward_weight(avgpipe_op_ctx *op) {
 }
 
 /* SGD on the mean gradient of the batch; gradients summed in micro-batch order. */
-static void sgd_f(float *p, float (*gacc)[PMAX], int M, int n) {
+TOY_FN void sgd_f(float *p, float (*gacc)[PMAX], int M, int n) {
     float gsum[PMAX];
     const float lr = (float)(LR / M);
     int m, j;
@@ -291,7 +297,7 @@ static void sgd_f(float *p, float (*gacc)[PMAX], int M, int n) {
     for (j = 0; j < n; j++) p[j] -= lr * gsum[j];
 }
 
-static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
+TOY_FN int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
     int model = (rank / (T.S ? T.S : 1)) * T.N + pipe; /* the replica group is rank / S */
     (void)round, (void)user;
     if (params != T.w[model][stage]) return bad(stage, 102, "step got another partition");
@@ -303,7 +309,7 @@ static int cb_step(int rank, int pipe, int stage, int round, float *params, void
 /* ---- the non-pipelined single-thread reference (float, same layer code) ------------------------ */
 
 /* Train one model of G stages on batches (pipe, rounds[0..nr-1]); returns the mean loss. */
-static double reference_train(float (*w)[PMAX], int G, int M, int pipe, int round) {
+TOY_FN double reference_train(float (*w)[PMAX], int G, int M, int pipe, int round) {
     static float gacc[MAXG][MAXM][PMAX];
     float a[MAXG + 1][ACT], h[MAXG][ACT], gy[ACT], gx[ACT], gh[ACT];
     double loss = 0;
@@ -335,7 +341,7 @@ typedef struct setup {
 
 /* A run description over T's parameters for G stages, N pipelines and D replica groups of S ranks
    (S: what the schedule will say; cb_step needs it to tell the groups apart), full backward callbacks. */
-static void setup_init_d(setup *s, int G, int N, int D, int S) {
+TOY_FN void setup_init_d(setup *s, int G, int N, int D, int S) {
     int i, g;
     memset(s, 0, sizeof *s);
     T.S = S;
@@ -354,9 +360,9 @@ static void setup_init_d(setup *s, int G, int N, int D, int S) {
     s->d.timeout_s = 20;
 }
 
-static void setup_init(setup *s, int G, int N) { setup_init_d(s, G, N, 1, G); }
+TOY_FN void setup_init(setup *s, int G, int N) { setup_init_d(s, G, N, 1, G); }
 
-static void use_split(setup *s, int keep_full) {
+TOY_FN void use_split(setup *s, int keep_full) {
     s->d.cb.backward_input = cb_backward_input;
     s->d.cb.backward_weight = cb_backward_weight;
     if (!keep_full) s->d.cb.backward = NULL;
@@ -367,7 +373,7 @@ static void use_split(setup *s, int keep_full) {
    z <- mean_i w_i; every H rounds (round t with (t + 1) % H == 0) each group's z <- the mean of the
    D groups' z. Model i (of D * N) trains on the data of "pipeline" i; z[d] is group d's reference;
    loss[t] is round t's mean over all models. */
-static void averaging_f64_d(int G, int M, int N, int D, int H, int rounds, double alpha, double (*w)[MAXG][PMAX],
+TOY_FN void averaging_f64_d(int G, int M, int N, int D, int H, int rounds, double alpha, double (*w)[MAXG][PMAX],
                             double (*z)[MAXG][PMAX], double *loss) {
     static double gsum[MAXG][PMAX];
     double a[MAXG + 1][ACT], h[MAXG][ACT], gy[ACT], gx[ACT], gh[ACT];
@@ -422,7 +428,7 @@ static void averaging_f64_d(int G, int M, int N, int D, int H, int rounds, doubl
 }
 
 /* One group (D = 1). */
-static void averaging_f64(int G, int M, int N, int rounds, double alpha, double (*w)[MAXG][PMAX], double (*z)[PMAX], double *loss) {
+TOY_FN void averaging_f64(int G, int M, int N, int rounds, double alpha, double (*w)[MAXG][PMAX], double (*z)[PMAX], double *loss) {
     static double zd[MAXD][MAXG][PMAX];
     averaging_f64_d(G, M, N, 1, 1, rounds, alpha, w, zd, loss);
     memcpy(z, zd[0], sizeof zd[0]);
