@@ -1,6 +1,17 @@
 #!/bin/sh
-# Build and run every test (Criterion suites, compile tests, CLI tests); prints each suite's output.
+# Build and run every test (Criterion suites, compile tests, examples, CLI, the runtime over MPI); prints
+# each suite's output. Then the same tests once more under AddressSanitizer + UndefinedBehaviorSanitizer
+# (build-san/; quiet unless something fails).
 set -eu
 cd "$(dirname "$0")/.."
 sh scripts/build.sh
 meson test -C build --verbose --print-errorlogs
+echo
+echo "== the tests again under AddressSanitizer + UndefinedBehaviorSanitizer (build-san/) =="
+if [ -f build-san/build.ninja ]; then
+    meson setup --reconfigure build-san >/dev/null
+else
+    meson setup build-san -Db_sanitize=address,undefined -Db_lundef=false -Dbuildtype=debugoptimized >/dev/null
+fi
+meson compile -C build-san >/dev/null
+UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C build-san --print-errorlogs
