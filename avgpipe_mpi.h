@@ -85,6 +85,14 @@
 #error "avgpipe_mpi.h: include avgpipe.h first"
 #endif
 
+#if defined(__cplusplus) /* the C API is all avgpipe uses: leave out MPI's deprecated C++ bindings */
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#endif
 #include <mpi.h>
 
 #ifdef __cplusplus

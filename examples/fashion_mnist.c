@@ -49,6 +49,7 @@
 #include <unistd.h>
 
 void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
+char *openblas_get_corename(void);
 
 #define PROG "fashion_mnist"
 #define ADVANCE_AUTO (-1)
@@ -730,6 +731,7 @@ static void print_header(const app *A) {
     const options *o = &A->opt;
     char desc[256];
     mlp_model_describe(&A->model, desc, sizeof desc);
+    printf("BLAS: OpenBLAS, kernel %s, 1 thread per stage\n", openblas_get_corename());
     printf("model %s\n", desc);
     printf("%s, %d ranks x %d chunk%s, %d pipelines, batch %d = %d x %d, %d rounds/iteration (%s), alpha %g, "
            "Adam lr %g%s, %d training samples (%lld rounds/epoch)\n",
