@@ -12,9 +12,10 @@
      - text import/export compatible with PyTorch's torch.distributed.pipelining CSV schedules;
      - elastic averaging of the N parallel models (AvgPipe's "reference keeps the average", or EASGD),
        one fused memory pass per contribution, asynchronous, behind a device backend table (CPU here);
-     - a runtime that executes schedules on stage threads over a comm backend table (in-process threads
-       built in), calling your forward/backward/step callbacks, with per-op profiling and AvgPipe's
-       adaptive advance forward;
+     - a runtime that executes schedules over a comm backend table, calling your forward/backward/step
+       callbacks, with per-op profiling and AvgPipe's adaptive advance forward: every rank a thread of one
+       process (the in-process backend, built in), or one rank per process (MPI: avgpipe_mpi.h; your own
+       backend), with replica groups averaged across machines;
      - a tuner: one profiled run -> a cost model -> every setting simulated -> a ranking under a memory
        limit.
    The method follows "Elastic Averaging for Efficient Pipelined DNN Training" (AvgPipe, PPoPP 2023).
@@ -47,6 +48,15 @@
      AVGPIPE_MALLOC/AVGPIPE_FREE  default allocator when none is given in avgpipe_context_desc.
      AVGPIPE_NO_STDIO         leave out the functions that take FILE* or paths.
      AVGPIPE_COMM_SPIN        pause instructions the in-process comm spins before a wait sleeps (256).
+     AVGPIPE_IMPL             as AVGPIPE_IMPLEMENTATION, for this header and every companion included.
+
+   COMPANION HEADERS
+   -----------------
+   Each includes after avgpipe.h (it stops with #error otherwise) and compiles its implementation with
+   AVGPIPE_IMPLEMENTATION (or its own macro):
+     avgpipe_mpi.h   the comm backend over MPI: one rank per process, across machines (AVGPIPE_MPI_IMPLEMENTATION).
+   Writing your own backend: a comm or device table (sections 7, 9) plus avgpipe_set_error for errors;
+   examples/custom_comm.c is a complete comm backend over POSIX pipes.
 
    ERRORS
    ------
@@ -62,7 +72,8 @@
    read them from any number of threads; functions that write one need exclusive access to it. An
    averaging module (avgpipe_ea) takes contributions from several threads at once; each function's
    comment says what it allows. A run (avgpipe_run) is driven by one thread; its callbacks run on one
-   worker thread per rank (see avgpipe_run_iteration).
+   worker thread per local rank (see avgpipe_run_iteration). A comm backend is called by different
+   ranks' threads at once, each rank's calls from one thread at a time.
 
    LINKING
    -------
@@ -78,8 +89,9 @@
      6. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
      7. Device backend  function-pointer table; the CPU device                      (avgpipe_device_*)
      8. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
-     9. Comm backend    function-pointer table; in-process threads                  (avgpipe_comm_*)
-    10. Runtime         execute schedules on stage threads, profile, adaptive K     (avgpipe_run_*)
+     9. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
+    10. Runtime         execute schedules: local ranks, processes, replica groups,  (avgpipe_run_*)
+                        the buffer planner, profiles, adaptive K
     11. Tuner           profile -> cost model -> simulate candidates -> ranking     (avgpipe_tune_*)
 */
 #ifndef AVGPIPE_H
@@ -469,7 +481,7 @@ AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_resul
 /* ============================================================================================ */
 /* 5. Validation                                                                                 */
 /* ============================================================================================ */
-/* Checks (DESIGN §3): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
+/* Checks (the invariants of a correct schedule): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
    its W, each op on the rank that holds its stage; forward/backward data dependencies; each channel
    (src, dst) carries the same sequence on both ends (matched per peer without tags, as NCCL does);
    SEND after its producer, RECV before its consumer; STEP after all backward work of its batch on
@@ -1009,7 +1021,7 @@ typedef struct avgpipe_run_desc {
     const avgpipe_comm *comm;
     const int *local_ranks; /* the global ranks this process runs (any order); NULL -> all D·S */
     int local_count;
-    /* Replica groups (DESIGN: "beyond one machine"): D groups of S ranks, each training its N models
+    /* Replica groups (data parallelism beyond one pipeline group): D groups of S ranks, each training its N models
        with its own samples; every H rounds (round t with (t + 1) % H == 0) the reference models of each
        stage are averaged over the D groups (comm.split + allreduce_sum on the D ranks that hold the
        stage, on the averaging threads, off the critical path; deterministic mode waits for it). */
@@ -1214,6 +1226,9 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
 /* ============================================================================================ */
 /* Implementation                                                                                */
 /* ============================================================================================ */
+#if defined(AVGPIPE_IMPL) && !defined(AVGPIPE_IMPLEMENTATION)
+#define AVGPIPE_IMPLEMENTATION
+#endif
 #if defined(AVGPIPE_IMPLEMENTATION) && !defined(AVGPIPE_IMPLEMENTATION_INCLUDED)
 #define AVGPIPE_IMPLEMENTATION_INCLUDED
 
