@@ -77,6 +77,16 @@ Test(mpi, onef1b_s2_n1) { equal(2, "1f1b", 1, "0", 1, 1); }
 Test(mpi, advance_s2_n1) { equal(2, "advance", 1, "0", 1, 1); }
 Test(mpi, interleaved_s2_n1) { equal(2, "interleaved", 1, "0", 1, 1); }
 Test(mpi, zbh1_s2_n1) { equal(2, "zbh1", 1, "0", 1, 1); }
+Test(mpi, afab_s2_n2) { equal(2, "afab", 2, "0.3", 1, 1); }
+Test(mpi, onef1b_s2_n2) { equal(2, "1f1b", 2, "0.3", 1, 1); }
+Test(mpi, advance_s2_n2) { equal(2, "advance", 2, "0.3", 1, 1); }
+Test(mpi, interleaved_s2_n2) { equal(2, "interleaved", 2, "0.3", 1, 1); }
+Test(mpi, zbh1_s2_n2) { equal(2, "zbh1", 2, "0.3", 1, 1); }
+Test(mpi, afab_s4_n1) { equal(4, "afab", 1, "0", 1, 1); }
+Test(mpi, onef1b_s4_n1) { equal(4, "1f1b", 1, "0", 1, 1); }
+Test(mpi, advance_s4_n1) { equal(4, "advance", 1, "0", 1, 1); }
+Test(mpi, interleaved_s4_n1) { equal(4, "interleaved", 1, "0", 1, 1); }
+Test(mpi, zbh1_s4_n1) { equal(4, "zbh1", 1, "0", 1, 1); }
 Test(mpi, afab_s4_n2) { equal(4, "afab", 2, "0.3", 1, 1); }
 Test(mpi, onef1b_s4_n2) { equal(4, "1f1b", 2, "0.3", 1, 1); }
 Test(mpi, advance_s4_n2) { equal(4, "advance", 2, "0.3", 1, 1); }
