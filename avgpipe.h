@@ -1361,25 +1361,25 @@ static void avgpipe__log(avgpipe_context *ctx, avgpipe_log_level lvl, const char
 }
 
 /* Record an error on ctx (the detail goes to the last-error buffer and to the logger) and return it. */
-static avgpipe_result avgpipe__fail(avgpipe_context *ctx, avgpipe_result r, const char *fmt, ...) {
-    va_list ap;
+static avgpipe_result avgpipe__fail_va(avgpipe_context *ctx, avgpipe_result r, const char *fmt, va_list ap) {
     ctx = avgpipe__ctx(ctx);
-    va_start(ap, fmt);
     vsnprintf(ctx->error, sizeof ctx->error, fmt, ap);
-    va_end(ap);
     ctx->last_result = r;
     avgpipe__log(ctx, AVGPIPE_LOG_ERROR, "%s", ctx->error);
     return r;
 }
-
+static avgpipe_result avgpipe__fail(avgpipe_context *ctx, avgpipe_result r, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    r = avgpipe__fail_va(ctx, r, fmt, ap);
+    va_end(ap);
+    return r;
+}
 AVGPIPE_API avgpipe_result avgpipe_set_error(avgpipe_context *ctx, avgpipe_result r, const char *fmt, ...) {
     va_list ap;
-    ctx = avgpipe__ctx(ctx);
     va_start(ap, fmt);
-    vsnprintf(ctx->error, sizeof ctx->error, fmt, ap);
+    r = avgpipe__fail_va(ctx, r, fmt, ap);
     va_end(ap);
-    ctx->last_result = r;
-    avgpipe__log(ctx, AVGPIPE_LOG_ERROR, "%s", ctx->error);
     return r;
 }
 

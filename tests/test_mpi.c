@@ -172,44 +172,34 @@ static void same_file(const char *a, const char *b) {
     cr_assert_eq(o.status, 0, "%s and %s differ:\n%s", a, b, o.out);
 }
 
-/* mpirun -np 4 fashion_mnist --backend mpi ... --deterministic --save A and the threaded run --save B:
-   cmp-identical files (one epoch of the whole training set). */
-Test(mpi, main_job_four_processes_equals_threads, .timeout = 600) {
+/* The main job over `np` processes and in threads, both with `flags` and --deterministic: the saved
+   reference models are cmp-identical. `expect` must be in the MPI run's output. */
+static void main_job_equal(int np, const char *flags, const char *expect) {
     outcome o;
     char a[256], b[256];
     if (!have_main_job()) cr_skip_test("no Fashion-MNIST build or data");
-    snprintf(a, sizeof a, "/tmp/avgpipe_fm_mpi_%ld.bin", (long)getpid());
-    snprintf(b, sizeof b, "/tmp/avgpipe_fm_threads_%ld.bin", (long)getpid());
-    run(&o, 500, MPIRUN " -np 4 %s --backend mpi --epochs 1 --micro 4 --pipes 2 --deterministic --save %s", env("AVGPIPE_MPIRUN"),
-        env("AVGPIPE_FMNIST"), a);
+    snprintf(a, sizeof a, "/tmp/avgpipe_fm_mpi_%d_%ld.bin", np, (long)getpid());
+    snprintf(b, sizeof b, "/tmp/avgpipe_fm_threads_%d_%ld.bin", np, (long)getpid());
+    run(&o, 500, MPIRUN " -np %d %s --backend mpi %s --deterministic --save %s", env("AVGPIPE_MPIRUN"), np, env("AVGPIPE_FMNIST"), flags, a);
     cr_assert_eq(o.status, 0, "exit %d:\n%s", o.status, o.out);
-    cr_assert(strstr(o.out, "reference model test accuracy") != NULL, "no result line:\n%s", o.out);
-    cr_assert(strstr(o.out, "one rank per MPI process") != NULL, "not the MPI backend:\n%s", o.out);
-    cr_assert_eq(count(o.out, "trained 1 epochs"), 1, "only rank 0 prints the result:\n%s", o.out);
+    cr_assert(strstr(o.out, expect) != NULL, "no '%s' in the output:\n%s", expect, o.out);
+    cr_assert_eq(count(o.out, "reference model test accuracy"), 1, "only rank 0 prints the result:\n%s", o.out);
     cr_assert_eq(count(o.out, "epoch 1/1 ["), 1, "one progress line per epoch when the output is a pipe:\n%s", o.out);
-    run(&o, 300, "%s --epochs 1 --micro 4 --pipes 2 --deterministic --save %s", env("AVGPIPE_FMNIST"), b);
+    run(&o, 300, "%s %s --deterministic --save %s", env("AVGPIPE_FMNIST"), flags, b);
     cr_assert_eq(o.status, 0, "exit %d:\n%s", o.status, o.out);
     same_file(a, b);
     remove(a);
     remove(b);
 }
 
-/* Two replica groups of 4 processes each, against the same in threads (a subset, one epoch). */
+/* mpirun -np 4 fashion_mnist --backend mpi --epochs 1 --micro 4 --pipes 2 --deterministic --save A and
+   the threaded run --save B (one epoch of the whole training set). */
+Test(mpi, main_job_four_processes_equals_threads, .timeout = 600) {
+    main_job_equal(4, "--epochs 1 --micro 4 --pipes 2", "one rank per MPI process");
+}
+/* Two replica groups of 4 processes each (a subset, one epoch). */
 Test(mpi, main_job_two_replica_groups_equals_threads, .timeout = 600) {
-    outcome o;
-    char a[256], b[256];
-    if (!have_main_job()) cr_skip_test("no Fashion-MNIST build or data");
-    snprintf(a, sizeof a, "/tmp/avgpipe_fm_mpi_r2_%ld.bin", (long)getpid());
-    snprintf(b, sizeof b, "/tmp/avgpipe_fm_threads_r2_%ld.bin", (long)getpid());
-    run(&o, 500, MPIRUN " -np 8 %s --backend mpi --replicas 2 --epochs 1 --limit-train 16384 --micro 4 --pipes 2 --deterministic --save %s",
-        env("AVGPIPE_MPIRUN"), env("AVGPIPE_FMNIST"), a);
-    cr_assert_eq(o.status, 0, "exit %d:\n%s", o.status, o.out);
-    cr_assert(strstr(o.out, "2 replica groups") != NULL, "not two groups:\n%s", o.out);
-    run(&o, 300, "%s --replicas 2 --epochs 1 --limit-train 16384 --micro 4 --pipes 2 --deterministic --save %s", env("AVGPIPE_FMNIST"), b);
-    cr_assert_eq(o.status, 0, "exit %d:\n%s", o.status, o.out);
-    same_file(a, b);
-    remove(a);
-    remove(b);
+    main_job_equal(8, "--replicas 2 --epochs 1 --limit-train 16384 --micro 4 --pipes 2", "2 replica groups");
 }
 
 /* The wrong number of processes for the flags: every process says what -np the flags need. */

@@ -469,40 +469,32 @@ Test(runtime, peer_that_never_sends_times_out) {
     faultcomm_free(&fc);
 }
 
-/* A message lost in the middle of a stream: the next one arrives at its receive, which says so at
-   once (not at the timeout), naming the op that waited and the op whose message came. */
-Test(runtime, lost_message_is_reported_at_its_receive) {
+/* The fault-th message from src to dst lost (or duplicated, dup): the run stops with AVGPIPE_MISMATCH
+   at once (not at the timeout), at the receive where it happened, naming the op that waited and the op
+   whose message came. */
+static void expect_mismatch(int src, int dst, int fault, int dup, const char *at, const char *want, const char *got) {
     avgpipe_comm table;
     faultcomm fc;
     avgpipe_result res;
     char msg[AVGPIPE_ERROR_MAX];
     double dt;
-    faultcomm_init(&fc, &table, local_comm(2), 0, 1, 3, 0); /* the activation of micro-batch 3 */
+    faultcomm_init(&fc, &table, local_comm(2), src, dst, fault, dup);
     reset_state(2, 8, 1);
     res = run_faulty(&fc, &table, 10, &dt, msg, sizeof msg);
     cr_assert_eq(res, AVGPIPE_MISMATCH, "got %s: %s", avgpipe_result_string(res), msg);
-    cr_assert(strstr(msg, "rank 1, op 0:1F3") != NULL, "the message does not name the receiving op 1F3: %s", msg);
-    cr_assert(strstr(msg, "expected the message of 0:0SEND_F3") != NULL && strstr(msg, "received that of 0:0SEND_F4") != NULL,
-              "the message does not name both ops: %s", msg);
+    cr_assert(strstr(msg, at) != NULL, "the message does not name the receiving op (%s): %s", at, msg);
+    cr_assert(strstr(msg, want) != NULL && strstr(msg, got) != NULL, "the message does not name both ops: %s", msg);
     cr_assert(dt < 5.0, "reported after %.3f s: at the timeout, not at the receive", dt);
     faultcomm_free(&fc);
 }
 
+/* In the middle of a stream: the activation of micro-batch 3 is lost. */
+Test(runtime, lost_message_is_reported_at_its_receive) {
+    expect_mismatch(0, 1, 3, 0, "rank 1, op 0:1F3", "expected the message of 0:0SEND_F3", "received that of 0:0SEND_F4");
+}
+/* Rank 1 sends the gradient of micro-batch 2 twice. */
 Test(runtime, duplicated_message_is_reported_at_its_receive) {
-    avgpipe_comm table;
-    faultcomm fc;
-    avgpipe_result res;
-    char msg[AVGPIPE_ERROR_MAX];
-    double dt;
-    faultcomm_init(&fc, &table, local_comm(2), 1, 0, 2, 1); /* rank 1 sends the gradient of micro-batch 2 twice */
-    reset_state(2, 8, 1);
-    res = run_faulty(&fc, &table, 10, &dt, msg, sizeof msg);
-    cr_assert_eq(res, AVGPIPE_MISMATCH, "got %s: %s", avgpipe_result_string(res), msg);
-    cr_assert(strstr(msg, "rank 0, op 0:0B3") != NULL, "the message does not name the receiving op 0B3: %s", msg);
-    cr_assert(strstr(msg, "expected the message of 0:1SEND_B3") != NULL && strstr(msg, "received that of 0:1SEND_B2") != NULL,
-              "the message does not name both ops: %s", msg);
-    cr_assert(dt < 5.0, "reported after %.3f s", dt);
-    faultcomm_free(&fc);
+    expect_mismatch(1, 0, 2, 1, "rank 0, op 0:0B3", "expected the message of 0:1SEND_B3", "received that of 0:1SEND_B2");
 }
 
 /* ---- bad descriptions ------------------------------------------------------------------------- */
