@@ -1,7 +1,7 @@
 #!/bin/sh
 # Build and run every test (Criterion suites, compile tests, examples, CLI, the runtime over MPI); prints
 # each suite's output. Then the same tests once more under AddressSanitizer + UndefinedBehaviorSanitizer
-# (build-san/; quiet unless something fails).
+# (build-san/), and the threaded suites under ThreadSanitizer (build-tsan/); quiet unless something fails.
 set -eu
 cd "$(dirname "$0")/.."
 sh scripts/build.sh
@@ -15,3 +15,12 @@ else
 fi
 meson compile -C build-san >/dev/null
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C build-san --print-errorlogs
+echo
+echo "== the threaded suites (runtime, comm, averaging) under ThreadSanitizer (build-tsan/) =="
+if [ -f build-tsan/build.ninja ]; then
+    meson setup --reconfigure build-tsan >/dev/null
+else
+    meson setup build-tsan -Db_sanitize=thread -Dbuildtype=debugoptimized >/dev/null
+fi
+meson compile -C build-tsan test_comm_tsan test_ea_tsan test_runtime_tsan >/dev/null
+meson test -C build-tsan --no-rebuild --print-errorlogs
