@@ -1064,7 +1064,13 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
    writes between iterations is visible to the callbacks, and what they write is visible to it after
    this call returns. With adaptive advance and ranks in other processes it is collective. */
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats);
-/* Stop the workers, cancel pending messages, free everything (not the user's comm backend). */
+/* Stop the workers, cancel pending messages, free everything (not the user's comm backend).
+   A callback that never returns: past the timeout the iteration fails with AVGPIPE_TIMEOUT naming the
+   rank and the op (the watchdog), and the run is dead. Its thread cannot be stopped from outside (no
+   thread is killed): destroy returns without it, leaving it inside your callback; the run's memory is
+   kept until the callback returns, and then that thread frees it and ends, touching nothing else (not
+   the comm backend, not your buffers, not your context). Keep what that callback uses alive, or end
+   the process. */
 AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
 /* The reference model's partition of stage g (newest complete) of the first local replica group that
    holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
@@ -5142,6 +5148,11 @@ typedef struct avgpipe__worker {
     struct avgpipe_run *run;
     int rank, replica, srank; /* global rank = replica * S + srank */
     int started, avg_started, avg_busy;
+    /* the watchdog's view: the user callback this worker is in (cb_kind 0: none), since when */
+    pthread_mutex_t cbmu;
+    int cb_ready, cb_kind, stuck, orphan; /* orphan: left inside a callback by avgpipe_run_destroy */
+    avgpipe_op cb_op;
+    double cb_since;
     pthread_t thread, avg_thread;
     avgpipe_context ctx, avg_ctx;
     avgpipe_comm group; /* replicas: this stage-rank's D ranks (comm.split) */
@@ -5177,6 +5188,8 @@ struct avgpipe_run {
     pthread_cond_t cv;
     long go, done;
     int quit, aborted, dead; /* aborted: set under mu, read lock-free too (AVGPIPE__LOAD) */
+    int orphaned;            /* destroyed while a worker was stuck in a callback: that worker frees the run */
+    avgpipe_context ctx_copy;
     avgpipe_result abort_res;
     char abort_msg[AVGPIPE_ERROR_MAX];
     long long iter;
@@ -5200,28 +5213,37 @@ static int *avgpipe__slot_key(avgpipe_run *run, int replica, int g, int pipe, in
     return &run->slot_of[(((size_t)replica * run->G + g) * run->N + pipe) * run->U + micro];
 }
 
-/* First failure wins: it is recorded, every waiter wakes, the comm backend aborts the other ranks. */
-static avgpipe_result avgpipe__run_fail(avgpipe_run *run, avgpipe_result res, const char *fmt, ...) {
-    va_list ap;
-    char msg[AVGPIPE_ERROR_MAX];
-    int first, k;
-    va_start(ap, fmt);
-    vsnprintf(msg, sizeof msg, fmt, ap);
-    va_end(ap);
-    pthread_mutex_lock(&run->mu);
-    first = !run->aborted;
+/* Under run->mu: record a failure if it is the first (returns 1 then) and wake every waiter. */
+static int avgpipe__run_record(avgpipe_run *run, avgpipe_result res, const char *msg) {
+    int first = !run->aborted;
     if (first) {
         run->abort_res = res;
         snprintf(run->abort_msg, sizeof run->abort_msg, "%s", msg);
         AVGPIPE__STORE(&run->aborted, 1);
     }
     pthread_cond_broadcast(&run->cv);
+    return first;
+}
+/* After the first failure: the comm backends stop the other ranks (and other processes). */
+static void avgpipe__run_abort_comms(avgpipe_run *run, avgpipe_result res, const char *msg) {
+    int k;
+    if (run->comm.abort) run->comm.abort(run->comm.user, res, msg);
+    for (k = 0; k < run->nlocal; k++)
+        if (run->w[k].has_group) run->w[k].group.abort(run->w[k].group.user, res, msg);
+}
+
+/* First failure wins: it is recorded, every waiter wakes, the comm backend aborts the other ranks. */
+static avgpipe_result avgpipe__run_fail(avgpipe_run *run, avgpipe_result res, const char *fmt, ...) {
+    va_list ap;
+    char msg[AVGPIPE_ERROR_MAX];
+    int first;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    pthread_mutex_lock(&run->mu);
+    first = avgpipe__run_record(run, res, msg);
     pthread_mutex_unlock(&run->mu);
-    if (first) {
-        if (run->comm.abort) run->comm.abort(run->comm.user, res, msg);
-        for (k = 0; k < run->nlocal; k++)
-            if (run->w[k].has_group) run->w[k].group.abort(run->w[k].group.user, res, msg);
-    }
+    if (first) avgpipe__run_abort_comms(run, res, msg);
     return res;
 }
 
@@ -5416,6 +5438,38 @@ static avgpipe_result avgpipe__profile_oom(avgpipe__worker *w) {
     return avgpipe__run_fail(w->run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
 }
 
+/* The watchdog: a worker that has been inside one user callback for longer than `limit` seconds stops
+   the run (AVGPIPE_TIMEOUT naming the rank and the op) and is not waited for any more. Returns 1 when it
+   found one. The driving thread checks against the timeout; a wait that timed out checks against half of
+   it first, so that the stuck callback, not the wait it caused, is what the error names. */
+static int avgpipe__watchdog(avgpipe_run *run, double limit) {
+    int k, found = 0, first = 0;
+    double now = avgpipe__now();
+    char msg[AVGPIPE_ERROR_MAX];
+    pthread_mutex_lock(&run->mu); /* one finder records the failure; the others see it found */
+    for (k = 0; k < run->nlocal && !found; k++) {
+        avgpipe__worker *w = &run->w[k];
+        avgpipe_op op;
+        double since;
+        int kind;
+        char txt[64];
+        pthread_mutex_lock(&w->cbmu);
+        kind = w->cb_kind, op = w->cb_op, since = w->cb_since;
+        pthread_mutex_unlock(&w->cbmu);
+        if (w->stuck) found = 1;
+        if (!kind || w->stuck || now - since <= limit) continue;
+        found = w->stuck = 1;
+        avgpipe_op_format(&op, 1, txt, sizeof txt);
+        snprintf(msg, sizeof msg, "rank %d, op %s: the %s callback has been running for %.1f s (timeout %.3g s); the run is stopped "
+                 "and its thread left inside the callback (see avgpipe_run_destroy)", w->rank, txt,
+                 avgpipe_op_kind_name((avgpipe_op_kind)kind), now - since, run->d.timeout_s);
+        first = avgpipe__run_record(run, AVGPIPE_TIMEOUT, msg);
+    }
+    pthread_mutex_unlock(&run->mu);
+    if (first) avgpipe__run_abort_comms(run, AVGPIPE_TIMEOUT, msg);
+    return found;
+}
+
 /* Wait for *req (a request of op, with `peer`); *req becomes NULL once the backend released it (on
    AVGPIPE_TIMEOUT and AVGPIPE_ABORTED it stays pending: the run cancels it when it stops). `expect`:
    for a receive, the tag it expects (for the message on a mismatch), else 0. */
@@ -5431,6 +5485,7 @@ static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_reques
     if (!res) return AVGPIPE_OK;
     if (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run)) return res; /* this process's own failure says why */
     avgpipe_op_format(op, 1, txt, sizeof txt);
+    if (res == AVGPIPE_TIMEOUT && avgpipe__watchdog(run, 0.5 * run->d.timeout_s)) return res; /* a local callback is the cause */
     if (res == AVGPIPE_ABORTED) /* another process stopped: say what this rank was waiting for, and why it stopped */
         return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d: stopped: %s", w->rank, txt, what, peer,
                                  run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "aborted");
@@ -5501,18 +5556,29 @@ static avgpipe_result avgpipe__wait_avg(avgpipe__worker *w, int g, int pipe, int
         }
     if (!res && run->aborted) res = AVGPIPE_ABORTED;
     pthread_mutex_unlock(&run->mu);
-    if (res == AVGPIPE_TIMEOUT) {
+    if (res == AVGPIPE_TIMEOUT && !avgpipe__watchdog(run, 0.5 * run->d.timeout_s)) {
         avgpipe_op_format(op, 1, txt, sizeof txt);
         return avgpipe__run_fail(run, res, "rank %d, op %s: timed out waiting for the averaging of round %d", w->rank, txt, round - 1);
     }
     return res;
 }
 
+/* Tell the watchdog that this worker enters (kind: the op kind) or leaves (0) a user callback. */
+static void avgpipe__in_callback(avgpipe__worker *w, int kind, const avgpipe_op *op) {
+    pthread_mutex_lock(&w->cbmu);
+    w->cb_kind = kind;
+    if (kind) w->cb_op = *op, w->cb_since = avgpipe__now();
+    pthread_mutex_unlock(&w->cbmu);
+}
+
 static avgpipe_result avgpipe__callback(avgpipe__worker *w, int (*fn)(avgpipe_op_ctx *), avgpipe_op_ctx *oc, const avgpipe_op *op) {
     int rc;
     char txt[64];
     if (!fn) return AVGPIPE_OK;
+    avgpipe__in_callback(w, op->kind, op);
     rc = fn(oc);
+    avgpipe__in_callback(w, 0, NULL);
+    if (avgpipe__run_aborted(w->run)) return AVGPIPE_ABORTED; /* the run ended meanwhile (e.g. the watchdog): touch nothing more */
     if (rc == 0) return AVGPIPE_OK;
     avgpipe_op_format(op, 1, txt, sizeof txt);
     return avgpipe__run_fail(w->run, AVGPIPE_CALLBACK_ERROR, "rank %d, op %s: the %s callback returned %d", w->rank, txt,
@@ -5676,8 +5742,12 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
         pthread_mutex_unlock(&run->mu);
         return AVGPIPE_OK;
     }
-    if (run->d.cb.step)
+    if (run->d.cb.step) {
+        avgpipe__in_callback(w, AVGPIPE_OP_STEP, op);
         rc = run->d.cb.step(w->rank, op->pipe, op->stage, round, avgpipe__run_params(run, w->replica, op->pipe, op->stage), run->d.cb.user);
+        avgpipe__in_callback(w, 0, NULL);
+        if (avgpipe__run_aborted(run)) return AVGPIPE_ABORTED;
+    }
     e = avgpipe__now();
     w->busy += e - t;
     if (rc) {
@@ -5720,6 +5790,8 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
     }
 }
 
+static void avgpipe__run_free(avgpipe_run *run);
+
 static void *avgpipe__worker_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
     avgpipe_run *run = w->run;
@@ -5737,6 +5809,12 @@ static void *avgpipe__worker_main(void *arg) {
         pthread_mutex_lock(&run->mu);
         run->done++;
         pthread_cond_broadcast(&run->cv);
+        if (w->orphan) { /* destroyed while this thread was inside a callback: it is the last one, it frees the run */
+            while (!run->orphaned) pthread_cond_wait(&run->cv, &run->mu);
+            pthread_mutex_unlock(&run->mu);
+            avgpipe__run_free(run);
+            return NULL;
+        }
         pthread_mutex_unlock(&run->mu);
     }
 }
@@ -6180,6 +6258,8 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
         }
     for (k = 0; k < run->nlocal; k++) {
         avgpipe__worker *w = &run->w[k];
+        pthread_mutex_init(&w->cbmu, NULL);
+        w->cb_ready = 1;
         avgpipe_context_init(&w->ctx, &run->ctx->desc);
         avgpipe_context_init(&w->avg_ctx, &run->ctx->desc);
         w->jcap = 2 * run->N * run->G * run->R + 16; /* AVG jobs of one iteration fit */
@@ -6267,30 +6347,18 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
+/* Free everything a run owns; its threads have ended (or this is the last of them, see below). */
+static void avgpipe__run_free(avgpipe_run *run) {
+    avgpipe_context *ctx = run->ctx;
     int k, g;
-    avgpipe_context *ctx;
-    if (!run) return;
-    ctx = run->ctx;
-    pthread_mutex_lock(&run->mu);
-    run->quit = 1;
-    pthread_cond_broadcast(&run->cv);
-    pthread_mutex_unlock(&run->mu);
-    if (run->w) {
-        for (k = 0; k < run->nlocal; k++) {
-            if (run->w[k].started) pthread_join(run->w[k].thread, NULL);
-            if (run->w[k].avg_started) pthread_join(run->w[k].avg_thread, NULL);
-        }
-        if (run->st && run->comm.isend) avgpipe__run_cancel_pending(run);
-        for (k = 0; k < run->nlocal; k++) {
-            avgpipe__worker *w = &run->w[k];
-            if (w->has_group) avgpipe_comm_destroy(&w->group);
-            avgpipe_free(ctx, w->jobs);
-            avgpipe_free(ctx, w->seq);
-            avgpipe_free(ctx, w->rseq);
-            avgpipe_free(ctx, w->ev);
-            avgpipe_free(ctx, w->evbytes);
-        }
+    for (k = 0; run->w && k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        avgpipe_free(ctx, w->jobs);
+        avgpipe_free(ctx, w->seq);
+        avgpipe_free(ctx, w->rseq);
+        avgpipe_free(ctx, w->ev);
+        avgpipe_free(ctx, w->evbytes);
+        if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
     }
     avgpipe__free_plan(run);
     if (run->st)
@@ -6309,6 +6377,41 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
     pthread_mutex_destroy(&run->mu);
     pthread_cond_destroy(&run->cv);
     avgpipe_free(ctx, run);
+}
+
+AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
+    int k, orphans = 0;
+    if (!run) return;
+    pthread_mutex_lock(&run->mu);
+    run->quit = 1;
+    pthread_cond_broadcast(&run->cv);
+    pthread_mutex_unlock(&run->mu);
+    for (k = 0; run->w && k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        if (w->started && w->cb_ready) { /* a thread still inside a user callback cannot be joined: it frees the run when it ends */
+            pthread_mutex_lock(&w->cbmu);
+            w->orphan = w->stuck && w->cb_kind != 0;
+            pthread_mutex_unlock(&w->cbmu);
+        }
+        if (w->orphan) pthread_detach(w->thread), orphans++;
+        else if (w->started) pthread_join(w->thread, NULL);
+        if (w->avg_started) pthread_join(w->avg_thread, NULL);
+        if (w->has_group) avgpipe_comm_destroy(&w->group);
+    }
+    if (run->st && run->comm.isend) avgpipe__run_cancel_pending(run);
+    if (!orphans) {
+        avgpipe__run_free(run);
+        return;
+    }
+    /* The orphan touches nothing but the run when its callback returns; the user's context may be gone
+       by then, so the run keeps a copy of it (the allocator hooks), and the own comm is stopped now. */
+    run->ctx_copy = *run->ctx;
+    run->ctx = &run->ctx_copy;
+    if (run->own_comm) run->comm.abort(run->comm.user, AVGPIPE_TIMEOUT, "the run was destroyed");
+    pthread_mutex_lock(&run->mu);
+    run->orphaned = 1;
+    pthread_cond_broadcast(&run->cv);
+    pthread_mutex_unlock(&run->mu);
 }
 
 static int avgpipe__cmp_double(const void *a, const void *b) {
@@ -6364,11 +6467,29 @@ static avgpipe_result avgpipe__adapt(avgpipe_run *run, double seconds) {
     return avgpipe__run_prepare(run);
 }
 
+/* Wait until every worker that is not stuck in a callback has finished the iteration. */
+static void avgpipe__run_wait_workers(avgpipe_run *run) {
+    double slice = run->d.timeout_s / 4 < 0.25 ? run->d.timeout_s / 4 : 0.25;
+    for (;;) {
+        int k, stuck = 0, finished;
+        struct timespec dl = avgpipe__deadline(slice);
+        pthread_mutex_lock(&run->mu);
+        for (k = 0; k < run->nlocal; k++) stuck += run->w[k].stuck;
+        if (run->done + stuck < run->nlocal) pthread_cond_timedwait(&run->cv, &run->mu, &dl);
+        for (k = 0, stuck = 0; k < run->nlocal; k++) stuck += run->w[k].stuck;
+        finished = run->done + stuck >= run->nlocal;
+        pthread_mutex_unlock(&run->mu);
+        if (finished) return;
+        avgpipe__watchdog(run, run->d.timeout_s);
+    }
+}
+
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats) {
     int k, g, i;
     double busy = 0, loss = 0, t1;
     long long nloss = 0, ops = 0;
     avgpipe_result res;
+    if (stats) memset(stats, 0, sizeof *stats); /* zeros when the iteration fails */
     if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_iteration: run is NULL");
     if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_iteration: an earlier iteration failed (%s)", run->abort_msg);
     for (i = 0; i < run->D * run->G * run->N * run->U; i++) run->slot_of[i] = -1;
@@ -6389,7 +6510,9 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     run->done = 0;
     run->go++;
     pthread_cond_broadcast(&run->cv);
-    while (run->done < run->nlocal) pthread_cond_wait(&run->cv, &run->mu); /* every worker wait has its own timeout */
+    pthread_mutex_unlock(&run->mu);
+    avgpipe__run_wait_workers(run); /* every worker wait has its own timeout; callbacks are watched */
+    pthread_mutex_lock(&run->mu);
     for (k = 0; k < run->nlocal; k++) /* and the averaging of this iteration */
         while ((run->w[k].jlen > 0 || run->w[k].avg_busy) && !run->aborted) pthread_cond_wait(&run->cv, &run->mu);
     pthread_mutex_unlock(&run->mu);

@@ -591,6 +591,88 @@ Test(runtime, bad_desc_comm_size) {
     avgpipe_comm_destroy(&c);
 }
 
+/* ---- the watchdog: callbacks that stall ------------------------------------------------------- */
+
+static pthread_mutex_t stall_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t stall_cv = PTHREAD_COND_INITIALIZER;
+static int stall_release, stall_inside, stall_sleep_ms;
+
+/* Rank 1's forward of micro-batch 2 (round 0) sleeps stall_sleep_ms, or (0) waits until released. */
+static int cb_forward_stalls(avgpipe_op_ctx *op) {
+    if (op->stage == 1 && op->micro == 2 && op->round == 0) {
+        pthread_mutex_lock(&stall_mu);
+        stall_inside = 1;
+        if (stall_sleep_ms) {
+            pthread_mutex_unlock(&stall_mu);
+            nap_us(1000L * stall_sleep_ms);
+            pthread_mutex_lock(&stall_mu);
+        } else {
+            while (!stall_release) pthread_cond_wait(&stall_cv, &stall_mu);
+        }
+        stall_inside = 0;
+        pthread_mutex_unlock(&stall_mu);
+        return 0; /* the run is over by now: leave T alone (the next test owns it) */
+    }
+    return cb_forward(op);
+}
+
+/* An allocator that counts what is still allocated: the orphaned thread must give everything back. */
+static long stall_live;
+static void *stall_alloc(size_t n, void *user) {
+    (void)user;
+    __atomic_add_fetch(&stall_live, 1, __ATOMIC_SEQ_CST);
+    return malloc(n);
+}
+static void stall_free(void *p, void *user) {
+    (void)user;
+    if (p) __atomic_sub_fetch(&stall_live, 1, __ATOMIC_SEQ_CST);
+    free(p);
+}
+
+/* A forward that stalls past the timeout: the iteration fails with AVGPIPE_TIMEOUT at about the timeout,
+   naming the rank and the op; destroy returns at once, also while the callback is still inside. */
+static void stalled_callback(int sleep_ms) {
+    avgpipe_context_desc cd;
+    avgpipe_context ctx;
+    avgpipe_run *run;
+    avgpipe_result res;
+    setup s;
+    double t0, dt;
+    const char *msg;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = stall_alloc, cd.allocator.free = stall_free;
+    avgpipe_context_init(&ctx, &cd);
+    stall_release = stall_inside = 0, stall_sleep_ms = sleep_ms;
+    reset_state(3, 4, 1);
+    setup_init(&s, 3, 1);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 3, s.d.sched.micro = 4;
+    s.d.alpha = AVGPIPE_ZERO;
+    s.d.cb.forward = cb_forward_stalls;
+    s.d.timeout_s = 1;
+    run = create_run(&ctx, &s);
+    t0 = now_s();
+    res = avgpipe_run_iteration(run, NULL);
+    dt = now_s() - t0;
+    msg = avgpipe_last_error(&ctx);
+    cr_assert_eq(res, AVGPIPE_TIMEOUT, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "rank 1, op 0:1F2: the F callback has been running for") != NULL, "the message does not name rank and op: %s", msg);
+    cr_assert(dt >= 0.9 && dt < 2.5, "the iteration returned after %.2f s (timeout 1 s, callback %d ms)", dt, sleep_ms);
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
+    t0 = now_s();
+    avgpipe_run_destroy(run);
+    cr_assert(now_s() - t0 < 0.5, "destroy waited %.2f s for a stuck callback", now_s() - t0);
+    pthread_mutex_lock(&stall_mu); /* let the stuck thread go; it must end on its own without harm */
+    stall_release = 1;
+    pthread_cond_broadcast(&stall_cv);
+    pthread_mutex_unlock(&stall_mu);
+    for (t0 = now_s(); now_s() - t0 < 10 && __atomic_load_n(&stall_live, __ATOMIC_SEQ_CST) > 0;) nap_us(1000);
+    cr_assert_eq(__atomic_load_n(&stall_live, __ATOMIC_SEQ_CST), 0, "%ld allocations of the run were never freed",
+                 __atomic_load_n(&stall_live, __ATOMIC_SEQ_CST));
+    nap_us(20000); /* the orphan has freed the run; let its thread end */
+}
+Test(runtime, callback_stalling_past_the_timeout) { stalled_callback(3000); }
+Test(runtime, callback_that_never_returns) { stalled_callback(0); }
+
 /* ---- ranks in several processes: runs on threads that share one comm backend ------------------ */
 
 /* One "process": a run of some of the ranks, on its own thread, over the shared backend. */
