@@ -229,6 +229,8 @@ typedef struct avgpipe_buf {
     size_t len, cap;
 } avgpipe_buf;
 AVGPIPE_API void avgpipe_buf_free(avgpipe_context *ctx, avgpipe_buf *b);
+/* Append n bytes (data may hold zeros; data stays NUL-terminated after them). AVGPIPE_OUT_OF_MEMORY. */
+AVGPIPE_API avgpipe_result avgpipe_buf_append(avgpipe_context *ctx, avgpipe_buf *b, const void *data, size_t n);
 
 /* ============================================================================================ */
 /* 2. Schedule IR                                                                                */
@@ -821,6 +823,14 @@ AVGPIPE_API uint64_t avgpipe_ea_rounds_completed(avgpipe_ea *ea);
    held. While a round is held, contributions to the next round are accepted (pulled toward the
    previous reference) and the one after is refused. Any thread. */
 AVGPIPE_API float *avgpipe_ea_held(avgpipe_ea *ea, uint64_t *round);
+/* Checkpoints, between rounds (no round open: every pipeline has contributed to every round so far and
+   nothing is held). avgpipe_ea_save_state copies the state out: the rounds completed, the reference z
+   and (ELASTIC with momentum, else z_prev may be NULL) the previous reference, P floats each, to host
+   memory, and waits for the device. avgpipe_ea_load_state puts such a state back: the module then
+   continues as if it had run those rounds. Errors: AVGPIPE_INVALID_ARG (NULL buffers), AVGPIPE_STATE_ERROR
+   (a round is open), AVGPIPE_BACKEND_ERROR. Not concurrent with contributions. */
+AVGPIPE_API avgpipe_result avgpipe_ea_save_state(avgpipe_context *ctx, avgpipe_ea *ea, uint64_t *rounds, float *z, float *z_prev);
+AVGPIPE_API avgpipe_result avgpipe_ea_load_state(avgpipe_context *ctx, avgpipe_ea *ea, uint64_t rounds, const float *z, const float *z_prev);
 /* Publish the held round: it becomes the reference and counts as complete (avgpipe_ea_wait returns).
    Later averaging work is ordered after `stream` (where the caller changed the held buffer).
    Errors: AVGPIPE_INVALID_ARG (ea NULL), AVGPIPE_STATE_ERROR (no round is held), AVGPIPE_BACKEND_ERROR.
@@ -996,6 +1006,11 @@ typedef struct avgpipe_stage_callbacks {
        round's micro-batches. rank is global (its replica group is rank / S); round is global
        (iteration · R + r), as in avgpipe_op_ctx. */
     int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
+    /* Checkpoints (optional): what you own for global rank `rank` (the optimizer state of its stages,
+       anything your data order needs): save appends it to *out (avgpipe_buf_append), load gets back
+       exactly those bytes when the checkpoint is loaded. Called on the thread that saves or loads. */
+    int (*save_state)(int rank, avgpipe_buf *out, void *user);
+    int (*load_state)(int rank, const void *data, size_t bytes, void *user);
     void *user;
 } avgpipe_stage_callbacks;
 
@@ -1089,10 +1104,33 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float 
 AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
 /* 1 if this process runs global rank `rank`, else 0. */
 AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank);
+/* Iterations run so far (with a loaded checkpoint: counted from the start of that training). */
+AVGPIPE_API long long avgpipe_run_iterations(const avgpipe_run *run);
+#ifndef AVGPIPE_NO_STDIO
+/* Checkpoints. Collective (every process, between iterations, the same dir name). avgpipe_run_save
+   writes into directory `dir` (which must exist) one file per local rank, "rank-R-iter-I.ckpt": the
+   rank's N models and references of its stages (and ELASTIC's previous reference), the averaging round
+   counters, the iteration count, the adaptive controller's state, and cb.save_state's bytes; then every
+   process writes "manifest" listing all ranks' files with their sizes and checksums, and the run's
+   description (what must match on load). Each file goes to a temporary name and is renamed into place,
+   the manifest last, and a rank's files of its previous checkpoint are removed only after that: a crash
+   at any moment leaves the previous checkpoint loadable (atomic against a process that dies; C11 has no
+   fsync, so against power loss the file system decides). Every file carries a format version and an
+   FNV-1a checksum of all its bytes (any single changed byte is detected).
+   avgpipe_run_load, on a run created from the same description (K and adaptive advance may differ),
+   verifies the manifest, each local rank's file (size, checksum, version, rank, iteration) and the
+   description before changing anything, then restores all of the above into the run, into desc.params
+   and through cb.load_state. Errors name the file: AVGPIPE_IO_ERROR (missing, unreadable), AVGPIPE_PARSE_ERROR
+   (truncated, corrupted, foreign, another format version), AVGPIPE_MISMATCH (made by another run: names the
+   field), AVGPIPE_CALLBACK_ERROR; when any process fails every process fails, naming the rank. */
+AVGPIPE_API avgpipe_result avgpipe_run_save(avgpipe_run *run, const char *dir);
+AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
+#endif
 /* The schedule being run (lowered; its ranks are those of one replica group), and K for advance. */
 AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
 /* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. With
-   adaptive advance the count can grow when K changes: query it again after each iteration. */
+   adaptive advance the count can grow when K changes: query it again after each iteration and after
+   avgpipe_run_load. */
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
 /* Bytes the runtime allocated for boundary buffers and averaging on global rank `rank` (-1 when it
    is not local): what avgpipe_run_memory predicts. */
@@ -1433,6 +1471,11 @@ static int avgpipe__buf_put(avgpipe_context *ctx, avgpipe_buf *b, const char *s,
     b->len += n;
     b->data[b->len] = 0;
     return 1;
+}
+AVGPIPE_API avgpipe_result avgpipe_buf_append(avgpipe_context *ctx, avgpipe_buf *b, const void *data, size_t n) {
+    if (!b || (!data && n)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buf_append: NULL argument");
+    if (n && !avgpipe__buf_put(ctx, b, (const char *)data, n)) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_buf_append: out of memory");
+    return AVGPIPE_OK;
 }
 static int avgpipe__buf_printf(avgpipe_context *ctx, avgpipe_buf *b, const char *fmt, ...) {
     va_list ap;
@@ -4494,6 +4537,56 @@ AVGPIPE_API float *avgpipe_ea_held(avgpipe_ea *ea, uint64_t *round) {
     return p;
 }
 
+/* Under the lock: is any round open (contributions made to it, or a round held)? */
+static avgpipe_result avgpipe__ea_idle(avgpipe_context *ctx, const avgpipe_ea *ea, const char *fn) {
+    if (ea->count[0] || ea->count[1] || ea->held)
+        return avgpipe__fail(ctx, AVGPIPE_STATE_ERROR, "%s: stage %d: round %llu is open (%d of %d contributed)", fn, ea->desc.stage,
+                             (unsigned long long)ea->completed, ea->count[0], ea->desc.pipes);
+    return AVGPIPE_OK;
+}
+
+/* Under the lock: copy the reference (and z_prev) out of (save) or into (!save) the module, after all
+   its device work; on the CPU device the copies are done when it returns. */
+static avgpipe_result avgpipe__ea_transfer(avgpipe_context *ctx, avgpipe_ea *ea, const char *fn, int save, float *z, float *z_prev) {
+    size_t bytes = ea->desc.count * sizeof(float);
+    avgpipe_device_copy_kind kind = save ? AVGPIPE_DEVICE_COPY_D2H : AVGPIPE_DEVICE_COPY_H2D;
+    float *bz = avgpipe__ea_buf(ea, AVGPIPE__EA_Z), *bp = ea->nbuf == 4 ? avgpipe__ea_buf(ea, AVGPIPE__EA_ZPREV) : NULL;
+    avgpipe_result r = avgpipe__ea_idle(ctx, ea, fn);
+    if (r) return r;
+    if ((r = ea->dev.event_synchronize(ea->dev.user, ea->chain)) != AVGPIPE_OK) return avgpipe__ea_backend_fail(ctx, ea, fn, "event_synchronize", r);
+    if ((r = ea->dev.copy(ea->dev.user, save ? (void *)z : bz, save ? (const void *)bz : z, bytes, kind, NULL)) != AVGPIPE_OK ||
+        (bp && (r = ea->dev.copy(ea->dev.user, save ? (void *)z_prev : bp, save ? (const void *)bp : z_prev, bytes, kind, NULL)) != AVGPIPE_OK))
+        return avgpipe__ea_backend_fail(ctx, ea, fn, "copy", r);
+    if ((r = ea->dev.stream_synchronize(ea->dev.user, NULL)) != AVGPIPE_OK) return avgpipe__ea_backend_fail(ctx, ea, fn, "stream_synchronize", r);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_ea_save_state(avgpipe_context *ctx, avgpipe_ea *ea, uint64_t *rounds, float *z, float *z_prev) {
+    avgpipe_result r;
+    ctx = avgpipe__ctx(ctx);
+    if (!ea || !rounds || !z || (ea->nbuf == 4 && !z_prev)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_ea_save_state: NULL argument");
+    pthread_mutex_lock(&ea->lock);
+    r = avgpipe__ea_transfer(ctx, ea, "avgpipe_ea_save_state", 1, z, z_prev);
+    *rounds = ea->completed;
+    pthread_mutex_unlock(&ea->lock);
+    return r;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_ea_load_state(avgpipe_context *ctx, avgpipe_ea *ea, uint64_t rounds, const float *z, const float *z_prev) {
+    avgpipe_result r;
+    int i;
+    ctx = avgpipe__ctx(ctx);
+    if (!ea || !z || (ea->nbuf == 4 && !z_prev)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_ea_load_state: NULL argument");
+    pthread_mutex_lock(&ea->lock);
+    r = avgpipe__ea_transfer(ctx, ea, "avgpipe_ea_load_state", 0, (float *)(uintptr_t)z, (float *)(uintptr_t)z_prev);
+    if (!r) {
+        ea->completed = rounds;
+        for (i = 0; i < ea->desc.pipes; i++) ea->next[i] = rounds;
+    }
+    pthread_mutex_unlock(&ea->lock);
+    return r;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream) {
     avgpipe_result r = AVGPIPE_OK;
     ctx = avgpipe__ctx(ctx);
@@ -5189,6 +5282,7 @@ struct avgpipe_run {
     long go, done;
     int quit, aborted, dead; /* aborted: set under mu, read lock-free too (AVGPIPE__LOAD) */
     int orphaned;            /* destroyed while a worker was stuck in a callback: that worker frees the run */
+    long long ckpt_prev;     /* iteration of the last checkpoint saved or loaded (its files go at the next save); -1 */
     avgpipe_context ctx_copy;
     avgpipe_result abort_res;
     char abort_msg[AVGPIPE_ERROR_MAX];
@@ -6135,6 +6229,377 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float 
     return res;
 }
 
+/* ---- checkpoints ---- */
+
+#ifndef AVGPIPE_NO_STDIO
+#define AVGPIPE__CKPT_VERSION 1u
+#define AVGPIPE__CKPT_HEADER 64
+#define AVGPIPE__CKPT_ENDIAN 0x01020304u
+enum { AVGPIPE__CK_RUN = 1, AVGPIPE__CK_STAGE = 2, AVGPIPE__CK_USER = 3 };
+
+/* Which fingerprint fields a checkpoint must match: not K under adaptive advance, not the window, the
+   memory limit, deterministic mode or (for generated schedules: K decides it) the lowered schedule. */
+static int avgpipe__ckpt_field(const avgpipe_run *run, int i) {
+    if (i == 11) return !run->d.adaptive;
+    if (i == 22) return run->d.schedule != NULL;
+    return i != 14 && i != 15 && i != 19;
+}
+
+static void avgpipe__put_u32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
+static void avgpipe__put_u64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+static uint32_t avgpipe__get_u32(const unsigned char *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+static uint64_t avgpipe__get_u64(const unsigned char *p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+/* The FNV-1a checksum of a rank file: every byte, its checksum field (56..63) counted as zeros. */
+static uint64_t avgpipe__ckpt_sum(const unsigned char *p, size_t n) {
+    static const unsigned char zero[8] = {0};
+    uint64_t h = 14695981039346656037ull;
+    h = avgpipe__fnv(h, p, 56);
+    h = avgpipe__fnv(h, zero, 8);
+    return avgpipe__fnv(h, p + 64, n - 64);
+}
+
+/* Append one record (tag, id, n bytes) to a rank file being built; data NULL: only its header (the
+   caller fills the n bytes in place). */
+static int avgpipe__ckpt_record(avgpipe_context *ctx, avgpipe_buf *b, uint32_t tag, uint32_t id, const void *data, size_t n) {
+    unsigned char h[16];
+    avgpipe__put_u32(h, tag);
+    avgpipe__put_u32(h + 4, id);
+    avgpipe__put_u64(h + 8, (uint64_t)n);
+    return avgpipe__buf_put(ctx, b, (const char *)h, 16) && (!n || !data || avgpipe__buf_put(ctx, b, (const char *)data, n));
+}
+
+/* The bytes of local worker w's rank file: header, the run's state, each stage's averaging state and
+   models, the user's state. */
+static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, avgpipe_buf *b) {
+    avgpipe_context *ctx = run->ctx;
+    unsigned char head[AVGPIPE__CKPT_HEADER];
+    avgpipe_buf user = {NULL, 0, 0};
+    avgpipe_result res = AVGPIPE_OK;
+    int g, p, ok = 1;
+    memset(head, 0, sizeof head);
+    memcpy(head, "AVGPCKPT", 8);
+    avgpipe__put_u32(head + 8, AVGPIPE__CKPT_VERSION);
+    avgpipe__put_u32(head + 12, AVGPIPE__CKPT_ENDIAN);
+    avgpipe__put_u64(head + 16, (uint64_t)run->iter);
+    avgpipe__put_u32(head + 24, (uint32_t)w->rank);
+    avgpipe__put_u32(head + 28, (uint32_t)run->P);
+    avgpipe__put_u32(head + 32, (uint32_t)run->G);
+    avgpipe__put_u32(head + 36, (uint32_t)run->N);
+    avgpipe__put_u32(head + 40, (uint32_t)run->D);
+    b->len = 0;
+    ok = avgpipe__buf_put(ctx, b, (const char *)head, sizeof head);
+    { /* the run: iteration, K, the adaptive controller */
+        double rs[4 + 64];
+        int i, n = run->d.window < 64 ? run->d.window : 64;
+        rs[0] = (double)run->iter, rs[1] = run->K, rs[2] = run->best_k, rs[3] = run->best;
+        for (i = 0; i < n; i++) rs[4 + i] = run->win[i];
+        ok = ok && avgpipe__ckpt_record(ctx, b, AVGPIPE__CK_RUN, (uint32_t)(run->win_n | run->adapt_done << 8 | n << 16), rs,
+                                        (size_t)(4 + n) * sizeof(double));
+    }
+    for (g = w->srank; g < run->G && ok && !res; g += run->S) { /* each stage: rounds, z (z_prev), the N models */
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+        size_t count = run->d.param_count[g], n = count * sizeof(float);
+        int momentum = run->d.momentum != 0.0f;
+        uint64_t rounds = 0;
+        unsigned char sh[16];
+        size_t at = b->len + 16;
+        avgpipe__put_u64(sh, 0);
+        avgpipe__put_u64(sh + 8, (uint64_t)count);
+        ok = avgpipe__ckpt_record(ctx, b, AVGPIPE__CK_STAGE, (uint32_t)g, NULL, 16 + n * (size_t)(1 + momentum + run->N)) &&
+             avgpipe__buf_reserve(ctx, b, 16 + n * (size_t)(1 + momentum + run->N));
+        if (!ok) break;
+        memcpy(b->data + at, sh, 16);
+        res = avgpipe_ea_save_state(ctx, st->ea, &rounds, (float *)(void *)(b->data + at + 16),
+                                    momentum ? (float *)(void *)(b->data + at + 16 + n) : NULL);
+        avgpipe__put_u64((unsigned char *)b->data + at, rounds);
+        for (p = 0; p < run->N && !res; p++) memcpy(b->data + at + 16 + n * (size_t)(1 + momentum + p), avgpipe__run_params(run, w->replica, p, g), n);
+        b->len = at + 16 + n * (size_t)(1 + momentum + run->N);
+    }
+    if (ok && !res && run->d.cb.save_state && run->d.cb.save_state(w->rank, &user, run->d.cb.user) != 0)
+        res = avgpipe__fail(ctx, AVGPIPE_CALLBACK_ERROR, "checkpoint: the save_state callback of rank %d failed", w->rank);
+    ok = ok && avgpipe__ckpt_record(ctx, b, AVGPIPE__CK_USER, 0, user.data, user.len);
+    avgpipe_buf_free(ctx, &user);
+    if (!ok && !res) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "checkpoint: out of memory");
+    if (!res) {
+        avgpipe__put_u64((unsigned char *)b->data + 48, (uint64_t)(b->len - AVGPIPE__CKPT_HEADER));
+        avgpipe__put_u64((unsigned char *)b->data + 56, avgpipe__ckpt_sum((const unsigned char *)b->data, b->len));
+    }
+    return res;
+}
+
+/* Write bytes to path through path.tmp.<rank> and a rename (the old file, if any, stays whole until
+   then; processes that write the same file on a shared directory each use their own temporary). */
+static avgpipe_result avgpipe__write_atomic(avgpipe_context *ctx, const char *path, int rank, const void *data, size_t n) {
+    char tmp[4200];
+    FILE *f;
+    int bad;
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, rank);
+    f = fopen(tmp, "wb");
+    if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "checkpoint: cannot create '%s'", tmp);
+    bad = fwrite(data, 1, n, f) != n;
+    bad |= fflush(f) != 0;
+    bad |= fclose(f) != 0;
+    if (bad || rename(tmp, path) != 0) {
+        remove(tmp);
+        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "checkpoint: cannot write '%s' (disk full, or no permission?)", path);
+    }
+    return AVGPIPE_OK;
+}
+
+static void avgpipe__ckpt_name(char *out, size_t cap, const char *dir, int rank, long long iter) {
+    snprintf(out, cap, "%s/rank-%d-iter-%lld.ckpt", dir, rank, iter);
+}
+
+/* The manifest: the run's description (f<index>=value), each rank's file, the text's checksum. */
+static int avgpipe__ckpt_manifest(avgpipe_run *run, const unsigned char *all, avgpipe_buf *m) {
+    int64_t f[AVGPIPE__FP_FIELDS];
+    int i, r, ok;
+    char line[64];
+    avgpipe__fingerprint(run, f);
+    m->len = 0;
+    ok = avgpipe__buf_printf(run->ctx, m, "# avgpipe checkpoint v%u\niteration %lld\nranks %d\ndesc", AVGPIPE__CKPT_VERSION, run->iter, run->P);
+    for (i = 0; i < AVGPIPE__FP_FIELDS && ok; i++)
+        if (avgpipe__ckpt_field(run, i)) ok = avgpipe__buf_printf(run->ctx, m, " f%d=%lld", i, (long long)f[i]);
+    ok = ok && avgpipe__buf_put(run->ctx, m, "\n", 1);
+    for (r = 0; r < run->P && ok; r++)
+        ok = avgpipe__buf_printf(run->ctx, m, "rank %d file=rank-%d-iter-%lld.ckpt bytes=%llu checksum=%016llx\n", r, r, run->iter,
+                                 (unsigned long long)avgpipe__get_u64(all + 24 * (size_t)r + 8),
+                                 (unsigned long long)avgpipe__get_u64(all + 24 * (size_t)r + 16));
+    snprintf(line, sizeof line, "end checksum=%016llx\n", (unsigned long long)avgpipe__fnv(14695981039346656037ull, m->data, m->len));
+    return ok && avgpipe__buf_put(run->ctx, m, line, strlen(line));
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_save(avgpipe_run *run, const char *dir) {
+    avgpipe_context *ctx;
+    avgpipe_buf b = {NULL, 0, 0}, m = {NULL, 0, 0};
+    unsigned char *mine, *all;
+    char path[4200];
+    avgpipe_result res = AVGPIPE_OK, mres;
+    int k, r;
+    if (!run || !dir) return avgpipe__fail(run ? run->ctx : NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_save: NULL argument");
+    ctx = run->ctx;
+    if (run->dead) return avgpipe__fail(ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_save: the run failed earlier (%s)", run->abort_msg);
+    if (strlen(dir) > 4000) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_save: directory name too long");
+    mine = (unsigned char *)avgpipe__calloc(ctx, (size_t)(run->nlocal + run->P), 24);
+    if (!mine) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_save: out of memory");
+    all = mine + 24 * (size_t)run->nlocal;
+    for (k = 0; k < run->nlocal && !res; k++) { /* each local rank's file; a failure is still reported to the others */
+        avgpipe__ckpt_name(path, sizeof path, dir, run->w[k].rank, run->iter);
+        res = avgpipe__ckpt_build(run, &run->w[k], &b);
+        if (!res) res = avgpipe__write_atomic(ctx, path, run->w[k].rank, b.data, b.len);
+        avgpipe__put_u64(mine + 24 * (size_t)k, (uint64_t)res);
+        avgpipe__put_u64(mine + 24 * (size_t)k + 8, res ? 0 : (uint64_t)b.len);
+        avgpipe__put_u64(mine + 24 * (size_t)k + 16, res ? 0 : avgpipe__get_u64((const unsigned char *)b.data + 56));
+    }
+    for (; k < run->nlocal; k++) avgpipe__put_u64(mine + 24 * (size_t)k, (uint64_t)AVGPIPE_ABORTED);
+    mres = avgpipe__ctl_allgather(run, mine, 24, all, AVGPIPE__TAG_CTL + 10, "avgpipe_run_save");
+    for (r = 0; r < run->P && !res && !mres; r++)
+        if (avgpipe__get_u64(all + 24 * (size_t)r) != 0)
+            res = avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "avgpipe_run_save: rank %d could not write its checkpoint file (see its error)", r);
+    if (!res) res = mres;
+    if (!res && !avgpipe__ckpt_manifest(run, all, &m)) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_save: out of memory");
+    if (!res) {
+        snprintf(path, sizeof path, "%s/manifest", dir);
+        res = avgpipe__write_atomic(ctx, path, run->w[0].rank, m.data, m.len);
+    }
+    if (!res && run->ckpt_prev >= 0 && run->ckpt_prev != run->iter)
+        for (k = 0; k < run->nlocal; k++) { /* the new checkpoint is in place: the previous one's files go */
+            avgpipe__ckpt_name(path, sizeof path, dir, run->w[k].rank, run->ckpt_prev);
+            remove(path);
+        }
+    if (!res) run->ckpt_prev = run->iter;
+    avgpipe_buf_free(ctx, &b);
+    avgpipe_buf_free(ctx, &m);
+    avgpipe_free(ctx, mine);
+    return res;
+}
+
+/* A local rank's verified file, parsed: where its records are. */
+typedef struct avgpipe__ckpt_file {
+    avgpipe_buf data;
+    const unsigned char *run_rec, *user;
+    size_t run_len, user_len;
+    uint32_t run_id;
+    const unsigned char *stage[64]; /* the stage records of this rank's stages (by chunk) */
+} avgpipe__ckpt_file;
+
+/* Read the manifest: check its checksum and format, that it was made by this run (naming the first
+   field that differs), and find rank `rank`'s file, size and checksum. */
+static avgpipe_result avgpipe__ckpt_manifest_read(avgpipe_run *run, const char *dir, const avgpipe_buf *t, long long *iter,
+                                                  int rank, char *file, size_t cap, unsigned long long *bytes, unsigned long long *sum) {
+    avgpipe_context *ctx = run->ctx;
+    const char *end = t->data ? strstr(t->data, "\nend checksum=") : NULL, *p, *d;
+    unsigned long long want = 0;
+    int64_t f[AVGPIPE__FP_FIELDS];
+    int v = 0, ranks = 0, i, r;
+    char key[32];
+    char canon[64];
+    if (end && sscanf(end + 14, "%16llx", &want) == 1) /* the checksum line exactly as written, and nothing after it */
+        snprintf(canon, sizeof canon, "end checksum=%016llx\n", want);
+    if (!end || strcmp(end + 1, canon) != 0 || t->len != (size_t)(end + 1 - t->data) + strlen(canon) ||
+        avgpipe__fnv(14695981039346656037ull, t->data, (size_t)(end + 1 - t->data)) != want)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s/manifest': truncated or corrupted (its checksum does not match)", dir);
+    if (sscanf(t->data, "# avgpipe checkpoint v%d\niteration %lld\nranks %d\n", &v, iter, &ranks) != 3 || v != (int)AVGPIPE__CKPT_VERSION)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s/manifest': not an avgpipe checkpoint of format v%u", dir, AVGPIPE__CKPT_VERSION);
+    if (ranks != run->P)
+        return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s' holds %d ranks; this run has %d", dir, ranks, run->P);
+    avgpipe__fingerprint(run, f);
+    d = strstr(t->data, "\ndesc");
+    for (i = 0; d && i < AVGPIPE__FP_FIELDS; i++) {
+        long long got;
+        if (!avgpipe__ckpt_field(run, i)) continue;
+        snprintf(key, sizeof key, " f%d=", i);
+        p = strstr(d, key);
+        if (!p || p > strchr(d + 1, '\n') || sscanf(p + strlen(key), "%lld", &got) != 1)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s/manifest': no %s", dir, avgpipe__fp_names[i]);
+        if (got != f[i])
+            return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s' was made by another run: its %s differs from this run's%s", dir,
+                                 avgpipe__fp_names[i], i < 14 ? "" : " (compare the flags it was made with)");
+    }
+    snprintf(key, sizeof key, "\nrank %d file=", rank);
+    p = strstr(t->data, key);
+    if (!p || sscanf(p + 1, "rank %d file=%255s bytes=%llu checksum=%16llx", &r, file, bytes, sum) != 4 || r != rank || cap < 256)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s/manifest': no entry for rank %d", dir, rank);
+    return AVGPIPE_OK;
+}
+
+/* Read and verify local worker w's file; find its records. Nothing of the run is changed. */
+static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgpipe__worker *w, long long *iter, avgpipe__ckpt_file *out) {
+    avgpipe_context *ctx = run->ctx;
+    avgpipe_buf man = {NULL, 0, 0};
+    char name[256], path[4400];
+    unsigned long long bytes = 0, sum = 0;
+    const unsigned char *q, *e;
+    avgpipe_result res;
+    int g;
+    snprintf(path, sizeof path, "%s/manifest", dir);
+    res = avgpipe__read_file(ctx, path, &man);
+    if (!res) res = avgpipe__ckpt_manifest_read(run, dir, &man, iter, w->rank, name, sizeof name, &bytes, &sum);
+    avgpipe_buf_free(ctx, &man);
+    if (res) return res;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if ((res = avgpipe__read_file(ctx, path, &out->data)) != AVGPIPE_OK) return res;
+    q = (const unsigned char *)out->data.data;
+    if (out->data.len != bytes || bytes < AVGPIPE__CKPT_HEADER)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': %zu bytes, the manifest says %llu (truncated?)", path, out->data.len, bytes);
+    if (avgpipe__ckpt_sum(q, out->data.len) != sum || avgpipe__get_u64(q + 56) != sum)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s' is corrupted: its checksum does not match", path);
+    if (memcmp(q, "AVGPCKPT", 8) || avgpipe__get_u32(q + 8) != AVGPIPE__CKPT_VERSION || avgpipe__get_u32(q + 12) != AVGPIPE__CKPT_ENDIAN)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': not an avgpipe rank file of format v%u from a machine of this byte order", path,
+                             AVGPIPE__CKPT_VERSION);
+    if ((long long)avgpipe__get_u64(q + 16) != *iter || (int)avgpipe__get_u32(q + 24) != w->rank || (int)avgpipe__get_u32(q + 28) != run->P ||
+        (int)avgpipe__get_u32(q + 32) != run->G || (int)avgpipe__get_u32(q + 36) != run->N || (int)avgpipe__get_u32(q + 40) != run->D ||
+        avgpipe__get_u64(q + 48) != bytes - AVGPIPE__CKPT_HEADER)
+        return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s' belongs to another rank, iteration or shape", path);
+    for (q += AVGPIPE__CKPT_HEADER, e = (const unsigned char *)out->data.data + bytes; q < e;) { /* the records */
+        uint32_t tag, id;
+        uint64_t n;
+        if ((size_t)(e - q) < 16 || (n = avgpipe__get_u64(q + 8)) > (uint64_t)(e - q - 16))
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': a record runs past the end", path);
+        tag = avgpipe__get_u32(q), id = avgpipe__get_u32(q + 4);
+        if (tag == AVGPIPE__CK_RUN) out->run_rec = q + 16, out->run_len = (size_t)n, out->run_id = id;
+        else if (tag == AVGPIPE__CK_USER) out->user = q + 16, out->user_len = (size_t)n;
+        else if (tag == AVGPIPE__CK_STAGE && (int)id < run->G && (int)id % run->S == w->srank && (int)id / run->S < 64) {
+            size_t count = run->d.param_count[id], want = 16 + count * sizeof(float) * (size_t)(1 + (run->d.momentum != 0.0f) + run->N);
+            if (n != want || avgpipe__get_u64(q + 24) != count)
+                return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s': stage %u holds another number of parameters", path, id);
+            out->stage[id / run->S] = q + 16;
+        } else
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': unknown record %u/%u", path, tag, id);
+        q += 16 + n;
+    }
+    for (g = w->srank; g < run->G; g += run->S)
+        if (!out->stage[g / run->S]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no state for stage %d", path, g);
+    if (!out->run_rec || out->run_len < 4 * sizeof(double)) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no run state", path);
+    return AVGPIPE_OK;
+}
+
+/* Put a verified file's state into the run, the user's parameters and the user's state. */
+static avgpipe_result avgpipe__ckpt_apply(avgpipe_run *run, avgpipe__worker *w, const avgpipe__ckpt_file *f) {
+    avgpipe_context *ctx = run->ctx;
+    avgpipe_result res = AVGPIPE_OK;
+    int g, p, momentum = run->d.momentum != 0.0f;
+    for (g = w->srank; g < run->G && !res; g += run->S) {
+        const unsigned char *q = f->stage[g / run->S];
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+        size_t n = run->d.param_count[g] * sizeof(float);
+        uint64_t rounds = avgpipe__get_u64(q);
+        res = avgpipe_ea_load_state(ctx, st->ea, rounds, (const float *)(const void *)(q + 16),
+                                    momentum ? (const float *)(const void *)(q + 16 + n) : NULL);
+        for (p = 0; p < run->N && !res; p++) {
+            memcpy(avgpipe__run_params(run, w->replica, p, g), q + 16 + n * (size_t)(1 + momentum + p), n);
+            st->avg_done[p] = (int)rounds;
+        }
+    }
+    if (!res && run->d.cb.load_state && run->d.cb.load_state(w->rank, f->user ? f->user : (const unsigned char *)"", f->user_len, run->d.cb.user) != 0)
+        res = avgpipe__fail(ctx, AVGPIPE_CALLBACK_ERROR, "checkpoint: the load_state callback of rank %d failed", w->rank);
+    return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
+    avgpipe_context *ctx;
+    avgpipe__ckpt_file *files;
+    unsigned char *mine, *all;
+    avgpipe_result res = AVGPIPE_OK, mres;
+    long long iter = -1;
+    int k, r;
+    if (!run || !dir) return avgpipe__fail(run ? run->ctx : NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_load: NULL argument");
+    ctx = run->ctx;
+    if (run->dead) return avgpipe__fail(ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_load: the run failed earlier (%s)", run->abort_msg);
+    if (strlen(dir) > 4000) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_load: directory name too long");
+    files = (avgpipe__ckpt_file *)avgpipe__calloc(ctx, (size_t)run->nlocal, sizeof *files);
+    mine = (unsigned char *)avgpipe__calloc(ctx, (size_t)(run->nlocal + run->P), 8);
+    if (!files || !mine) {
+        avgpipe_free(ctx, files);
+        avgpipe_free(ctx, mine);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_load: out of memory");
+    }
+    all = mine + 8 * (size_t)run->nlocal;
+    for (k = 0; k < run->nlocal; k++) { /* verify everything first */
+        avgpipe_result e = res ? AVGPIPE_ABORTED : avgpipe__ckpt_read(run, dir, &run->w[k], &iter, &files[k]);
+        if (e && !res) res = e;
+        avgpipe__put_u64(mine + 8 * (size_t)k, (uint64_t)(e ? 1 : 0));
+    }
+    mres = avgpipe__ctl_allgather(run, mine, 8, all, AVGPIPE__TAG_CTL + 12, "avgpipe_run_load");
+    for (r = 0; r < run->P && !res && !mres; r++)
+        if (avgpipe__get_u64(all + 8 * (size_t)r))
+            res = avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "avgpipe_run_load: rank %d could not load the checkpoint '%s' (see its error)", r, dir);
+    if (!res) res = mres;
+    if (!res) { /* the run: iteration, K, the adaptive controller (all ranks' files agree on it) */
+        double rs[4 + 64];
+        uint32_t id = files[0].run_id;
+        int i, n = (int)(id >> 16 & 0xff);
+        memcpy(rs, files[0].run_rec, files[0].run_len < sizeof rs ? files[0].run_len : sizeof rs);
+        run->iter = iter;
+        if ((int)rs[1] != run->K) {
+            run->K = (int)rs[1];
+            res = avgpipe__run_prepare(run);
+        }
+        run->best_k = (int)rs[2], run->best = rs[3];
+        run->adapt_done = (int)(id >> 8 & 1);
+        run->win_n = n == run->d.window && (size_t)(4 + n) * sizeof(double) <= files[0].run_len ? (int)(id & 0xff) : 0;
+        for (i = 0; i < run->win_n; i++) run->win[i] = rs[4 + i];
+    }
+    for (k = 0; k < run->nlocal && !res; k++) {
+        res = avgpipe__ckpt_apply(run, &run->w[k], &files[k]);
+        if (res) run->dead = 1; /* partly restored: not a state to train on */
+    }
+    if (!res) run->ckpt_prev = iter;
+    for (k = 0; k < run->nlocal; k++) avgpipe_buf_free(ctx, &files[k].data);
+    avgpipe_free(ctx, files);
+    avgpipe_free(ctx, mine);
+    return res;
+}
+#endif
+
 /* ---- create, iterate, destroy ---- */
 
 static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
@@ -6331,6 +6796,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     }
     run->best = -1;
     run->best_k = run->K;
+    run->ckpt_prev = -1;
     if (!res) res = avgpipe__run_comm(ctx, run);
     if (!res && (res = avgpipe_device_cpu_create(ctx, NULL, &run->dev)) == AVGPIPE_OK) run->own_dev = 1;
     if (!res) res = avgpipe__run_prepare(run);
@@ -6542,6 +7008,8 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     if (res) run->dead = 1;
     return res;
 }
+
+AVGPIPE_API long long avgpipe_run_iterations(const avgpipe_run *run) { return run ? run->iter : 0; }
 
 AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank) {
     int lo = 0, hi;
