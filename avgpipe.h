@@ -155,6 +155,11 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
+/* The version of the implementation compiled in ("0.1.0", AVGPIPE_VERSION_STRING when it was built):
+   compare with the header's macros when the implementation lives in another translation unit. And the
+   same as major * 10000 + minor * 100 + patch. Thread-safe. */
+AVGPIPE_API const char *avgpipe_version(void);
+AVGPIPE_API int avgpipe_version_number(void);
 
 typedef enum avgpipe_log_level {
     AVGPIPE_LOG_ERROR = 1,
@@ -1319,6 +1324,9 @@ AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r) {
         return "unknown result";
     }
 }
+
+AVGPIPE_API const char *avgpipe_version(void) { return AVGPIPE_VERSION_STRING; }
+AVGPIPE_API int avgpipe_version_number(void) { return AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH; }
 
 static void *avgpipe__default_alloc(size_t size, void *user) {
     (void)user;

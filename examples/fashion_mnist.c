@@ -40,6 +40,7 @@
 #include "examples/mlp.h"
 
 #include <errno.h>
+#include <sys/stat.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -58,13 +59,14 @@ char *openblas_get_corename(void);
 
 typedef struct options {
     int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train, replicas;
+    int checkpoint_every, stop_after;  /* iterations between checkpoints (0: only at the end); epochs to run now */
     int deterministic, continuous, normalize, cosine, mpi;
     int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
     avgpipe_sched_kind schedule;
     double alpha, lr;
     double mem_limit;             /* --mem-limit: bytes per rank for the tuner; 0: none */
     unsigned long long seed;
-    const char *data, *hidden, *trace, *profile, *save, *profile_tune;
+    const char *data, *hidden, *trace, *profile, *save, *profile_tune, *checkpoint, *resume;
 } options;
 
 /* Everything the callbacks reach through op->user. Per-(replica, stage) state (stash, perm) is touched
@@ -142,6 +144,12 @@ static const char *usage =
     "                      mpi each process writes its ranks' part, rank R's to FILE.R (rank 0's to FILE)\n"
     "  --profile FILE      per-op profile of the last iteration (the tuner's input); mpi: as --trace\n"
     "  --save FILE         write the reference model's parameters (mlp_params_save)\n"
+    "  --checkpoint DIR    save a checkpoint there (avgpipe_run_save: every rank's models, references,\n"
+    "                      averaging state and Adam state) at the end, and every --checkpoint-every K\n"
+    "                      iterations; the directory is created if missing\n"
+    "  --resume DIR        continue from the checkpoint in DIR: give the flags it was made with (with\n"
+    "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n"
+    "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
     "Tuning (when --micro or --pipes is auto, the default): before training, the model is profiled for\n"
     "a few iterations of 1 pipeline at two micro-batch sizes on throwaway copies of the initial weights\n"
@@ -230,6 +238,10 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--chunks")) o->chunks = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
     else if (!strcmp(f, "--limit-train")) o->limit_train = (int)parse_long(f, v, 1, 1 << 24);
     else if (!strcmp(f, "--replicas")) o->replicas = (int)parse_long(f, v, 1, MAX_REPLICAS);
+    else if (!strcmp(f, "--checkpoint-every")) o->checkpoint_every = (int)parse_long(f, v, 1, 1 << 30);
+    else if (!strcmp(f, "--stop-after")) o->stop_after = (int)parse_long(f, v, 1, 100000);
+    else if (!strcmp(f, "--checkpoint")) o->checkpoint = v;
+    else if (!strcmp(f, "--resume")) o->resume = v;
     else if (!strcmp(f, "--backend")) {
         if (!strcmp(v, "mpi")) o->mpi = 1;
         else if (!strcmp(v, "threads")) o->mpi = 0;
@@ -271,6 +283,8 @@ static void check_options(options *o, const char *advance_flag) {
     if (advance_flag && o->schedule != AVGPIPE_SCHED_ADVANCE && strcmp(advance_flag, "auto") != 0)
         bad_usage("--advance %s applies only to --schedule advance", advance_flag);
     if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
+    if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
+    if (o->stop_after > o->epochs) bad_usage("--stop-after %d is past --epochs %d", o->stop_after, o->epochs);
     if (interleaved && !o->chunks) o->chunks = 2;
     if (!interleaved) o->chunks = 1;
     if (o->stages % o->chunks != 0)
@@ -298,7 +312,8 @@ static int is_value_flag(const char *f) {
     static const char *const names[] = {"--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds",
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
                                         "--schedule", "--data", "--hidden", "--trace", "--profile", "--save",
-                                        "--mem-limit", "--profile-tune", "--replicas", "--backend"};
+                                        "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint",
+                                        "--checkpoint-every", "--resume", "--stop-after"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -432,6 +447,42 @@ static int cb_step(int rank, int pipe, int stage, int round, float *params, void
     return 0;
 }
 
+/* Checkpoints: what this example owns for a rank is the Adam state (step count, both moments) of the
+   rank's stages of each model of its replica group. The sample order needs nothing: it is a function of
+   the seed and the round. */
+static int cb_save_state(int rank, avgpipe_buf *out, void *user) {
+    app *A = (app *)user;
+    int i, g, d = rank / A->S;
+    for (i = d * A->opt.pipes; i < (d + 1) * A->opt.pipes; i++)
+        for (g = rank % A->S; g < A->G; g += A->S) {
+            const mlp_adam *a = &A->nets[i].adam[g];
+            int64_t t = a->t;
+            if (avgpipe_buf_append(NULL, out, &t, sizeof t) || avgpipe_buf_append(NULL, out, a->m, a->count * sizeof(float)) ||
+                avgpipe_buf_append(NULL, out, a->v, a->count * sizeof(float)))
+                return fail("checkpoint: out of memory");
+        }
+    return 0;
+}
+
+static int cb_load_state(int rank, const void *data, size_t bytes, void *user) {
+    app *A = (app *)user;
+    const unsigned char *p = (const unsigned char *)data;
+    int i, g, d = rank / A->S;
+    for (i = d * A->opt.pipes; i < (d + 1) * A->opt.pipes; i++)
+        for (g = rank % A->S; g < A->G; g += A->S) {
+            mlp_adam *a = &A->nets[i].adam[g];
+            size_t n = a->count * sizeof(float);
+            int64_t t;
+            if (bytes < sizeof t + 2 * n) return fail("checkpoint: rank %d's Adam state is too short (other --hidden?)", rank);
+            memcpy(&t, p, sizeof t);
+            memcpy(a->m, p + sizeof t, n);
+            memcpy(a->v, p + sizeof t + n, n);
+            a->t = (long)t;
+            p += sizeof t + 2 * n, bytes -= sizeof t + 2 * n;
+        }
+    return bytes == 0 ? 0 : fail("checkpoint: rank %d's Adam state is too long (other --hidden or --pipes?)", rank);
+}
+
 /* ---- Setup ------------------------------------------------------------------------------------ */
 
 /* Does this process run stage g of replica group d? (Threads, or rank 0 tuning on its own: every stage.) */
@@ -537,6 +588,8 @@ static avgpipe_run_desc make_run_desc(app *A) {
     d.cb.backward_input = cb_backward_input;
     d.cb.backward_weight = cb_backward_weight;
     d.cb.step = cb_step;
+    d.cb.save_state = cb_save_state;
+    d.cb.load_state = cb_load_state;
     d.cb.user = A;
     d.act_bytes = A->act_bytes;
     d.params = (float *const *)A->params;
@@ -674,11 +727,20 @@ static int iteration_stats(app *A, avgpipe_run *run, avgpipe_context *ctx, const
     return 0;
 }
 
-static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, epoch_stats *s) {
+/* --checkpoint DIR: save (collective), creating DIR on first use. */
+static int checkpoint(app *A, avgpipe_run *run, avgpipe_context *ctx) {
+    if (!A->opt.checkpoint) return 0;
+    if (mkdir(A->opt.checkpoint, 0777) != 0 && errno != EEXIST) return fail("--checkpoint %s: %s", A->opt.checkpoint, strerror(errno));
+    if (avgpipe_run_save(run, A->opt.checkpoint) != AVGPIPE_OK) return fail("--checkpoint %s: %s", A->opt.checkpoint, avgpipe_last_error(ctx));
+    return 0;
+}
+
+/* The iterations of epoch `epoch` from `first` on (a resumed run starts inside an epoch). */
+static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t first, epoch_stats *s) {
     int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, it;
     memset(s, 0, sizeof *s);
     memset(A->correct, 0, sizeof A->correct);
-    for (it = 0; it < iters; it++) {
+    for (it = first; it < iters; it++) {
         avgpipe_run_stats rs;
         avgpipe_result r = avgpipe_run_iteration(run, &rs);
         if (r != AVGPIPE_OK) {
@@ -691,6 +753,7 @@ static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, 
         if (iteration_stats(A, run, ctx, &rs, s) != 0) return -1;
         progress(A, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
         if (setup_stashes(A, run) != 0) return -1;
+        if (A->opt.checkpoint_every && avgpipe_run_iterations(run) % A->opt.checkpoint_every == 0 && checkpoint(A, run, ctx) != 0) return -1;
     }
     return 0;
 }
@@ -708,13 +771,18 @@ static int write_outputs(app *A, avgpipe_run *run, avgpipe_context *ctx) {
     return rc;
 }
 
+/* Train epochs (from where a resumed run left off) up to --stop-after or --epochs. */
 static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
     double total_s = 0, acc = -1;
     long long samples = 0;
-    int e;
-    for (e = 0; e < A->opt.epochs; e++) {
+    int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, done = avgpipe_run_iterations(run);
+    int e, first = (int)(done / iters), last = A->opt.stop_after ? A->opt.stop_after : A->opt.epochs;
+    if (done && A->me <= 0)
+        fprintf(stderr, PROG ": resumed from %s at iteration %lld (epoch %d, iteration %lld of %lld)\n", A->opt.resume, (long long)done,
+                first + 1, (long long)(done % iters), (long long)iters);
+    for (e = first; e < last; e++) {
         epoch_stats s;
-        if (run_epoch(A, run, ctx, e, &s) != 0) return -1;
+        if (run_epoch(A, run, ctx, e, e == first ? done % iters : 0, &s) != 0) return -1;
         total_s += s.seconds;
         samples += s.samples;
         acc = evaluate_reference(A, run, ctx);
@@ -722,8 +790,9 @@ static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
         if (A->me <= 0) fprintf(stderr, "  test acc %.4f\n", acc);
     }
     if (A->me <= 0)
-        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", A->opt.epochs, total_s,
+        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", last - first, total_s,
                total_s > 0 ? (double)samples / total_s : 0.0, acc);
+    if (checkpoint(A, run, ctx) != 0) return -1;
     return write_outputs(A, run, ctx);
 }
 
@@ -1086,6 +1155,10 @@ int main(int argc, char **argv) {
     r = avgpipe_run_create(&ctx, &desc, &run);
     if (r != AVGPIPE_OK) {
         fail("%s: %s", avgpipe_result_string(r), avgpipe_last_error(&ctx));
+        goto done;
+    }
+    if (A.opt.resume && avgpipe_run_load(run, A.opt.resume) != AVGPIPE_OK) {
+        fail("--resume %s: %s", A.opt.resume, avgpipe_last_error(&ctx));
         goto done;
     }
     if (setup_stashes(&A, run) != 0) goto done;

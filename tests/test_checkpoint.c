@@ -413,3 +413,45 @@ Test(checkpoint, truncated_foreign_missing_and_mismatched_are_refused) {
     avgpipe_run_destroy(run);
     remove_dir(dir);
 }
+
+/* ---- the main job ----------------------------------------------------------------------------- */
+
+static const char *env(const char *name) {
+    const char *v = getenv(name);
+    return v ? v : "";
+}
+
+/* fashion_mnist 2 epochs in one go, and 1 epoch + checkpoint + a new process that resumes for the
+   second: cmp-identical saved parameters (deterministic mode; a subset of the training set). */
+static void main_job_resume(const char *schedule, int pipes) {
+    char dir[256], a[300], b[300], cmd[2048];
+    const char *fm = env("AVGPIPE_FMNIST");
+    struct stat st;
+    char data[1024];
+    snprintf(data, sizeof data, "%s/train-images-idx3-ubyte.gz", env("AVGPIPE_FMNIST_DATA"));
+    if (!fm[0] || stat(data, &st) != 0) cr_skip_test("no Fashion-MNIST build or data");
+    fresh_dir(dir, sizeof dir, schedule);
+    snprintf(a, sizeof a, "%s/straight.bin", dir);
+    snprintf(b, sizeof b, "%s/resumed.bin", dir);
+#define FLAGS "--epochs 2 --micro 4 --pipes %d --schedule %s --deterministic --limit-train 8192 --rounds 2 >/dev/null 2>&1"
+    snprintf(cmd, sizeof cmd, "timeout 120 %s " FLAGS " --save %s", fm, pipes, schedule, a);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    snprintf(cmd, sizeof cmd, "timeout 120 %s " FLAGS " --stop-after 1 --checkpoint %s/ck", fm, pipes, schedule, dir);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    snprintf(cmd, sizeof cmd, "timeout 120 %s " FLAGS " --resume %s/ck --save %s", fm, pipes, schedule, dir, b);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+#undef FLAGS
+    snprintf(cmd, sizeof cmd, "cmp %s %s", a, b);
+    cr_assert_eq(system(cmd), 0, "%s, N = %d: the resumed run's parameters differ from the uninterrupted run's", schedule, pipes);
+    remove_dir(dir);
+}
+Test(checkpoint, main_job_resume_afab_n1, .timeout = 300) { main_job_resume("afab", 1); }
+Test(checkpoint, main_job_resume_afab_n2, .timeout = 300) { main_job_resume("afab", 2); }
+Test(checkpoint, main_job_resume_1f1b_n1, .timeout = 300) { main_job_resume("1f1b", 1); }
+Test(checkpoint, main_job_resume_1f1b_n2, .timeout = 300) { main_job_resume("1f1b", 2); }
+Test(checkpoint, main_job_resume_advance_n1, .timeout = 300) { main_job_resume("advance", 1); }
+Test(checkpoint, main_job_resume_advance_n2, .timeout = 300) { main_job_resume("advance", 2); }
+Test(checkpoint, main_job_resume_interleaved_n1, .timeout = 300) { main_job_resume("interleaved", 1); }
+Test(checkpoint, main_job_resume_interleaved_n2, .timeout = 300) { main_job_resume("interleaved", 2); }
+Test(checkpoint, main_job_resume_zbh1_n1, .timeout = 300) { main_job_resume("zbh1", 1); }
+Test(checkpoint, main_job_resume_zbh1_n2, .timeout = 300) { main_job_resume("zbh1", 2); }

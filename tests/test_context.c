@@ -156,6 +156,14 @@ Test(context, defaults_and_query) {
     free(c);
 }
 
+Test(context, version_at_run_time) {
+    char want[32];
+    snprintf(want, sizeof want, "%d.%d.%d", AVGPIPE_VERSION_MAJOR, AVGPIPE_VERSION_MINOR, AVGPIPE_VERSION_PATCH);
+    cr_assert_str_eq(avgpipe_version(), want);
+    cr_assert_str_eq(avgpipe_version(), AVGPIPE_VERSION_STRING);
+    cr_assert_eq(avgpipe_version_number(), AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH);
+}
+
 Test(context, result_strings_nonempty_and_distinct) {
 #define LIST_CODE(name, value, text) name,
     static const avgpipe_result codes[] = {AVGPIPE_RESULT_LIST(LIST_CODE)};
