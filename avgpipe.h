@@ -6727,15 +6727,20 @@ static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profi
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const avgpipe__kv *kv, int n,
-                                             int line) {
+/* "stage <g> key=value ...": the index is the word [idx, idx_end), parsed within it (the text need not
+   be NUL-terminated, and a missing index must not be taken from the next line). */
+static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line) {
     avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
     double pf, ab;
-    char *e;
-    long g = strtol(idx, &e, 10);
+    const char *e = idx;
+    int g = -1;
+    char q[48];
     if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' before any 'shape' line", line);
-    if (e == idx || (*e && !avgpipe__is_space(*e)) || g < 0 || g >= sec->nstages)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index out of range 0..%d", line, sec->nstages - 1);
+    if (idx == idx_end) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' needs a stage index", line);
+    if (!avgpipe__parse_int(&e, idx_end, &g) || e != idx_end || g >= sec->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index '%s' is not a number in 0..%d", line,
+                             avgpipe__quote(idx, (size_t)(idx_end - idx), q, sizeof q), sec->nstages - 1);
     if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, &pf) || !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, &ab))
         return AVGPIPE_PARSE_ERROR;
     sec->param_floats[g] = pf;
@@ -6813,7 +6818,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             while (w < e && !avgpipe__is_space(*w)) w++;
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_stage(ctx, out, idx, kv, n, line);
+                      : avgpipe__profile_stage(ctx, out, idx, w, kv, n, line);
         } else if ((size_t)(w - p) == 2 && memcmp(p, "op", 2) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))

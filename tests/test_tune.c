@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include "tests/guard.h"
 
 static int has(const char *msg, const char *part) { return strstr(msg, part) != NULL; }
 
@@ -768,6 +769,34 @@ Test(parse, structural_errors) {
     free(t);
     cr_expect_eq(avgpipe_profile_parse(&ctx, NULL, 0, &p), AVGPIPE_INVALID_ARG);
     cr_expect_eq(avgpipe_profile_load(&ctx, "/nonexistent/avgpipe.prof", &p), AVGPIPE_IO_ERROR);
+}
+
+/* The parser keeps to (text, len). The probe's 26 bytes "# avgpipe profile v1\nstage", with no NUL after
+   them, made strtol read past the end (ASan: heap-buffer-overflow): here every prefix of a good profile
+   ends at an unreadable page, so such a read crashes the test. A 'stage' line without its index took
+   the index from the next line. */
+Test(parse, keeps_to_its_length) {
+    static const char probe[] = "# avgpipe profile v1\nstage";
+    size_t n, len = strlen(GOOD);
+    for (n = 0; n <= len; n++) {
+        guarded g = guarded_copy(GOOD, n);
+        avgpipe_context ctx;
+        avgpipe_profile p;
+        avgpipe_result r;
+        avgpipe_context_init(&ctx, NULL);
+        r = avgpipe_profile_parse(&ctx, g.text, n, &p);
+        cr_expect(r == AVGPIPE_OK || r == AVGPIPE_PARSE_ERROR, "prefix of %zu bytes: %s", n, avgpipe_result_string(r));
+        if (r == AVGPIPE_OK) avgpipe_profile_free(&ctx, &p);
+        guarded_free(&g);
+    }
+    {
+        guarded g = guarded_copy(probe, sizeof probe - 1);
+        expect_parse_error(g.text, sizeof probe - 1, "line 2", "shape", "the probe's 26 bytes");
+        guarded_free(&g);
+    }
+    expect_line_error(3, "stage", "stage index", "a bare stage line");
+    expect_line_error(3, "stage x0 param_floats=16 act_bytes=256", "stage index", "a stage index that is no number");
+    expect_line_error(3, "stage 0x param_floats=16 act_bytes=256", "stage index", "trailing characters after the index");
 }
 
 /* The shape's counts are bounded ("and sane"), so that a few bytes of text cannot make the fit allocate
