@@ -1161,9 +1161,13 @@ typedef struct avgpipe_profile {
     avgpipe_profile_op *ops;
 } avgpipe_profile;
 
-/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write). Errors
-   (AVGPIPE_PARSE_ERROR) name the line and the field: missing fields, unknown kinds, negative or
-   non-numeric values, end before start, an op before any shape line. */
+/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write; len bytes,
+   need not be NUL-terminated). Errors (AVGPIPE_PARSE_ERROR) name the line and the field: missing
+   fields, unknown kinds, negative or non-numeric values, end before start, an op before any shape
+   line, and values no real profile holds (so that the tuner's arithmetic stays exact and every
+   conversion to an integer is in range): bytes (act_bytes, bytes) at most 2^50 (1 PiB), param_floats
+   at most 2^48 (2^50 bytes as fp32), times (start, end, seconds) at most 1e6 s, samples in
+   (0, INT_MAX]; the shape's counts as each field's message says. */
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out);
 #ifndef AVGPIPE_NO_STDIO
 AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out);
@@ -6659,8 +6663,16 @@ static const char *avgpipe__kv_get(const avgpipe__kv *kv, int n, const char *key
     return NULL;
 }
 
-/* A finite number >= 0 from field `key`; 0 = missing or bad (the message says which). */
-static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double *out) {
+/* Bounds of a profile's values: generous for any real run, small enough that the tuner's sums stay
+   exact in double and its conversions to size_t and int are in range. */
+#define AVGPIPE__PROFILE_MAX_BYTES 1125899906842624.0 /* 2^50 */
+#define AVGPIPE__PROFILE_MAX_FLOATS 281474976710656.0 /* 2^48: 2^50 bytes as fp32 */
+#define AVGPIPE__PROFILE_MAX_SECONDS 1e6
+#define AVGPIPE__PROFILE_MAX_SAMPLES 2147483647.0     /* INT_MAX */
+
+/* A number in [0, hi] from field `key`; 0 = missing or bad (the message says which). kv values are
+   the parser's own NUL-terminated copies, so strtod stays inside them. */
+static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double hi, double *out) {
     const char *v = avgpipe__kv_get(kv, n, key);
     char *e;
     double x;
@@ -6669,8 +6681,8 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
         return 0;
     }
     x = strtod(v, &e);
-    if (e == v || *e || !(x >= 0) || x > 1e300) {
-        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number >= 0, got '%s'", line, key, v);
+    if (e == v || *e || !(x >= 0 && x <= hi)) {
+        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number from 0 to %.16g, got '%s'", line, key, hi, v);
         return 0;
     }
     *out = x;
@@ -6679,7 +6691,7 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
 
 /* An integer field in [lo, hi]. */
 static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double lo, double hi, double *out) {
-    if (!avgpipe__kv_num(ctx, kv, n, key, line, out)) return 0;
+    if (!avgpipe__kv_num(ctx, kv, n, key, line, 1e300, out)) return 0;
     if (*out != floor(*out) || *out < lo || *out > hi) {
         avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a whole number in %.0f..%.0f, got '%s'", line, key,
                       lo, hi, avgpipe__kv_get(kv, n, key));
@@ -6691,14 +6703,15 @@ static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
 static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
     avgpipe_profile_section *sec, *ns;
     double v[9];
-    static const char *const keys[9] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous", "samples", "seconds"};
+    static const char *const keys[7] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous"};
     const char *kind = avgpipe__kv_get(kv, n, "kind");
     int i;
     static const double lo[7] = {1, 1, 1, 1, 1, 0, 0}, hi[7] = {AVGPIPE__MAX_STAGES, 64, 1e6, 32767, 1e6, 1e9, 1};
     for (i = 0; i < 7; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, lo[i], hi[i], &v[i])) return AVGPIPE_PARSE_ERROR;
-    for (i = 7; i < 9; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+    if (!avgpipe__kv_num(ctx, kv, n, "samples", line, AVGPIPE__PROFILE_MAX_SAMPLES, &v[7]) ||
+        !avgpipe__kv_num(ctx, kv, n, "seconds", line, AVGPIPE__PROFILE_MAX_SECONDS, &v[8]))
+        return AVGPIPE_PARSE_ERROR;
     if (v[7] <= 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'samples' must be > 0", line);
     if (v[0] * v[1] > AVGPIPE__MAX_STAGES || v[0] * v[1] * v[2] * v[3] * v[4] > 5e7)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
@@ -6741,7 +6754,8 @@ static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profi
     if (!avgpipe__parse_int(&e, idx_end, &g) || e != idx_end || g >= sec->nstages)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index '%s' is not a number in 0..%d", line,
                              avgpipe__quote(idx, (size_t)(idx_end - idx), q, sizeof q), sec->nstages - 1);
-    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, &pf) || !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, &ab))
+    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, AVGPIPE__PROFILE_MAX_FLOATS, &pf) ||
+        !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, AVGPIPE__PROFILE_MAX_BYTES, &ab))
         return AVGPIPE_PARSE_ERROR;
     sec->param_floats[g] = pf;
     sec->act_bytes[g] = ab;
@@ -6759,7 +6773,8 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
     for (i = 0; i < 4; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, 0, 2e9, &v[i])) return AVGPIPE_PARSE_ERROR;
     for (i = 4; i < 7; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, i < 6 ? AVGPIPE__PROFILE_MAX_SECONDS : AVGPIPE__PROFILE_MAX_BYTES, &v[i]))
+            return AVGPIPE_PARSE_ERROR;
     for (i = 1; kind && i < AVGPIPE_OP_KIND_COUNT; i++)
         if (strcmp(kind, avgpipe__op_names[i]) == 0) k = i;
     if (k < 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'kind' missing or unknown", line);
@@ -7052,19 +7067,43 @@ static int avgpipe__cmp_candidate(const void *x, const void *y) {
     return a->sched.advance - b->sched.advance;
 }
 
+/* The sizes the memory model converts to size_t must be in range first (a model is plain data the
+   caller may have filled in): parameters and activation bytes per sample finite, within the
+   profile's bounds. */
+static avgpipe_result avgpipe__model_check(avgpipe_context *ctx, const avgpipe_cost_model *m) {
+    int g;
+    if (m->nstages < 1 || m->nstages > AVGPIPE__MAX_STAGES || !m->a || !m->b || !m->param_floats || !m->act_bytes_per_sample)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: %d stages (1..%d) or a table missing", m->nstages, AVGPIPE__MAX_STAGES);
+    for (g = 0; g < m->nstages; g++) {
+        if (!(m->param_floats[g] >= 0 && m->param_floats[g] <= AVGPIPE__PROFILE_MAX_FLOATS))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: stage %d: param_floats %g is not a number from 0 to 2^48", g,
+                                 m->param_floats[g]);
+        if (!(m->act_bytes_per_sample[g] >= 0 && m->act_bytes_per_sample[g] <= AVGPIPE__PROFILE_MAX_BYTES))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: stage %d: act_bytes_per_sample %g is not a number from 0 to 2^50",
+                                 g, m->act_bytes_per_sample[g]);
+    }
+    return AVGPIPE_OK;
+}
+
 /* Predict one candidate: time by simulation, memory by the runtime's planner. */
 static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
                                          avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem) {
     avgpipe_run_desc rd;
     avgpipe_result res;
     int g, r, S = c->sched.stages;
+    for (g = 0; g < m->nstages; g++) { /* checked before the conversion: an out-of-range double -> size_t is undefined */
+        double ab = m->act_bytes_per_sample[g] * c->samples + 0.5;
+        if (!(ab <= AVGPIPE__PROFILE_MAX_BYTES))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                                 "tune: stage %d: %.4g activation bytes per micro-batch of %g samples (act_bytes_per_sample %g) is over "
+                                 "2^50 bytes",
+                                 g, ab, c->samples, m->act_bytes_per_sample[g]);
+        act[g] = (size_t)ab;
+        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1; /* in range: avgpipe__model_check */
+    }
     res = avgpipe_tune_predict(ctx, m, &c->sched, c->samples, &c->seconds);
     if (res) return res;
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
-    for (g = 0; g < m->nstages; g++) {
-        act[g] = (size_t)(m->act_bytes_per_sample[g] * c->samples + 0.5);
-        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1;
-    }
     memset(&rd, 0, sizeof rd);
     rd.sched = c->sched;
     rd.act_bytes = act;
@@ -7102,6 +7141,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     if (!td.min_micro) td.min_micro = 1;
     kinds = td.kinds ? td.kinds
                      : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
+    if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
     S = m->nstages; /* one stage partition per rank */
     act = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
     pcount = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
@@ -7114,7 +7154,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
             for (M = 1; M <= td.batch && !res; M++) {
                 if (td.batch % M || td.batch / M < td.min_micro) continue;
                 for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
-                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : (N * M - 1) * (S > 1 ? S - 1 : 1);
+                    long long kfull = ((long long)N * M - 1) * (S > 1 ? S - 1 : 1); /* in long long: N, M, S are the caller's */
+                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : kfull < INT_MAX ? (int)kfull : INT_MAX - 1;
                     int r, same;
                     for (K = kind == AVGPIPE_SCHED_ADVANCE ? 1 : 0; K <= kmax && !res; K++) {
                         avgpipe_tune_candidate c;

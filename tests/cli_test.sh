@@ -311,6 +311,7 @@ broken "no header" "line 1" '1d'
 broken "op before shape" "line 2: 'op' before any 'shape' line" '2,4d'
 broken "nan" "line 5" '5s/start=[^ ]*/start=nan/'
 broken "huge shape" "whole number in 1..1000000" '2s/micro=8/micro=1000000000/'
+broken "activations beyond 2^50 bytes" "line 3: field 'act_bytes' needs a number from 0 to 1125899906842624" '3s/act_bytes=[^ ]*/act_bytes=1e30/'
 printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.prof"
 usage_error "tune binary garbage" "line 1" tune --profile "$TMP/garbage.prof" --batch 32 --mem-limit 1M
 : >"$TMP/empty.prof"

@@ -657,6 +657,48 @@ Test(search, bad_descriptions) {
     avgpipe_cost_model_free(&ctx, &m);
 }
 
+/* A model no profile can produce: the search used to convert act_bytes_per_sample x samples (1e30 bytes)
+   to size_t, undefined behaviour that on x86-64 came out as a few KiB, and ranked the setting as fitting
+   a 1 MiB limit. Out-of-range values are refused before any conversion, naming the field. */
+Test(search, out_of_range_models_are_refused) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL;
+    int n = -1;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 32;
+    td.max_pipes = 1;
+    td.mem_limit = 1 << 20;
+    m.act_bytes_per_sample[0] = 1e30 / 8;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "act_bytes 1e30: %s (%d candidates, the best fits: %d)",
+                 avgpipe_last_error(&ctx), n, n > 0 ? c[0].fits : -1);
+    cr_expect(has(avgpipe_last_error(&ctx), "act_bytes_per_sample") && has(avgpipe_last_error(&ctx), "stage 0"), "%s",
+              avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    c = NULL;
+    m.act_bytes_per_sample[0] = 64;
+    m.param_floats[1] = 1e30;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "param_floats 1e30: %s", avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), "param_floats") && has(avgpipe_last_error(&ctx), "stage 1"), "%s", avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    c = NULL;
+    m.param_floats[1] = NAN;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "param_floats NaN: %s", avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    c = NULL;
+    /* in range, but over 2^50 bytes once a micro-batch holds the whole batch of 32 samples */
+    m.param_floats[1] = 1000;
+    m.act_bytes_per_sample[0] = 1125899906842624.0 / 4;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "2^48 bytes per sample: %s", avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), "stage 0"), "%s", avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
 /* ---- the parser --------------------------------------------------------------------------------- */
 
 static const char *GOOD =
@@ -797,6 +839,28 @@ Test(parse, keeps_to_its_length) {
     expect_line_error(3, "stage", "stage index", "a bare stage line");
     expect_line_error(3, "stage x0 param_floats=16 act_bytes=256", "stage index", "a stage index that is no number");
     expect_line_error(3, "stage 0x param_floats=16 act_bytes=256", "stage index", "trailing characters after the index");
+}
+
+/* Values no real profile holds are refused at parse time (documented at avgpipe_profile_parse): bytes up
+   to 2^50, parameters up to 2^48, times up to 1e6 s, samples up to INT_MAX. The probe's act_bytes=1e30
+   was accepted (anything up to 1e300 was). */
+Test(parse, values_beyond_a_real_profile_are_refused) {
+    expect_line_error(3, "stage 0 param_floats=16 act_bytes=1e30 slots=2", "act_bytes", "act_bytes 1e30");
+    expect_line_error(3, "stage 0 param_floats=16 act_bytes=1125899906842625 slots=2", "act_bytes", "act_bytes 2^50 + 1");
+    expect_line_error(3, "stage 0 param_floats=1e15 act_bytes=256 slots=2", "param_floats", "param_floats 1e15");
+    expect_line_error(6, "op rank=1 kind=RECV_F pipe=0 stage=1 micro=0 start=0 end=0.001 bytes=1e300", "bytes", "bytes 1e300");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0.1 end=2e6 bytes=0", "end", "end 2e6 s");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=8 seconds=1e7",
+                      "seconds", "seconds 1e7");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=3e9 seconds=0.01",
+                      "samples", "samples 3e9");
+    {   /* the bounds themselves are accepted */
+        char *t = edit_line(3, "stage 0 param_floats=281474976710656 act_bytes=1125899906842624 slots=2");
+        avgpipe_profile p;
+        cr_expect_eq(avgpipe_profile_parse(NULL, t, strlen(t), &p), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        avgpipe_profile_free(NULL, &p);
+        free(t);
+    }
 }
 
 /* The shape's counts are bounded ("and sane"), so that a few bytes of text cannot make the fit allocate
