@@ -6901,47 +6901,77 @@ static int avgpipe__cmp_dbl(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+/* A producer's end time, found by (section's pipeline, stage, micro-batch, forward or backward):
+   sorted keys, so the fit's memory follows the ops a profile holds, not the cells its shape names. */
+typedef struct avgpipe__prod {
+    long long key;
+    size_t ix; /* position in the profile: of equal keys the last one counts */
+    double end;
+} avgpipe__prod;
+
+static int avgpipe__cmp_prod(const void *x, const void *y) {
+    const avgpipe__prod *a = (const avgpipe__prod *)x, *b = (const avgpipe__prod *)y;
+    if (a->key != b->key) return a->key < b->key ? -1 : 1;
+    return (a->ix > b->ix) - (a->ix < b->ix);
+}
+
+/* The parser keeps pipe, stage and micro inside the section's shape (at most 5e7 cells): no overflow. */
+static long long avgpipe__prod_key(const avgpipe_profile_section *sec, int pipe, int stage, int micro, int backward) {
+    long long U = (long long)sec->shape.micro * sec->shape.rounds;
+    return ((((long long)pipe * sec->nstages + stage) * U + micro) << 1) | backward;
+}
+
+/* End of the last producer with `key` in sorted v[0..n-1], or -1. */
+static double avgpipe__prod_end(const avgpipe__prod *v, size_t n, long long key) {
+    size_t lo = 0, hi = n; /* first element with a larger key */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (v[mid].key <= key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo > 0 && v[lo - 1].key == key ? v[lo - 1].end : -1;
+}
+
 /* Transfer latency: median over the receive waits that blocked of (wait end - producer end). */
 static avgpipe_result avgpipe__fit_latency(avgpipe_context *ctx, const avgpipe_profile *p, double *latency) {
     int s;
-    double *d = NULL;
+    double *d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
+    avgpipe__prod *v = (avgpipe__prod *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(avgpipe__prod));
     size_t nd = 0, i;
     *latency = 0;
-    d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
-    if (!d) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    if (!d || !v) {
+        avgpipe_free(ctx, d);
+        avgpipe_free(ctx, v);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    }
     for (s = 0; s < p->nsections; s++) {
         const avgpipe_profile_section *sec = &p->sections[s];
-        size_t U = (size_t)sec->shape.micro * sec->shape.rounds, cells = (size_t)sec->shape.pipes * sec->nstages * U, c;
-        double *fend = (double *)avgpipe_alloc(ctx, 2 * cells * sizeof(double)), *bend;
-        if (!fend) {
-            avgpipe_free(ctx, d);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
-        }
-        bend = fend + cells;
-        for (c = 0; c < 2 * cells; c++) fend[c] = -1;
+        size_t nv = 0;
         for (i = 0; i < p->nops; i++) {
             const avgpipe_profile_op *o = &p->ops[i];
-            size_t ix = ((size_t)o->pipe * sec->nstages + (size_t)o->stage) * U + (size_t)o->micro;
-            if (o->section != s || (size_t)o->micro >= U) continue;
-            if (o->kind == AVGPIPE_OP_F) fend[ix] = o->end;
-            if (o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I) bend[ix] = o->end;
+            int back = o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I;
+            if (o->section != s || (o->kind != AVGPIPE_OP_F && !back)) continue;
+            v[nv].key = avgpipe__prod_key(sec, o->pipe, o->stage, o->micro, back);
+            v[nv].ix = i;
+            v[nv++].end = o->end;
         }
+        qsort(v, nv, sizeof *v, avgpipe__cmp_prod);
         for (i = 0; i < p->nops; i++) {
             const avgpipe_profile_op *o = &p->ops[i];
-            int g2 = o->stage + (o->kind == AVGPIPE_OP_RECV_F ? -1 : 1);
+            int fwd = o->kind == AVGPIPE_OP_RECV_F, g2 = o->stage + (fwd ? -1 : 1);
             double prod;
-            if (o->section != s || (o->kind != AVGPIPE_OP_RECV_F && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
-            if (g2 < 0 || g2 >= sec->nstages || (size_t)o->micro >= U) continue;
-            prod = (o->kind == AVGPIPE_OP_RECV_F ? fend : bend)[((size_t)o->pipe * sec->nstages + (size_t)g2) * U + (size_t)o->micro];
+            if (o->section != s || (!fwd && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
+            if (g2 < 0 || g2 >= sec->nstages) continue;
+            prod = avgpipe__prod_end(v, nv, avgpipe__prod_key(sec, o->pipe, g2, o->micro, !fwd));
             if (prod >= 0 && o->end >= prod) d[nd++] = o->end - prod;
         }
-        avgpipe_free(ctx, fend);
     }
     if (nd) {
         qsort(d, nd, sizeof *d, avgpipe__cmp_dbl);
         *latency = d[nd / 2];
     }
     avgpipe_free(ctx, d);
+    avgpipe_free(ctx, v);
     return AVGPIPE_OK;
 }
 

@@ -699,6 +699,40 @@ Test(search, out_of_range_models_are_refused) {
     avgpipe_cost_model_free(&ctx, &m);
 }
 
+/* An allocator that refuses any block over 16 MiB. */
+static void *capped_alloc(size_t n, void *user) {
+    (void)user;
+    return n > ((size_t)16 << 20) ? NULL : malloc(n);
+}
+static void capped_free(void *p, void *user) {
+    (void)user;
+    free(p);
+}
+
+/* The fit's memory follows the ops a profile holds, not the cells its shape line names: a shape of 50
+   pipelines x 10^6 micro-batches (in bounds) with one op made the latency fit allocate 800 MB. */
+Test(search, fit_memory_follows_the_ops) {
+    static const char text[] = "# avgpipe profile v1\n"
+                               "shape kind=1f1b stages=2 chunks=1 micro=500000 pipes=50 rounds=1 advance=0 continuous=0 samples=1 seconds=1\n"
+                               "stage 0 param_floats=1 act_bytes=1 slots=1\n"
+                               "stage 1 param_floats=1 act_bytes=0 slots=1\n"
+                               "op rank=0 kind=F pipe=49 stage=0 micro=499999 start=0 end=0.5 bytes=0\n"
+                               "op rank=1 kind=RECV_F pipe=49 stage=1 micro=499999 start=0 end=0.75 bytes=1\n";
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = capped_alloc;
+    cd.allocator.free = capped_free;
+    cr_assert_eq(avgpipe_context_init(&ctx, &cd), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, text, sizeof text - 1, &p), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(m.latency, 0.25), "latency %g: the RECV_F waited 0.25 s after its forward", m.latency);
+    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_profile_free(&ctx, &p);
+}
+
 /* ---- the parser --------------------------------------------------------------------------------- */
 
 static const char *GOOD =
