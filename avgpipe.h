@@ -338,10 +338,13 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
      - STEP and AVG actions: "<stage>STEP<round>", "<stage>AVG<round>";
      - a first line "# avgpipe kind=advance stages=4 chunks=1 micro=8 pipes=2 rounds=3 advance=2
        continuous=1" carries the shape; other lines starting with '#' are comments.
+   Blank lines at the end of the text are not ranks, except as many as the header's stages count
+   still needs; a blank line followed by a comment is a rank (with one idle slot).
    The exporter writes the header line and the extension only when the schedule needs them (more
-   than one pipeline or round, STEP/AVG ops, or a generator's shape), so a PyTorch file exports back
-   byte-identical. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file PyTorch reads
-   (an error when N > 1). */
+   than one pipeline or round, STEP/AVG ops, a generator's shape, or an empty last rank, whose blank
+   line only the header's rank count keeps), so a PyTorch file exports back byte-identical and export
+   -> import -> export gives the same text for every schedule import accepts. AVGPIPE_TEXT_TORCH
+   drops STEP/AVG and the header to produce a file PyTorch reads (an error when N > 1). */
 #define AVGPIPE_TEXT_TORCH 1u
 
 AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgpipe_schedule *s,
@@ -1701,8 +1704,11 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
 /* ---- export ---- */
 
 static int avgpipe__needs_ext(const avgpipe_schedule *s) {
-    int r, i;
+    int r, i, last = s->nranks - 1;
     if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
+    /* An empty last rank line reads back as a blank line at the end of the file, which import drops
+       (editors add them) unless the header's stage count says it is a rank. */
+    if (last >= 0 && (s->len[last] == 0 || (s->len[last] == 1 && s->ops[last][0].kind == AVGPIPE_OP_IDLE))) return 1;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             int k = s->ops[r][i].kind;
@@ -1975,24 +1981,57 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
     return AVGPIPE_OK;
 }
 
+static const char avgpipe__header_tag[] = "# avgpipe ";
+
+/* Rank lines (not comments) in [p, end); a final newline does not start a line. */
+static int avgpipe__count_rank_lines(const char *p, const char *end) {
+    int n = 0;
+    while (p < end) {
+        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
+        if (!e) e = end;
+        if (*p != '#' && n < INT_MAX) n++;
+        p = e + 1;
+    }
+    return n;
+}
+
+/* The end of the text that holds ranks. Blank lines at the end are not ranks (editors add them; one
+   final newline is kept), except as many as a header's stage count still needs: an exported schedule
+   whose last ranks are empty ends in empty lines, and writes the header for them. */
+static const char *avgpipe__ranks_end(const char *text, size_t len, int have_header, int stages, int *nlines) {
+    const char *full = text + len, *end = full;
+    int open;
+    while (end > text && (end[-1] == '\n' || end[-1] == '\r') && (end - 1 == text || end[-2] == '\n' || end[-2] == '\r')) end--;
+    *nlines = avgpipe__count_rank_lines(text, end);
+    open = end > text && end[-1] != '\n'; /* the next newline only ends the last line */
+    while (have_header && *nlines < stages && end < full) {
+        const char *nl = (const char *)memchr(end, '\n', (size_t)(full - end));
+        if (!nl) break;
+        end = nl + 1;
+        if (open) open = 0;
+        else ++*nlines;
+    }
+    return end;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len, avgpipe_schedule *out) {
     const char *p, *end;
     int nlines = 0, line = 0, r = 0, have_header = 0;
+    size_t taglen = sizeof avgpipe__header_tag - 1;
     avgpipe_sched_desc sh;
     avgpipe_result res;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_import: NULL argument");
     memset(out, 0, sizeof *out);
     memset(&sh, 0, sizeof sh);
-    end = text + len;
-    while (end > text && (end[-1] == '\n' || end[-1] == '\r') && (end - 1 == text || end[-2] == '\n' || end[-2] == '\r'))
-        end--; /* blank lines at the end are not ranks (one final newline is kept) */
-    /* count rank lines (non-comment); a final newline does not start a line */
-    for (p = text; p < end;) {
-        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
-        if (!e) e = end;
-        if (*p != '#') nlines++;
-        p = e + 1;
+    if (len >= taglen && memcmp(text, avgpipe__header_tag, taglen) == 0) { /* first: its stage count says which lines are ranks */
+        const char *e = (const char *)memchr(text, '\n', len);
+        if (!e) e = text + len;
+        if (e > text && e[-1] == '\r') e--;
+        res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh);
+        if (res) return res;
+        have_header = 1;
     }
+    end = avgpipe__ranks_end(text, len, have_header, sh.stages, &nlines);
     if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
     if (nlines > 65536) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most 65536)", nlines);
     res = avgpipe_sched_init(ctx, out, nlines, NULL);
@@ -2003,16 +2042,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         line++;
         le = e;
         if (le > p && le[-1] == '\r') le--;
-        if (*p == '#') {
-            static const char tag[] = "# avgpipe ";
-            if ((size_t)(le - p) >= sizeof tag - 1 && memcmp(p, tag, sizeof tag - 1) == 0) {
-                if (line != 1) {
-                    res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
-                    goto fail;
-                }
-                res = avgpipe__parse_header(ctx, p + sizeof tag - 1, le, line, &sh);
-                if (res) goto fail;
-                have_header = 1;
+        if (*p == '#') { /* a comment, or the header (line 1: parsed above) */
+            if (line != 1 && (size_t)(le - p) >= taglen && memcmp(p, avgpipe__header_tag, taglen) == 0) {
+                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
+                goto fail;
             }
         } else {
             res = avgpipe__parse_line(ctx, p, le, line, out, r++);
