@@ -351,7 +351,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
                                                 unsigned flags, avgpipe_buf *out);
 /* Parse text (len bytes; need not be NUL-terminated). Errors name the line and the field. The
    shape is taken from the header line when present, else inferred: ranks = lines, stages = highest
-   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage). */
+   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage).
+   The generators' limits apply: at most 32767 stage partitions (ranks x chunks) and 32767
+   pipelines; a header's micro x rounds at most 1e9 and its stages x chunks x pipes x micro x rounds
+   at most 1.3e8. */
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len,
                                                 avgpipe_schedule *out);
 #ifndef AVGPIPE_NO_STDIO
@@ -429,7 +432,11 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
    resource serves its ops in a fixed order), so the result is exactly that of a discrete-event run.
    Zero fields mean: cost F 1, B 2, I 1, W 1, STEP/AVG/others 0; latency 0; bytes 0; bandwidth 0
    (= no bandwidth term); micro_size 1; act_bytes 0. cost[k] = AVGPIPE_ZERO: that kind costs exactly
-   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero). */
+   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero).
+   The simulator's tables hold one entry per (pipeline, stage, micro-batch) the schedule's numbers
+   span; a schedule that spans more than 8 of them per op it holds (numbered so sparsely that it
+   cannot be valid, and a few bytes of text could ask for gigabytes) is refused with
+   AVGPIPE_INVALID_SCHEDULE; so is it by avgpipe_sched_lower and avgpipe_sched_validate. */
 typedef struct avgpipe_sim_desc {
     double cost[AVGPIPE_OP_KIND_COUNT]; /* per kind, all stages; 0 -> default above, AVGPIPE_ZERO -> 0 */
     const double *stage_cost;   /* optional [stage * AVGPIPE_OP_KIND_COUNT + kind], overrides cost */
@@ -1504,6 +1511,23 @@ static double avgpipe__now(void) {
 
 /* --- 2. Schedule IR ---------------------------------------------------------------------------- */
 
+/* Limits of a schedule, for the generators (section 3) and for imported text alike: a schedule larger
+   than this is surely a mistake. */
+#define AVGPIPE__MAX_STAGES 32767          /* stage partitions S x V */
+#define AVGPIPE__MAX_PIPES 32767           /* parallel pipelines (avgpipe_op.pipe is 16 bits) */
+#define AVGPIPE__MAX_MICRO_ROUNDS 1e9      /* micro-batches x rounds */
+#define AVGPIPE__MAX_OPS 400000000LL
+/* The simulator, the lowering and the validator keep tables of one cell per (pipeline, stage,
+   micro-batch) that a schedule's numbers name. A valid schedule has at least one op per cell (its
+   forward); these tables may hold at most this many cells per op, plus a floor for small hand-made
+   schedules, so that a few bytes of text cannot ask for gigabytes. */
+#define AVGPIPE__CELLS_PER_OP 8
+#define AVGPIPE__CELLS_FLOOR 4096
+
+static int avgpipe__cells_ok(double cells, long long nops) {
+    return cells <= (double)AVGPIPE__CELLS_PER_OP * (double)nops + AVGPIPE__CELLS_FLOOR;
+}
+
 static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
     "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
     "UNSHARD", "RESHARD", "REDUCE_GRAD"};
@@ -1669,7 +1693,7 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep. */
 static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
-    long long U = 1;
+    long long U = 1, nops = 0;
     *npipes = 1;
     *nmicro = 1;
     for (r = 0; r < s->nranks; r++)
@@ -1677,6 +1701,7 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             const avgpipe_op *op = &s->ops[r][i];
             char txt[64];
             if (op->kind == AVGPIPE_OP_IDLE) continue;
+            nops++;
             if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
                 op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
                 avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
@@ -1696,6 +1721,11 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
     if ((long long)N * s->nstages * U > 200000000LL)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
                              N, s->nstages, U);
+    if (!avgpipe__cells_ok((double)N * s->nstages * (double)U, nops))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE,
+                             "schedule numbered too sparsely to simulate: %d pipelines x %d stages x %lld micro-batches = %.4g cells for "
+                             "%lld ops (at most %d cells per op)",
+                             N, s->nstages, U, (double)N * s->nstages * (double)U, nops, AVGPIPE__CELLS_PER_OP);
     *npipes = N;
     *nmicro = U;
     return AVGPIPE_OK;
@@ -1793,8 +1823,8 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
     }
     if (p < end && *p == ':') {
         p++;
-        if (a > 32767) {
-            *why = "pipeline number too large";
+        if (a >= AVGPIPE__MAX_PIPES) {
+            *why = "pipeline number too large (at most 32767 pipelines)";
             return 0;
         }
         op->pipe = (int16_t)a;
@@ -1802,6 +1832,10 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
             *why = "expected a stage number after the pipeline";
             return 0;
         }
+    }
+    if (a >= AVGPIPE__MAX_STAGES) {
+        *why = "stage number too large (at most 32767 stage partitions)";
+        return 0;
     }
     op->stage = a;
     for (k = 1; k < AVGPIPE_OP_KIND_COUNT; k++) { /* longest match: SEND_F before F, etc. */
@@ -1940,6 +1974,22 @@ static avgpipe_result avgpipe__parse_line(avgpipe_context *ctx, const char *p, c
     return AVGPIPE_OK;
 }
 
+/* The generators' limits, for a header's shape (zero counts are refused later, naming them). */
+static avgpipe_result avgpipe__header_limits(avgpipe_context *ctx, const avgpipe_sched_desc *sh) {
+    double V = sh->chunks > 1 ? sh->chunks : 1, G = (double)sh->stages * V;
+    double total = G * (sh->pipes > 1 ? sh->pipes : 1) * (sh->micro > 1 ? sh->micro : 1) * (sh->rounds > 1 ? sh->rounds : 1);
+    if (G > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: stages x chunks = %.0f, at most %d", G, AVGPIPE__MAX_STAGES);
+    if (sh->pipes > AVGPIPE__MAX_PIPES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: pipes = %d, at most %d", sh->pipes, AVGPIPE__MAX_PIPES);
+    if ((double)sh->micro * sh->rounds > AVGPIPE__MAX_MICRO_ROUNDS)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: micro x rounds = %.4g, at most %.0g", (double)sh->micro * sh->rounds,
+                             AVGPIPE__MAX_MICRO_ROUNDS);
+    if (total * 3 > (double)AVGPIPE__MAX_OPS)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: stages x chunks x pipes x micro x rounds = %.4g is too large", total);
+    return AVGPIPE_OK;
+}
+
 /* Infer what the header did not say. */
 static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
     int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1;
@@ -1974,6 +2024,9 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says pipes=%d but an action names pipeline %d",
                                  s->shape.pipes, maxpipe);
     }
+    if ((long long)s->nranks * s->shape.chunks > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%d rank lines x %d chunks (stage %d) = %lld stage partitions, at most %d", s->nranks,
+                             s->shape.chunks, maxstage, (long long)s->nranks * s->shape.chunks, AVGPIPE__MAX_STAGES);
     s->nstages = s->nranks * s->shape.chunks;
     if (maxstage >= s->nstages)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "an action names stage %d but %d ranks x %d chunks hold %d stages",
@@ -2028,12 +2081,14 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         if (!e) e = text + len;
         if (e > text && e[-1] == '\r') e--;
         res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh);
+        if (!res) res = avgpipe__header_limits(ctx, &sh);
         if (res) return res;
         have_header = 1;
     }
     end = avgpipe__ranks_end(text, len, have_header, sh.stages, &nlines);
     if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
-    if (nlines > 65536) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most 65536)", nlines);
+    if (nlines > AVGPIPE__MAX_STAGES) /* a rank holds at least one stage partition */
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most %d)", nlines, AVGPIPE__MAX_STAGES);
     res = avgpipe_sched_init(ctx, out, nlines, NULL);
     if (res) return res;
     for (p = text; p < end;) {
@@ -2127,9 +2182,6 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 
 /* --- 3. Generators ----------------------------------------------------------------------------- */
 
-#define AVGPIPE__MAX_STAGES 32767
-#define AVGPIPE__MAX_OPS 400000000LL /* a schedule larger than this is surely a mistake */
-
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out) {
     avgpipe_sched_desc d;
@@ -2158,11 +2210,11 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
                              d.stages);
-    if (d.pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most 32767 (got %d)", d.pipes);
+    if (d.pipes > AVGPIPE__MAX_PIPES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most %d (got %d)", AVGPIPE__MAX_PIPES, d.pipes);
     if ((long long)d.stages * d.chunks > AVGPIPE__MAX_STAGES)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: stages x chunks must be at most %d", AVGPIPE__MAX_STAGES);
     total = (double)d.stages * d.chunks * d.pipes * d.micro * d.rounds; /* in double: no overflow */
-    if (total * 3 > (double)AVGPIPE__MAX_OPS || (double)d.micro * d.rounds > 1e9)
+    if (total * 3 > (double)AVGPIPE__MAX_OPS || (double)d.micro * d.rounds > AVGPIPE__MAX_MICRO_ROUNDS)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: stages x chunks x pipes x micro x rounds = %.4g is too large", total);
     *out = d;
     return AVGPIPE_OK;
@@ -3410,7 +3462,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__vstate v;
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
-    int c;
+    long long nops = 0;
+    int c, i;
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -3431,6 +3484,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     cells = (size_t)v.N * v.G * v.M * v.R;
     if ((double)v.N * v.G * v.M * v.R > 4e8)
         return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
+    for (c = 0; c < v.S; c++)
+        for (i = 0; i < s->len[c]; i++) nops += s->ops[c][i].kind != AVGPIPE_OP_IDLE;
+    if (!avgpipe__cells_ok((double)v.N * v.G * v.M * v.R, nops)) /* not allocated for: some cell surely has no forward */
+        return avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
+                              "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
+                              "ops (missing forwards)",
+                              v.N, v.G, v.M, v.R, (double)v.N * v.G * v.M * v.R, nops);
     v.st = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     v.step = (uint8_t *)avgpipe__calloc(ctx, (size_t)v.N * v.G * v.R, 1);
     v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, 2 * (size_t)v.S, sizeof(avgpipe__msgs));

@@ -199,6 +199,12 @@ awk 'BEGIN { for (i = 0; i < 5000; i++) print "0F0" }' >"$TMP/ranks.csv"
 usage_error "validate 5000 ranks" "5000 ranks" validate "$TMP/ranks.csv"
 printf '0F99999999999\n' >"$TMP/huge.csv"
 usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"
+# Sparse numbering: one op of pipeline 5999 on stage 32766 asked the simulator for 6 GB; refused at once.
+printf '5999:32766F0\n' >"$TMP/sparse.csv"
+t "validate sparse numbering" 1 validate "$TMP/sparse.csv"
+has "validate sparse numbering" "$OUT" "missing forwards"
+printf '5:13333333F0\n' >"$TMP/farstage.csv"
+usage_error "validate stage over the limit" "stage number too large" validate "$TMP/farstage.csv"
 
 # ---- tune ------------------------------------------------------------------------------------------
 # A synthetic profile of S = 2 stages at two micro-batch sizes (4 and 8 samples): F takes 1000 + 1 x samples

@@ -364,6 +364,46 @@ Test(import, errors_without_a_line) {
     }
 }
 
+/* The generators' limits apply to imported text too (AVGPIPE__MAX_STAGES stage partitions, 32767
+   pipelines, micro x rounds <= 1e9, S x V x N x M x R x 3 ops <= 4e8): a 13-byte rank line naming stage
+   13333333 of pipeline 5 was accepted, and the simulator then allocated 2.5 GB for it. */
+Test(import, generator_limits_apply) {
+    static const bad_text bad[] = {
+        {"5:13333333F0\n", "line 1", "stage"},
+        {"0F0\n32767F0\n", "line 2", "stage"},
+        {"# avgpipe kind=custom stages=1 chunks=32768 micro=1 pipes=1 rounds=1 advance=0 continuous=0\n0F0\n", "line 1", "chunks"},
+        {"# avgpipe kind=custom stages=1 chunks=1 micro=1 pipes=32768 rounds=1 advance=0 continuous=0\n0F0\n", "line 1", "pipes"},
+        {"# avgpipe kind=custom stages=1 chunks=1 micro=1000000000 pipes=1 rounds=2 advance=0 continuous=0\n0F0\n", "line 1", "micro"},
+        {"# avgpipe kind=custom stages=1 chunks=1000 micro=1000 pipes=1000 rounds=1 advance=0 continuous=0\n0F0\n", "line 1", "micro"},
+    };
+    size_t i;
+    char *many;
+    avgpipe_schedule s;
+    avgpipe_result r;
+    for (i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        avgpipe_clear_error(NULL);
+        r = avgpipe_sched_import(NULL, bad[i].text, strlen(bad[i].text), &s);
+        cr_expect_eq(r, AVGPIPE_PARSE_ERROR, "text %zu ('%s') gave %s", i, bad[i].text, avgpipe_result_string(r));
+        cr_expect(strstr(avgpipe_last_error(NULL), bad[i].line) && strstr(avgpipe_last_error(NULL), bad[i].why),
+                  "text %zu: message '%s' lacks '%s' or '%s'", i, avgpipe_last_error(NULL), bad[i].line, bad[i].why);
+        if (r == AVGPIPE_OK) avgpipe_sched_free(NULL, &s);
+    }
+    /* 20000 rank lines and stage 20000: 2 chunks per rank inferred, 40000 stage partitions */
+    many = (char *)malloc(20000 * 2 + 16);
+    cr_assert_not_null(many);
+    strcpy(many, "0F0,20000F0\n");
+    for (i = 1; i < 20000; i++) memcpy(many + 12 + 2 * (i - 1), " \n", 3); /* blank-looking ranks */
+    r = avgpipe_sched_import(NULL, many, strlen(many), &s);
+    cr_expect_eq(r, AVGPIPE_PARSE_ERROR, "40000 stage partitions gave %s", avgpipe_result_string(r));
+    cr_expect(strstr(avgpipe_last_error(NULL), "32767") != NULL, "%s", avgpipe_last_error(NULL));
+    if (r == AVGPIPE_OK) avgpipe_sched_free(NULL, &s);
+    free(many);
+    /* the limits themselves are fine */
+    import_text("0:32766F0\n", &s);
+    cr_expect_eq(s.nstages, 32767);
+    avgpipe_sched_free(NULL, &s);
+}
+
 /* Text need not be NUL-terminated: only len bytes are read. */
 Test(import, respects_length) {
     const char text[] = "0F0,0B0\ngarbage";
