@@ -2121,18 +2121,42 @@ fail:
 }
 
 #ifndef AVGPIPE_NO_STDIO
-/* Read a whole file (to EOF: pipes work too), at most 1 GiB. */
+#define AVGPIPE__MAX_FILE ((size_t)1 << 30) /* schedule and profile text: 1 GiB, far above any real file */
+
+/* Append n bytes to a file's text, growing the buffer by doubling but never past the cap (+1 for the
+   NUL). 0: over the cap, -1: out of memory. */
+static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n) {
+    if (n > AVGPIPE__MAX_FILE - text->len) return 0; /* checked before growing: the total would pass the cap */
+    if (text->len + n + 1 > text->cap) {
+        size_t cap = text->cap ? 2 * text->cap : n + 1;
+        char *q;
+        if (cap < text->len + n + 1) cap = text->len + n + 1;
+        if (cap > AVGPIPE__MAX_FILE + 1) cap = AVGPIPE__MAX_FILE + 1;
+        if (!(q = (char *)avgpipe__realloc(ctx, text->data, text->len, cap))) return -1;
+        text->data = q;
+        text->cap = cap;
+    }
+    memcpy(text->data + text->len, p, n);
+    text->len += n;
+    text->data[text->len] = 0;
+    return 1;
+}
+
+/* Read a whole file (to EOF: pipes work too), at most 1 GiB: refused as soon as the running total
+   passes the cap, before the buffer grows for it. */
 static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text) {
     FILE *f = fopen(path, "rb");
     char chunk[65536];
     size_t n;
-    int bad;
+    int bad, put;
     if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
     while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
-        if (text->len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, text, chunk, n)) {
+        if ((put = avgpipe__file_put(ctx, text, chunk, n)) <= 0) {
             fclose(f);
             avgpipe_buf_free(ctx, text);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "'%s' is too large (over 1 GiB) or memory ran out", path);
+            if (put < 0) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
+            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over 1 GiB (%zu bytes), the most a schedule or profile file may hold", path,
+                                 AVGPIPE__MAX_FILE);
         }
     bad = ferror(f);
     fclose(f);

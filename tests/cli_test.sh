@@ -199,6 +199,11 @@ awk 'BEGIN { for (i = 0; i < 5000; i++) print "0F0" }' >"$TMP/ranks.csv"
 usage_error "validate 5000 ranks" "5000 ranks" validate "$TMP/ranks.csv"
 printf '0F99999999999\n' >"$TMP/huge.csv"
 usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"
+# Standard input is read up to 1 GiB like files (it had no cap: '</dev/zero' grew without end).
+if head -c 1 /dev/zero >/dev/null 2>&1; then
+    head -c 1073741825 /dev/zero | "$BIN" validate - >"$OUT" 2>"$ERR"
+    if [ $? -eq 2 ] && grep -q "standard input.*1 GiB" "$ERR"; then ok; else bad "validate - over 1 GiB: expected exit 2 naming the 1 GiB cap"; fi
+fi
 # Sparse numbering: one op of pipeline 5999 on stage 32766 asked the simulator for 6 GB; refused at once.
 printf '5999:32766F0\n' >"$TMP/sparse.csv"
 t "validate sparse numbering" 1 validate "$TMP/sparse.csv"

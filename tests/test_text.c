@@ -404,6 +404,40 @@ Test(import, generator_limits_apply) {
     avgpipe_sched_free(NULL, &s);
 }
 
+/* An allocator that remembers the largest block asked for. */
+static size_t LARGEST;
+static void *largest_alloc(size_t n, void *user) {
+    (void)user;
+    if (n > LARGEST) LARGEST = n;
+    return malloc(n);
+}
+static void largest_free(void *p, void *user) {
+    (void)user;
+    free(p);
+}
+
+/* Files are read up to 1 GiB, and the buffer never grows past that: /dev/zero used to be refused only
+   after the doubling buffer had reached 2 GiB (2.3 s). */
+Test(load, cap_is_checked_before_growing) {
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    avgpipe_schedule s;
+    avgpipe_result r;
+    FILE *f = fopen("/dev/zero", "rb");
+    if (!f) cr_skip_test("no /dev/zero");
+    fclose(f);
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = largest_alloc;
+    cd.allocator.free = largest_free;
+    cr_assert_eq(avgpipe_context_init(&ctx, &cd), AVGPIPE_OK);
+    LARGEST = 0;
+    r = avgpipe_sched_load(&ctx, "/dev/zero", &s);
+    cr_expect_eq(r, AVGPIPE_IO_ERROR, "%s: %s", avgpipe_result_string(r), avgpipe_last_error(&ctx));
+    cr_expect(strstr(avgpipe_last_error(&ctx), "1 GiB") != NULL, "%s", avgpipe_last_error(&ctx));
+    cr_expect(LARGEST <= ((size_t)1 << 30) + 1, "a block of %zu bytes", LARGEST);
+    if (r == AVGPIPE_OK) avgpipe_sched_free(&ctx, &s);
+}
+
 /* Text need not be NUL-terminated: only len bytes are read. */
 Test(import, respects_length) {
     const char text[] = "0F0,0B0\ngarbage";
