@@ -1974,19 +1974,23 @@ static avgpipe_result avgpipe__parse_line(avgpipe_context *ctx, const char *p, c
     return AVGPIPE_OK;
 }
 
-/* The generators' limits, for a header's shape (zero counts are refused later, naming them). */
-static avgpipe_result avgpipe__header_limits(avgpipe_context *ctx, const avgpipe_sched_desc *sh) {
+/* The generators' limits (avgpipe_sched_resolve), for a header's shape or the one inferred from the
+   actions: every schedule import accepts, written or inferred, stays within them, so that its export
+   (which writes the shape to a header) imports again. `what` says which shape; zero counts are
+   refused elsewhere, naming them. */
+static avgpipe_result avgpipe__shape_limits(avgpipe_context *ctx, const avgpipe_sched_desc *sh, const char *what) {
     double V = sh->chunks > 1 ? sh->chunks : 1, G = (double)sh->stages * V;
     double total = G * (sh->pipes > 1 ? sh->pipes : 1) * (sh->micro > 1 ? sh->micro : 1) * (sh->rounds > 1 ? sh->rounds : 1);
     if (G > AVGPIPE__MAX_STAGES)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: stages x chunks = %.0f, at most %d", G, AVGPIPE__MAX_STAGES);
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: stages x chunks = %.0f, at most %d", what, G, AVGPIPE__MAX_STAGES);
     if (sh->pipes > AVGPIPE__MAX_PIPES)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: pipes = %d, at most %d", sh->pipes, AVGPIPE__MAX_PIPES);
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: pipes = %d, at most %d", what, sh->pipes, AVGPIPE__MAX_PIPES);
     if ((double)sh->micro * sh->rounds > AVGPIPE__MAX_MICRO_ROUNDS)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: micro x rounds = %.4g, at most %.0g", (double)sh->micro * sh->rounds,
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: micro x rounds = %.4g, at most %.0g", what, (double)sh->micro * sh->rounds,
                              AVGPIPE__MAX_MICRO_ROUNDS);
     if (total * 3 > (double)AVGPIPE__MAX_OPS)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line 1: header: stages x chunks x pipes x micro x rounds = %.4g is too large", total);
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: stages x chunks x pipes x micro x rounds = %.4g, at most %.4g", what, total,
+                             (double)AVGPIPE__MAX_OPS / 3);
     return AVGPIPE_OK;
 }
 
@@ -2024,9 +2028,10 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says pipes=%d but an action names pipeline %d",
                                  s->shape.pipes, maxpipe);
     }
-    if ((long long)s->nranks * s->shape.chunks > AVGPIPE__MAX_STAGES)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%d rank lines x %d chunks (stage %d) = %lld stage partitions, at most %d", s->nranks,
-                             s->shape.chunks, maxstage, (long long)s->nranks * s->shape.chunks, AVGPIPE__MAX_STAGES);
+    if (!have_header) {
+        avgpipe_result res = avgpipe__shape_limits(ctx, &s->shape, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
+        if (res) return res;
+    }
     s->nstages = s->nranks * s->shape.chunks;
     if (maxstage >= s->nstages)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "an action names stage %d but %d ranks x %d chunks hold %d stages",
@@ -2081,7 +2086,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         if (!e) e = text + len;
         if (e > text && e[-1] == '\r') e--;
         res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh);
-        if (!res) res = avgpipe__header_limits(ctx, &sh);
+        if (!res) res = avgpipe__shape_limits(ctx, &sh, "line 1: header");
         if (res) return res;
         have_header = 1;
     }

@@ -204,8 +204,9 @@ if head -c 1 /dev/zero >/dev/null 2>&1; then
     head -c 1073741825 /dev/zero | "$BIN" validate - >"$OUT" 2>"$ERR"
     if [ $? -eq 2 ] && grep -q "standard input.*1 GiB" "$ERR"; then ok; else bad "validate - over 1 GiB: expected exit 2 naming the 1 GiB cap"; fi
 fi
-# Sparse numbering: one op of pipeline 5999 on stage 32766 asked the simulator for 6 GB; refused at once.
-printf '5999:32766F0\n' >"$TMP/sparse.csv"
+# Sparse numbering: two ops naming 100 pipelines x 10^5 micro-batches; the validator allocated a table
+# for them (one op of pipeline 5999 on stage 32766 asked the simulator for 6 GB); refused at once.
+printf '99:0F0,0F99999\n' >"$TMP/sparse.csv"
 t "validate sparse numbering" 1 validate "$TMP/sparse.csv"
 has "validate sparse numbering" "$OUT" "missing forwards"
 printf '5:13333333F0\n' >"$TMP/farstage.csv"

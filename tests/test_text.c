@@ -370,6 +370,7 @@ Test(import, errors_without_a_line) {
 Test(import, generator_limits_apply) {
     static const bad_text bad[] = {
         {"5:13333333F0\n", "line 1", "stage"},
+        {"5999:32766F0\n", "imply", "pipes x micro"}, /* 6000 x 32767 (pipeline, stage) cells from 13 bytes */
         {"0F0\n32767F0\n", "line 2", "stage"},
         {"# avgpipe kind=custom stages=1 chunks=32768 micro=1 pipes=1 rounds=1 advance=0 continuous=0\n0F0\n", "line 1", "chunks"},
         {"# avgpipe kind=custom stages=1 chunks=1 micro=1 pipes=32768 rounds=1 advance=0 continuous=0\n0F0\n", "line 1", "pipes"},
