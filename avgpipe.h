@@ -341,8 +341,8 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    Blank lines at the end of the text are not ranks, except as many as the header's stages count
    still needs; a blank line followed by a comment is a rank (with one idle slot).
    The exporter writes the header line and the extension only when the schedule needs them (more
-   than one pipeline or round, STEP/AVG ops, a generator's shape, or an empty last rank, whose blank
-   line only the header's rank count keeps), so a PyTorch file exports back byte-identical and export
+   than one pipeline or round, STEP/AVG ops, a generator's shape or any shape import would not infer
+   from the actions, or an empty last rank, whose blank line only the header's rank count keeps), so a PyTorch file exports back byte-identical and export
    -> import -> export gives the same text for every schedule import accepts. AVGPIPE_TEXT_TORCH
    drops STEP/AVG and the header to produce a file PyTorch reads (an error when N > 1). */
 #define AVGPIPE_TEXT_TORCH 1u
@@ -1733,9 +1733,49 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
 
 /* ---- export ---- */
 
+/* The shape a header-less import gives the actions: ranks = lines, stages = highest stage + 1,
+   V = stages / ranks, N = highest pipeline + 1, R = highest STEP/AVG round + 1, M = micro-batches per
+   round. Also the highest stage and pipeline named (-1, 0 when none). */
+static avgpipe_sched_desc avgpipe__shape_of_ops(const avgpipe_schedule *s, int *maxstage_out, int *maxpipe_out) {
+    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1, stages;
+    avgpipe_sched_desc sh;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (op->kind == AVGPIPE_OP_IDLE) continue;
+            if (op->stage > maxstage) maxstage = op->stage;
+            if (op->pipe > maxpipe) maxpipe = op->pipe;
+            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
+                if (op->micro > maxround) maxround = op->micro;
+            } else if (op->micro > maxmicro)
+                maxmicro = op->micro;
+        }
+    memset(&sh, 0, sizeof sh);
+    stages = maxstage + 1;
+    sh.kind = AVGPIPE_SCHED_CUSTOM;
+    sh.stages = s->nranks;
+    sh.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
+    sh.pipes = maxpipe + 1;
+    sh.rounds = maxround >= 0 ? maxround + 1 : 1;
+    sh.micro = (maxmicro + 1) / sh.rounds;
+    if (sh.micro < 1) sh.micro = 1;
+    if (maxstage_out) *maxstage_out = maxstage;
+    if (maxpipe_out) *maxpipe_out = maxpipe;
+    return sh;
+}
+
+static int avgpipe__same_shape(const avgpipe_sched_desc *a, const avgpipe_sched_desc *b) {
+    return a->kind == b->kind && a->stages == b->stages && a->micro == b->micro && a->pipes == b->pipes && a->chunks == b->chunks &&
+           a->rounds == b->rounds && a->advance == b->advance && a->continuous == b->continuous;
+}
+
 static int avgpipe__needs_ext(const avgpipe_schedule *s) {
     int r, i, last = s->nranks - 1;
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, NULL, NULL);
     if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
+    /* a shape that import would not infer from the actions (a header's micro=8 over a partial
+       schedule): only the header keeps it */
+    if (!avgpipe__same_shape(&inferred, &s->shape)) return 1;
     /* An empty last rank line reads back as a blank line at the end of the file, which import drops
        (editors add them) unless the header's stage count says it is a rank. */
     if (last >= 0 && (s->len[last] == 0 || (s->len[last] == 1 && s->ops[last][0].kind == AVGPIPE_OP_IDLE))) return 1;
@@ -1996,28 +2036,15 @@ static avgpipe_result avgpipe__shape_limits(avgpipe_context *ctx, const avgpipe_
 
 /* Infer what the header did not say. */
 static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
-    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1;
+    int r, i, maxstage, maxpipe;
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, &maxstage, &maxpipe);
     for (r = 0; r < s->nranks; r++)
-        for (i = 0; i < s->len[r]; i++) {
-            const avgpipe_op *op = &s->ops[r][i];
-            if (op->kind == AVGPIPE_OP_IDLE) continue;
-            if (op->stage > maxstage) maxstage = op->stage;
-            if (op->pipe > maxpipe) maxpipe = op->pipe;
-            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
-                if (op->micro > maxround) maxround = op->micro;
-            } else if (op->micro > maxmicro)
-                maxmicro = op->micro;
-            if (avgpipe__is_comm(op->kind)) s->has_comm = 1;
-        }
+        for (i = 0; i < s->len[r]; i++)
+            if (avgpipe__is_comm(s->ops[r][i].kind)) s->has_comm = 1;
     if (!have_header) {
-        int stages = maxstage + 1;
-        s->shape.kind = AVGPIPE_SCHED_CUSTOM;
-        s->shape.stages = s->nranks;
-        s->shape.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
-        s->shape.pipes = maxpipe + 1;
-        s->shape.rounds = maxround >= 0 ? maxround + 1 : 1;
-        s->shape.micro = (maxmicro + 1) / s->shape.rounds;
-        if (s->shape.micro < 1) s->shape.micro = 1;
+        avgpipe_result res = avgpipe__shape_limits(ctx, &inferred, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
+        if (res) return res;
+        s->shape = inferred;
     } else {
         if (s->shape.stages != s->nranks)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says stages=%d but the file has %d rank lines",
@@ -2027,10 +2054,6 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
         if (maxpipe >= s->shape.pipes)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says pipes=%d but an action names pipeline %d",
                                  s->shape.pipes, maxpipe);
-    }
-    if (!have_header) {
-        avgpipe_result res = avgpipe__shape_limits(ctx, &s->shape, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
-        if (res) return res;
     }
     s->nstages = s->nranks * s->shape.chunks;
     if (maxstage >= s->nstages)

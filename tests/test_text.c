@@ -246,6 +246,27 @@ Test(roundtrip, blank_last_ranks_survive) {
     }
 }
 
+/* Found by fuzz_sched: a header's shape that the actions alone do not imply (micro=8 over one
+   micro-batch's ops; a custom schedule's advance or continuous) was exported without the header and
+   came back as the inferred shape. */
+Test(roundtrip, header_shapes_the_actions_do_not_imply) {
+    static const char *texts[] = {
+        "# avgpipe kind=custom stages=1 chunks=1 micro=100000000 pipes=1 rounds=1 advance=0 continuous=0\n0F0,0B0\n",
+        "# avgpipe kind=custom stages=2 chunks=1 micro=8 pipes=1 rounds=1 advance=0 continuous=0\n0F0,0B0\n1F0,1B0\n",
+        "# avgpipe kind=custom stages=2 chunks=2 micro=1 pipes=1 rounds=1 advance=0 continuous=0\n0F0,0B0\n1F0,1B0\n",
+        "# avgpipe kind=custom stages=1 chunks=1 micro=1 pipes=1 rounds=1 advance=3 continuous=1\n0F0,0B0\n",
+    };
+    size_t i;
+    for (i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        avgpipe_schedule s;
+        char what[64];
+        snprintf(what, sizeof what, "text %zu", i);
+        import_text(texts[i], &s);
+        roundtrip(&s, what);
+        avgpipe_sched_free(NULL, &s);
+    }
+}
+
 Test(import, parses_fields) {
     avgpipe_schedule s;
     char txt[64];
