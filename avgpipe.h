@@ -6845,7 +6845,22 @@ static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
     return 1;
 }
 
-static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
+/* Every stage of section i has its line. Checked when the next section starts and at the end, so that
+   only the last section's stage tables (up to 512 KiB for 32767 stages) can wait for lines that never
+   come: the parser's memory follows the lines it has read. */
+static avgpipe_result avgpipe__profile_complete(avgpipe_context *ctx, const avgpipe_profile *p, int i, int line) {
+    int g;
+    for (g = 0; g < p->sections[i].nstages; g++)
+        if (p->sections[i].param_floats[g] < 0) {
+            if (line > 0)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: section %d has no 'stage %d' line", line, i + 1, g);
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+        }
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const avgpipe__kv *kv, int n,
+                                             int line) {
     avgpipe_profile_section *sec, *ns;
     double v[9];
     static const char *const keys[7] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous"};
@@ -6861,9 +6876,15 @@ static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profi
     if (v[0] * v[1] > AVGPIPE__MAX_STAGES || v[0] * v[1] * v[2] * v[3] * v[4] > 5e7)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
                              "profile line %d: stages x chunks x micro x pipes x rounds is too large for a profile (at most 5e7)", line);
-    ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, ((size_t)p->nsections + 1) * sizeof *ns);
-    if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
-    p->sections = ns;
+    if (p->nsections > 0 && avgpipe__profile_complete(ctx, p, p->nsections - 1, line)) return AVGPIPE_PARSE_ERROR;
+    if (p->nsections == INT_MAX) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: too many sections", line);
+    if ((size_t)p->nsections == *cap) { /* doubling: one at a time would copy them all for each */
+        size_t nc = *cap ? 2 * *cap : 4;
+        ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, nc * sizeof *ns);
+        if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+        p->sections = ns;
+        *cap = nc;
+    }
     sec = &p->sections[p->nsections++];
     memset(sec, 0, sizeof *sec);
     if (!kind || avgpipe_sched_kind_parse(kind, &sec->shape.kind))
@@ -6949,8 +6970,8 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
 
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
     const char *p, *end;
-    int line = 0, i, g, have_header = 0;
-    size_t cap = 0;
+    int line = 0, have_header = 0;
+    size_t cap = 0, scap = 0;
     avgpipe_result res = AVGPIPE_OK;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_parse: NULL argument");
     memset(out, 0, sizeof *out);
@@ -6970,7 +6991,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
         } else if ((size_t)(w - p) == 5 && memcmp(p, "shape", 5) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_shape(ctx, out, kv, n, line);
+                      : avgpipe__profile_shape(ctx, out, &scap, kv, n, line);
         } else if ((size_t)(w - p) == 5 && memcmp(p, "stage", 5) == 0) {
             const char *idx = w;
             while (idx < e && avgpipe__is_space(*idx)) idx++;
@@ -6988,13 +7009,11 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
         }
         if (line == 1 && !have_header && !res)
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line 1: expected '# avgpipe profile v1'");
-        p = (e < end && *e == '\r') ? e + 2 : e + 1;
+        p = (e < end && *e == '\r') ? e + 1 : e; /* past the line's end: its '\r', then its '\n' */
+        if (p < end) p++;
     }
     if (!res && out->nsections == 0) res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: no 'shape' line");
-    for (i = 0; i < out->nsections && !res; i++)
-        for (g = 0; g < out->sections[i].nstages && !res; g++)
-            if (out->sections[i].param_floats[g] < 0)
-                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+    if (!res) res = avgpipe__profile_complete(ctx, out, out->nsections - 1, 0); /* the others: at the next shape line */
     if (res) avgpipe_profile_free(ctx, out);
     return res;
 }

@@ -847,6 +847,51 @@ Test(parse, structural_errors) {
     cr_expect_eq(avgpipe_profile_load(&ctx, "/nonexistent/avgpipe.prof", &p), AVGPIPE_IO_ERROR);
 }
 
+/* An allocator that refuses to hold more than 16 MiB at once (a size header in front of each block). */
+static size_t LIVE;
+static void *live_capped_alloc(size_t n, void *user) {
+    hdr *h;
+    (void)user;
+    if (LIVE + n > ((size_t)16 << 20) || !(h = (hdr *)malloc(sizeof(hdr) + n))) return NULL;
+    h->size = n;
+    LIVE += n;
+    return h + 1;
+}
+static void live_capped_free(void *p, void *user) {
+    hdr *h;
+    (void)user;
+    if (!p) return;
+    h = (hdr *)p - 1;
+    LIVE -= h->size;
+    free(h);
+}
+
+/* The parser's memory follows the lines it reads: each shape line allocated its stage tables (512 KiB
+   for 32767 stages) before any stage line came, so 100 shape lines in 11 KB of text held 52 MB; a
+   section must now have all its stage lines before the next one starts. Sections are added by doubling
+   (one at a time copied all of them for each). */
+Test(parse, memory_follows_the_lines) {
+    static const char shape[] = "shape kind=1f1b stages=32767 chunks=1 micro=1 pipes=1 rounds=1 advance=0 continuous=0 samples=1 seconds=1\n";
+    sbuf b = {NULL, 0, 0};
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    avgpipe_profile p;
+    avgpipe_result r;
+    int i;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = live_capped_alloc;
+    cd.allocator.free = live_capped_free;
+    cr_assert_eq(avgpipe_context_init(&ctx, &cd), AVGPIPE_OK);
+    sb_printf(&b, "# avgpipe profile v1\n");
+    for (i = 0; i < 100; i++) sb_printf(&b, "%s", shape);
+    r = avgpipe_profile_parse(&ctx, b.p, b.len, &p);
+    cr_expect_eq(r, AVGPIPE_PARSE_ERROR, "%s: %s", avgpipe_result_string(r), avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), "line 3") && has(avgpipe_last_error(&ctx), "section 1 has no 'stage 0' line"), "%s",
+              avgpipe_last_error(&ctx));
+    cr_expect_eq(LIVE, 0, "%zu bytes left allocated", LIVE);
+    free(b.p);
+}
+
 /* The parser keeps to (text, len). The probe's 26 bytes "# avgpipe profile v1\nstage", with no NUL after
    them, made strtol read past the end (ASan: heap-buffer-overflow): here every prefix of a good profile
    ends at an unreadable page, so such a read crashes the test. A 'stage' line without its index took
