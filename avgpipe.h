@@ -358,6 +358,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len,
                                                 avgpipe_schedule *out);
 #ifndef AVGPIPE_NO_STDIO
+/* Read a schedule file (a pipe works too) and import it. A file over 1 GiB is refused
+   (AVGPIPE_IO_ERROR) as soon as the read passes the cap, before the buffer grows for it; so are
+   profiles (avgpipe_profile_load). */
 AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out);
 AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
                                               const char *path);

@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "tests/guard.h"
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
@@ -468,6 +469,22 @@ Test(import, respects_length) {
     cr_assert_eq(s.nranks, 1);
     cr_assert_eq(s.len[0], 2);
     avgpipe_sched_free(NULL, &s);
+}
+
+/* Every prefix of a text with a header, a composite, comments and CRLF, each ending at an unreadable
+   page: import reads only within the length it was given (a read past it crashes the test). */
+Test(import, keeps_to_its_length) {
+    static const char text[] = "# avgpipe kind=custom stages=2 chunks=1 micro=2 pipes=2 rounds=1 advance=0 continuous=0\r\n"
+                               "# a comment\r\n0F0,(0F1;0B0)OVERLAP_F_B,0B1,1:0F0,1:0B0,0STEP0\r\n1F0,1B0,,1F1,1B1,1:1F0,1:1B0\r\n\r\n";
+    size_t n;
+    for (n = 0; n < sizeof text; n++) {
+        guarded g = guarded_copy(text, n);
+        avgpipe_schedule s;
+        avgpipe_result r = avgpipe_sched_import(NULL, g.text, n, &s);
+        cr_expect(r == AVGPIPE_OK || r == AVGPIPE_PARSE_ERROR, "prefix of %zu bytes: %s", n, avgpipe_result_string(r));
+        if (r == AVGPIPE_OK) avgpipe_sched_free(NULL, &s);
+        guarded_free(&g);
+    }
 }
 
 /* "has_comm is 1 when the lists carry SEND/RECV ops" (avgpipe_schedule), also after lowering; a

@@ -2,8 +2,9 @@
 
    The input is (data, size) with no NUL after it, as avgpipe_profile_parse allows. A profile that
    parses is fitted (avgpipe_tune_fit); a small one (few stages) is then searched over a small grid
-   (batch 4, up to 2 pipelines, K up to 2) under a memory limit, and every candidate must be
-   consistent: finite non-negative predictions, fits == (peak_bytes <= limit), fitting ones first.
+   (batch 1..6, up to 3 pipelines, K up to 2, shared cores or not: picked by the input's size) under a
+   memory limit, and every candidate must be consistent: finite non-negative predictions, fits ==
+   (peak_bytes <= limit), fitting ones first.
 
    Build (tests/fuzz/meson.build does this when clang has libFuzzer):
      clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I. \
@@ -52,9 +53,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     if (avgpipe_tune_fit(&ctx, &p, &m) == AVGPIPE_OK) {
         if (m.nstages <= FUZZ_MAX_SEARCH_STAGES && p.nops <= FUZZ_MAX_SEARCH_OPS) {
             memset(&td, 0, sizeof td);
-            td.batch = 4;
-            td.max_pipes = 2;
+            td.batch = 1 + (int)(size % 6);
+            td.max_pipes = 1 + (int)(size / 6 % 3);
             td.max_advance = 2;
+            td.no_continuous = (int)(size / 18 % 2);
+            m.cores = (double)(size / 36 % 2); /* 0: a core per rank; 1: the ranks share one */
             td.mem_limit = 1 << 20;
             td.opt_bytes_per_param = 8;
             if (avgpipe_tune_search(&ctx, &m, &td, &c, &n) == AVGPIPE_OK) {
