@@ -342,9 +342,10 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    still needs; a blank line followed by a comment is a rank (with one idle slot).
    The exporter writes the header line and the extension only when the schedule needs them (more
    than one pipeline or round, STEP/AVG ops, a generator's shape or any shape import would not infer
-   from the actions, or an empty last rank, whose blank line only the header's rank count keeps), so a PyTorch file exports back byte-identical and export
-   -> import -> export gives the same text for every schedule import accepts. AVGPIPE_TEXT_TORCH
-   drops STEP/AVG and the header to produce a file PyTorch reads (an error when N > 1). */
+   from the actions, or an empty last rank, whose blank line only the header's rank count keeps):
+   a PyTorch file exports back byte-identical, and export -> import is the identity for every
+   schedule import accepts. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file
+   PyTorch reads (an error when N > 1). */
 #define AVGPIPE_TEXT_TORCH 1u
 
 AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgpipe_schedule *s,
@@ -352,9 +353,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
 /* Parse text (len bytes; need not be NUL-terminated). Errors name the line and the field. The
    shape is taken from the header line when present, else inferred: ranks = lines, stages = highest
    stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage).
-   The generators' limits apply: at most 32767 stage partitions (ranks x chunks) and 32767
-   pipelines; a header's micro x rounds at most 1e9 and its stages x chunks x pipes x micro x rounds
-   at most 1.3e8. */
+   The shape, from the header or inferred, stays within the generators' limits: at most 32767 stage
+   partitions (ranks x chunks) and 32767 pipelines, micro x rounds at most 1e9, stages x chunks x
+   pipes x micro x rounds at most 1.3e8. */
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len,
                                                 avgpipe_schedule *out);
 #ifndef AVGPIPE_NO_STDIO
@@ -2045,7 +2046,8 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
         for (i = 0; i < s->len[r]; i++)
             if (avgpipe__is_comm(s->ops[r][i].kind)) s->has_comm = 1;
     if (!have_header) {
-        avgpipe_result res = avgpipe__shape_limits(ctx, &inferred, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
+        avgpipe_result res =
+            avgpipe__shape_limits(ctx, &inferred, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
         if (res) return res;
         s->shape = inferred;
     } else {

@@ -4,6 +4,8 @@
    imports must also: validate without a crash, export, import back, and export to the very same bytes
    (abort otherwise: the text form is lossless for everything import accepts); lower; and, when it is
    small enough to stay fast, simulate under asynchronous and blocking sends and render its timeline.
+   A schedule that validates must lower to one that validates too, and simulate without a deadlock
+   under both kinds of sends (the validator's replay says so).
 
    Build (tests/fuzz/meson.build does this when clang has libFuzzer):
      clang -g -O1 -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I. \
@@ -33,15 +35,22 @@ static long long count_ops(const avgpipe_schedule *s) {
     return n;
 }
 
-static void simulate(avgpipe_context *ctx, const avgpipe_schedule *s, int blocking) {
+static void simulate(avgpipe_context *ctx, const avgpipe_schedule *s, int blocking, int valid) {
     avgpipe_sim_desc sd;
     avgpipe_sim_result r;
     avgpipe_buf out = {NULL, 0, 0};
+    avgpipe_result res;
     memset(&sd, 0, sizeof sd);
     sd.blocking_send = blocking;
     sd.latency = 0.5;
     sd.record_events = 1;
-    if (avgpipe_sim_run(ctx, s, &sd, &r) != AVGPIPE_OK) return;
+    res = avgpipe_sim_run(ctx, s, &sd, &r);
+    if (res != AVGPIPE_OK && valid && res != AVGPIPE_OUT_OF_MEMORY) {
+        fprintf(stderr, "fuzz_sched: a valid schedule does not simulate (%s sends): %s\n", blocking ? "blocking" : "async",
+                avgpipe_last_error(ctx));
+        abort();
+    }
+    if (res != AVGPIPE_OK) return;
     if (!(r.makespan >= 0) || !(r.bubble <= 1)) {
         fprintf(stderr, "fuzz_sched: makespan %g, bubble %g\n", r.makespan, r.bubble);
         abort();
@@ -77,10 +86,20 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     avgpipe_sched_validate(&ctx, &s, NULL, &rep);
     if (rep.result == AVGPIPE_INVALID_SCHEDULE || rep.result == AVGPIPE_DEADLOCK)
         avgpipe_sched_render_grid(&ctx, &s, rep.rank, rep.pos, &grid);
-    if (!s.has_comm && avgpipe_sched_lower(&ctx, &s, &low) == AVGPIPE_OK) avgpipe_sched_free(&ctx, &low);
+    if (!s.has_comm && avgpipe_sched_lower(&ctx, &s, &low) == AVGPIPE_OK) {
+        avgpipe_validate_report lrep;
+        avgpipe_validate_desc vd;
+        memset(&vd, 0, sizeof vd);
+        vd.skip_memory = 1; /* the memory model is the compute schedule's; the lowered one is compared op by op */
+        if (rep.result == AVGPIPE_OK && avgpipe_sched_validate(&ctx, &low, &vd, &lrep) != AVGPIPE_OK) {
+            fprintf(stderr, "fuzz_sched: a valid schedule lowers to an invalid one: %s\n", lrep.message);
+            abort();
+        }
+        avgpipe_sched_free(&ctx, &low);
+    }
     if (count_ops(&s) <= FUZZ_MAX_SIM_OPS && s.nranks <= 256) {
-        simulate(&ctx, &s, 0);
-        simulate(&ctx, &s, 1);
+        simulate(&ctx, &s, 0, rep.result == AVGPIPE_OK);
+        simulate(&ctx, &s, 1, rep.result == AVGPIPE_OK);
     }
     avgpipe_buf_free(&ctx, &grid);
     avgpipe_buf_free(&ctx, &t1);
