@@ -345,20 +345,30 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
      - STEP and AVG actions: "<stage>STEP<round>", "<stage>AVG<round>";
      - a first line "# avgpipe kind=advance stages=4 chunks=1 micro=8 pipes=2 rounds=3 advance=2
        continuous=1" carries the shape; other lines starting with '#' are comments.
+   Blank lines at the end of the text are not ranks, except as many as the header's stages count
+   still needs; a blank line followed by a comment is a rank (with one idle slot).
    The exporter writes the header line and the extension only when the schedule needs them (more
-   than one pipeline or round, STEP/AVG ops, or a generator's shape), so a PyTorch file exports back
-   byte-identical. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file PyTorch reads
-   (an error when N > 1). */
+   than one pipeline or round, STEP/AVG ops, a generator's shape or any shape import would not infer
+   from the actions, or an empty last rank, whose blank line only the header's rank count keeps):
+   a PyTorch file exports back byte-identical, and export -> import is the identity for every
+   schedule import accepts. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file
+   PyTorch reads (an error when N > 1). */
 #define AVGPIPE_TEXT_TORCH 1u
 
 AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgpipe_schedule *s,
                                                 unsigned flags, avgpipe_buf *out);
 /* Parse text (len bytes; need not be NUL-terminated). Errors name the line and the field. The
    shape is taken from the header line when present, else inferred: ranks = lines, stages = highest
-   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage). */
+   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage).
+   The shape, from the header or inferred, stays within the generators' limits: at most 32767 stage
+   partitions (ranks x chunks) and 32767 pipelines, micro x rounds at most 1e9, stages x chunks x
+   pipes x micro x rounds at most 1.3e8. */
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len,
                                                 avgpipe_schedule *out);
 #ifndef AVGPIPE_NO_STDIO
+/* Read a schedule file (a pipe works too) and import it. A file over 1 GiB is refused
+   (AVGPIPE_IO_ERROR) as soon as the read passes the cap, before the buffer grows for it; so are
+   profiles (avgpipe_profile_load). */
 AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out);
 AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
                                               const char *path);
@@ -433,7 +443,11 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
    resource serves its ops in a fixed order), so the result is exactly that of a discrete-event run.
    Zero fields mean: cost F 1, B 2, I 1, W 1, STEP/AVG/others 0; latency 0; bytes 0; bandwidth 0
    (= no bandwidth term); micro_size 1; act_bytes 0. cost[k] = AVGPIPE_ZERO: that kind costs exactly
-   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero). */
+   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero).
+   The simulator's tables hold one entry per (pipeline, stage, micro-batch) the schedule's numbers
+   span; a schedule that spans more than 8 of them per op it holds (numbered so sparsely that it
+   cannot be valid, and a few bytes of text could ask for gigabytes) is refused with
+   AVGPIPE_INVALID_SCHEDULE; so is it by avgpipe_sched_lower and avgpipe_sched_validate. */
 typedef struct avgpipe_sim_desc {
     double cost[AVGPIPE_OP_KIND_COUNT]; /* per kind, all stages; 0 -> default above, AVGPIPE_ZERO -> 0 */
     const double *stage_cost;   /* optional [stage * AVGPIPE_OP_KIND_COUNT + kind], overrides cost */
@@ -1210,9 +1224,13 @@ typedef struct avgpipe_profile {
     avgpipe_profile_op *ops;
 } avgpipe_profile;
 
-/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write). Errors
-   (AVGPIPE_PARSE_ERROR) name the line and the field: missing fields, unknown kinds, negative or
-   non-numeric values, end before start, an op before any shape line. */
+/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write; len bytes,
+   need not be NUL-terminated). Errors (AVGPIPE_PARSE_ERROR) name the line and the field: missing
+   fields, unknown kinds, negative or non-numeric values, end before start, an op before any shape
+   line, and values no real profile holds (so that the tuner's arithmetic stays exact and every
+   conversion to an integer is in range): bytes (act_bytes, bytes) at most 2^50 (1 PiB), param_floats
+   at most 2^48 (2^50 bytes as fp32), times (start, end, seconds) at most 1e6 s, samples in
+   (0, INT_MAX]; the shape's counts as each field's message says. */
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out);
 #ifndef AVGPIPE_NO_STDIO
 AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out);
@@ -1554,6 +1572,23 @@ static double avgpipe__now(void) {
 
 /* --- 2. Schedule IR ---------------------------------------------------------------------------- */
 
+/* Limits of a schedule, for the generators (section 3) and for imported text alike: a schedule larger
+   than this is surely a mistake. */
+#define AVGPIPE__MAX_STAGES 32767          /* stage partitions S x V */
+#define AVGPIPE__MAX_PIPES 32767           /* parallel pipelines (avgpipe_op.pipe is 16 bits) */
+#define AVGPIPE__MAX_MICRO_ROUNDS 1e9      /* micro-batches x rounds */
+#define AVGPIPE__MAX_OPS 400000000LL
+/* The simulator, the lowering and the validator keep tables of one cell per (pipeline, stage,
+   micro-batch) that a schedule's numbers name. A valid schedule has at least one op per cell (its
+   forward); these tables may hold at most this many cells per op, plus a floor for small hand-made
+   schedules, so that a few bytes of text cannot ask for gigabytes. */
+#define AVGPIPE__CELLS_PER_OP 8
+#define AVGPIPE__CELLS_FLOOR 4096
+
+static int avgpipe__cells_ok(double cells, long long nops) {
+    return cells <= (double)AVGPIPE__CELLS_PER_OP * (double)nops + AVGPIPE__CELLS_FLOOR;
+}
+
 static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
     "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
     "UNSHARD", "RESHARD", "REDUCE_GRAD"};
@@ -1719,7 +1754,7 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep. */
 static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
-    long long U = 1;
+    long long U = 1, nops = 0;
     *npipes = 1;
     *nmicro = 1;
     for (r = 0; r < s->nranks; r++)
@@ -1727,6 +1762,7 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             const avgpipe_op *op = &s->ops[r][i];
             char txt[64];
             if (op->kind == AVGPIPE_OP_IDLE) continue;
+            nops++;
             if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
                 op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
                 avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
@@ -1746,6 +1782,11 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
     if ((long long)N * s->nstages * U > 200000000LL)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
                              N, s->nstages, U);
+    if (!avgpipe__cells_ok((double)N * s->nstages * (double)U, nops))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE,
+                             "schedule numbered too sparsely to simulate: %d pipelines x %d stages x %lld micro-batches = %.4g cells for "
+                             "%lld ops (at most %d cells per op)",
+                             N, s->nstages, U, (double)N * s->nstages * (double)U, nops, AVGPIPE__CELLS_PER_OP);
     *npipes = N;
     *nmicro = U;
     return AVGPIPE_OK;
@@ -1753,9 +1794,52 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
 
 /* ---- export ---- */
 
+/* The shape a header-less import gives the actions: ranks = lines, stages = highest stage + 1,
+   V = stages / ranks, N = highest pipeline + 1, R = highest STEP/AVG round + 1, M = micro-batches per
+   round. Also the highest stage and pipeline named (-1, 0 when none). */
+static avgpipe_sched_desc avgpipe__shape_of_ops(const avgpipe_schedule *s, int *maxstage_out, int *maxpipe_out) {
+    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1, stages;
+    avgpipe_sched_desc sh;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (op->kind == AVGPIPE_OP_IDLE) continue;
+            if (op->stage > maxstage) maxstage = op->stage;
+            if (op->pipe > maxpipe) maxpipe = op->pipe;
+            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
+                if (op->micro > maxround) maxround = op->micro;
+            } else if (op->micro > maxmicro)
+                maxmicro = op->micro;
+        }
+    memset(&sh, 0, sizeof sh);
+    stages = maxstage + 1;
+    sh.kind = AVGPIPE_SCHED_CUSTOM;
+    sh.stages = s->nranks;
+    sh.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
+    sh.pipes = maxpipe + 1;
+    sh.rounds = maxround >= 0 ? maxround + 1 : 1;
+    sh.micro = (maxmicro + 1) / sh.rounds;
+    if (sh.micro < 1) sh.micro = 1;
+    if (maxstage_out) *maxstage_out = maxstage;
+    if (maxpipe_out) *maxpipe_out = maxpipe;
+    return sh;
+}
+
+static int avgpipe__same_shape(const avgpipe_sched_desc *a, const avgpipe_sched_desc *b) {
+    return a->kind == b->kind && a->stages == b->stages && a->micro == b->micro && a->pipes == b->pipes && a->chunks == b->chunks &&
+           a->rounds == b->rounds && a->advance == b->advance && a->continuous == b->continuous;
+}
+
 static int avgpipe__needs_ext(const avgpipe_schedule *s) {
-    int r, i;
+    int r, i, last = s->nranks - 1;
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, NULL, NULL);
     if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
+    /* a shape that import would not infer from the actions (a header's micro=8 over a partial
+       schedule): only the header keeps it */
+    if (!avgpipe__same_shape(&inferred, &s->shape)) return 1;
+    /* An empty last rank line reads back as a blank line at the end of the file, which import drops
+       (editors add them) unless the header's stage count says it is a rank. */
+    if (last >= 0 && (s->len[last] == 0 || (s->len[last] == 1 && s->ops[last][0].kind == AVGPIPE_OP_IDLE))) return 1;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             int k = s->ops[r][i].kind;
@@ -1840,8 +1924,8 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
     }
     if (p < end && *p == ':') {
         p++;
-        if (a > 32767) {
-            *why = "pipeline number too large";
+        if (a >= AVGPIPE__MAX_PIPES) {
+            *why = "pipeline number too large (at most 32767 pipelines)";
             return 0;
         }
         op->pipe = (int16_t)a;
@@ -1849,6 +1933,10 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
             *why = "expected a stage number after the pipeline";
             return 0;
         }
+    }
+    if (a >= AVGPIPE__MAX_STAGES) {
+        *why = "stage number too large (at most 32767 stage partitions)";
+        return 0;
     }
     op->stage = a;
     for (k = 1; k < AVGPIPE_OP_KIND_COUNT; k++) { /* longest match: SEND_F before F, etc. */
@@ -1987,30 +2075,38 @@ static avgpipe_result avgpipe__parse_line(avgpipe_context *ctx, const char *p, c
     return AVGPIPE_OK;
 }
 
+/* The generators' limits (avgpipe_sched_resolve), for a header's shape or the one inferred from the
+   actions: every schedule import accepts, written or inferred, stays within them, so that its export
+   (which writes the shape to a header) imports again. `what` says which shape; zero counts are
+   refused elsewhere, naming them. */
+static avgpipe_result avgpipe__shape_limits(avgpipe_context *ctx, const avgpipe_sched_desc *sh, const char *what) {
+    double V = sh->chunks > 1 ? sh->chunks : 1, G = (double)sh->stages * V;
+    double total = G * (sh->pipes > 1 ? sh->pipes : 1) * (sh->micro > 1 ? sh->micro : 1) * (sh->rounds > 1 ? sh->rounds : 1);
+    if (G > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: stages x chunks = %.0f, at most %d", what, G, AVGPIPE__MAX_STAGES);
+    if (sh->pipes > AVGPIPE__MAX_PIPES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: pipes = %d, at most %d", what, sh->pipes, AVGPIPE__MAX_PIPES);
+    if ((double)sh->micro * sh->rounds > AVGPIPE__MAX_MICRO_ROUNDS)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: micro x rounds = %.4g, at most %.0g", what, (double)sh->micro * sh->rounds,
+                             AVGPIPE__MAX_MICRO_ROUNDS);
+    if (total * 3 > (double)AVGPIPE__MAX_OPS)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: stages x chunks x pipes x micro x rounds = %.4g, at most %.4g", what, total,
+                             (double)AVGPIPE__MAX_OPS / 3);
+    return AVGPIPE_OK;
+}
+
 /* Infer what the header did not say. */
 static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
-    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1;
+    int r, i, maxstage, maxpipe;
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, &maxstage, &maxpipe);
     for (r = 0; r < s->nranks; r++)
-        for (i = 0; i < s->len[r]; i++) {
-            const avgpipe_op *op = &s->ops[r][i];
-            if (op->kind == AVGPIPE_OP_IDLE) continue;
-            if (op->stage > maxstage) maxstage = op->stage;
-            if (op->pipe > maxpipe) maxpipe = op->pipe;
-            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
-                if (op->micro > maxround) maxround = op->micro;
-            } else if (op->micro > maxmicro)
-                maxmicro = op->micro;
-            if (avgpipe__is_comm(op->kind)) s->has_comm = 1;
-        }
+        for (i = 0; i < s->len[r]; i++)
+            if (avgpipe__is_comm(s->ops[r][i].kind)) s->has_comm = 1;
     if (!have_header) {
-        int stages = maxstage + 1;
-        s->shape.kind = AVGPIPE_SCHED_CUSTOM;
-        s->shape.stages = s->nranks;
-        s->shape.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
-        s->shape.pipes = maxpipe + 1;
-        s->shape.rounds = maxround >= 0 ? maxround + 1 : 1;
-        s->shape.micro = (maxmicro + 1) / s->shape.rounds;
-        if (s->shape.micro < 1) s->shape.micro = 1;
+        avgpipe_result res =
+            avgpipe__shape_limits(ctx, &inferred, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
+        if (res) return res;
+        s->shape = inferred;
     } else {
         if (s->shape.stages != s->nranks)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says stages=%d but the file has %d rank lines",
@@ -2028,26 +2124,61 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
     return AVGPIPE_OK;
 }
 
+static const char avgpipe__header_tag[] = "# avgpipe ";
+
+/* Rank lines (not comments) in [p, end); a final newline does not start a line. */
+static int avgpipe__count_rank_lines(const char *p, const char *end) {
+    int n = 0;
+    while (p < end) {
+        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
+        if (!e) e = end;
+        if (*p != '#' && n < INT_MAX) n++;
+        p = e + 1;
+    }
+    return n;
+}
+
+/* The end of the text that holds ranks. Blank lines at the end are not ranks (editors add them; one
+   final newline is kept), except as many as a header's stage count still needs: an exported schedule
+   whose last ranks are empty ends in empty lines, and writes the header for them. */
+static const char *avgpipe__ranks_end(const char *text, size_t len, int have_header, int stages, int *nlines) {
+    const char *full = text + len, *end = full;
+    int open;
+    while (end > text && (end[-1] == '\n' || end[-1] == '\r') && (end - 1 == text || end[-2] == '\n' || end[-2] == '\r')) end--;
+    *nlines = avgpipe__count_rank_lines(text, end);
+    open = end > text && end[-1] != '\n'; /* the next newline only ends the last line */
+    while (have_header && *nlines < stages && end < full) {
+        const char *nl = (const char *)memchr(end, '\n', (size_t)(full - end));
+        if (!nl) break;
+        end = nl + 1;
+        if (open) open = 0;
+        else ++*nlines;
+    }
+    return end;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len, avgpipe_schedule *out) {
     const char *p, *end;
     int nlines = 0, line = 0, r = 0, have_header = 0;
+    size_t taglen = sizeof avgpipe__header_tag - 1;
     avgpipe_sched_desc sh;
     avgpipe_result res;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_import: NULL argument");
     memset(out, 0, sizeof *out);
     memset(&sh, 0, sizeof sh);
-    end = text + len;
-    while (end > text && (end[-1] == '\n' || end[-1] == '\r') && (end - 1 == text || end[-2] == '\n' || end[-2] == '\r'))
-        end--; /* blank lines at the end are not ranks (one final newline is kept) */
-    /* count rank lines (non-comment); a final newline does not start a line */
-    for (p = text; p < end;) {
-        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
-        if (!e) e = end;
-        if (*p != '#') nlines++;
-        p = e + 1;
+    if (len >= taglen && memcmp(text, avgpipe__header_tag, taglen) == 0) { /* first: its stage count says which lines are ranks */
+        const char *e = (const char *)memchr(text, '\n', len);
+        if (!e) e = text + len;
+        if (e > text && e[-1] == '\r') e--;
+        res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh);
+        if (!res) res = avgpipe__shape_limits(ctx, &sh, "line 1: header");
+        if (res) return res;
+        have_header = 1;
     }
+    end = avgpipe__ranks_end(text, len, have_header, sh.stages, &nlines);
     if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
-    if (nlines > 65536) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most 65536)", nlines);
+    if (nlines > AVGPIPE__MAX_STAGES) /* a rank holds at least one stage partition */
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most %d)", nlines, AVGPIPE__MAX_STAGES);
     res = avgpipe_sched_init(ctx, out, nlines, NULL);
     if (res) return res;
     for (p = text; p < end;) {
@@ -2056,16 +2187,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         line++;
         le = e;
         if (le > p && le[-1] == '\r') le--;
-        if (*p == '#') {
-            static const char tag[] = "# avgpipe ";
-            if ((size_t)(le - p) >= sizeof tag - 1 && memcmp(p, tag, sizeof tag - 1) == 0) {
-                if (line != 1) {
-                    res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
-                    goto fail;
-                }
-                res = avgpipe__parse_header(ctx, p + sizeof tag - 1, le, line, &sh);
-                if (res) goto fail;
-                have_header = 1;
+        if (*p == '#') { /* a comment, or the header (line 1: parsed above) */
+            if (line != 1 && (size_t)(le - p) >= taglen && memcmp(p, avgpipe__header_tag, taglen) == 0) {
+                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
+                goto fail;
             }
         } else {
             res = avgpipe__parse_line(ctx, p, le, line, out, r++);
@@ -2086,18 +2211,42 @@ fail:
 }
 
 #ifndef AVGPIPE_NO_STDIO
-/* Read a whole file (to EOF: pipes work too), at most 1 GiB. */
+#define AVGPIPE__MAX_FILE ((size_t)1 << 30) /* schedule and profile text: 1 GiB, far above any real file */
+
+/* Append n bytes to a file's text, growing the buffer by doubling but never past the cap (+1 for the
+   NUL). 0: over the cap, -1: out of memory. */
+static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n) {
+    if (n > AVGPIPE__MAX_FILE - text->len) return 0; /* checked before growing: the total would pass the cap */
+    if (text->len + n + 1 > text->cap) {
+        size_t cap = text->cap ? 2 * text->cap : n + 1;
+        char *q;
+        if (cap < text->len + n + 1) cap = text->len + n + 1;
+        if (cap > AVGPIPE__MAX_FILE + 1) cap = AVGPIPE__MAX_FILE + 1;
+        if (!(q = (char *)avgpipe__realloc(ctx, text->data, text->len, cap))) return -1;
+        text->data = q;
+        text->cap = cap;
+    }
+    memcpy(text->data + text->len, p, n);
+    text->len += n;
+    text->data[text->len] = 0;
+    return 1;
+}
+
+/* Read a whole file (to EOF: pipes work too), at most 1 GiB: refused as soon as the running total
+   passes the cap, before the buffer grows for it. */
 static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text) {
     FILE *f = fopen(path, "rb");
     char chunk[65536];
     size_t n;
-    int bad;
+    int bad, put;
     if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
     while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
-        if (text->len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, text, chunk, n)) {
+        if ((put = avgpipe__file_put(ctx, text, chunk, n)) <= 0) {
             fclose(f);
             avgpipe_buf_free(ctx, text);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "'%s' is too large (over 1 GiB) or memory ran out", path);
+            if (put < 0) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
+            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over 1 GiB (%zu bytes), the most a schedule or profile file may hold", path,
+                                 AVGPIPE__MAX_FILE);
         }
     bad = ferror(f);
     fclose(f);
@@ -2147,9 +2296,6 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 
 /* --- 3. Generators ----------------------------------------------------------------------------- */
 
-#define AVGPIPE__MAX_STAGES 32767
-#define AVGPIPE__MAX_OPS 400000000LL /* a schedule larger than this is surely a mistake */
-
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out) {
     avgpipe_sched_desc d;
@@ -2178,11 +2324,11 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
                              d.stages);
-    if (d.pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most 32767 (got %d)", d.pipes);
+    if (d.pipes > AVGPIPE__MAX_PIPES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most %d (got %d)", AVGPIPE__MAX_PIPES, d.pipes);
     if ((long long)d.stages * d.chunks > AVGPIPE__MAX_STAGES)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: stages x chunks must be at most %d", AVGPIPE__MAX_STAGES);
     total = (double)d.stages * d.chunks * d.pipes * d.micro * d.rounds; /* in double: no overflow */
-    if (total * 3 > (double)AVGPIPE__MAX_OPS || (double)d.micro * d.rounds > 1e9)
+    if (total * 3 > (double)AVGPIPE__MAX_OPS || (double)d.micro * d.rounds > AVGPIPE__MAX_MICRO_ROUNDS)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: stages x chunks x pipes x micro x rounds = %.4g is too large", total);
     *out = d;
     return AVGPIPE_OK;
@@ -3430,7 +3576,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__vstate v;
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
-    int c;
+    long long nops = 0;
+    int c, i;
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -3451,6 +3598,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     cells = (size_t)v.N * v.G * v.M * v.R;
     if ((double)v.N * v.G * v.M * v.R > 4e8)
         return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
+    for (c = 0; c < v.S; c++)
+        for (i = 0; i < s->len[c]; i++) nops += s->ops[c][i].kind != AVGPIPE_OP_IDLE;
+    if (!avgpipe__cells_ok((double)v.N * v.G * v.M * v.R, nops)) /* not allocated for: some cell surely has no forward */
+        return avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
+                              "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
+                              "ops (missing forwards)",
+                              v.N, v.G, v.M, v.R, (double)v.N * v.G * v.M * v.R, nops);
     v.st = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     v.step = (uint8_t *)avgpipe__calloc(ctx, (size_t)v.N * v.G * v.R, 1);
     v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, 2 * (size_t)v.S, sizeof(avgpipe__msgs));
@@ -7258,8 +7412,16 @@ static const char *avgpipe__kv_get(const avgpipe__kv *kv, int n, const char *key
     return NULL;
 }
 
-/* A finite number >= 0 from field `key`; 0 = missing or bad (the message says which). */
-static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double *out) {
+/* Bounds of a profile's values: generous for any real run, small enough that the tuner's sums stay
+   exact in double and its conversions to size_t and int are in range. */
+#define AVGPIPE__PROFILE_MAX_BYTES 1125899906842624.0 /* 2^50 */
+#define AVGPIPE__PROFILE_MAX_FLOATS 281474976710656.0 /* 2^48: 2^50 bytes as fp32 */
+#define AVGPIPE__PROFILE_MAX_SECONDS 1e6
+#define AVGPIPE__PROFILE_MAX_SAMPLES 2147483647.0     /* INT_MAX */
+
+/* A number in [0, hi] from field `key`; 0 = missing or bad (the message says which). kv values are
+   the parser's own NUL-terminated copies, so strtod stays inside them. */
+static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double hi, double *out) {
     const char *v = avgpipe__kv_get(kv, n, key);
     char *e;
     double x;
@@ -7268,8 +7430,8 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
         return 0;
     }
     x = strtod(v, &e);
-    if (e == v || *e || !(x >= 0) || x > 1e300) {
-        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number >= 0, got '%s'", line, key, v);
+    if (e == v || *e || !(x >= 0 && x <= hi)) {
+        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number from 0 to %.16g, got '%s'", line, key, hi, v);
         return 0;
     }
     *out = x;
@@ -7278,7 +7440,7 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
 
 /* An integer field in [lo, hi]. */
 static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double lo, double hi, double *out) {
-    if (!avgpipe__kv_num(ctx, kv, n, key, line, out)) return 0;
+    if (!avgpipe__kv_num(ctx, kv, n, key, line, 1e300, out)) return 0;
     if (*out != floor(*out) || *out < lo || *out > hi) {
         avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a whole number in %.0f..%.0f, got '%s'", line, key,
                       lo, hi, avgpipe__kv_get(kv, n, key));
@@ -7287,24 +7449,46 @@ static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
     return 1;
 }
 
-static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
+/* Every stage of section i has its line. Checked when the next section starts and at the end, so that
+   only the last section's stage tables (up to 512 KiB for 32767 stages) can wait for lines that never
+   come: the parser's memory follows the lines it has read. */
+static avgpipe_result avgpipe__profile_complete(avgpipe_context *ctx, const avgpipe_profile *p, int i, int line) {
+    int g;
+    for (g = 0; g < p->sections[i].nstages; g++)
+        if (p->sections[i].param_floats[g] < 0) {
+            if (line > 0)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: section %d has no 'stage %d' line", line, i + 1, g);
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+        }
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const avgpipe__kv *kv, int n,
+                                             int line) {
     avgpipe_profile_section *sec, *ns;
     double v[9];
-    static const char *const keys[9] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous", "samples", "seconds"};
+    static const char *const keys[7] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous"};
     const char *kind = avgpipe__kv_get(kv, n, "kind");
     int i;
     static const double lo[7] = {1, 1, 1, 1, 1, 0, 0}, hi[7] = {AVGPIPE__MAX_STAGES, 64, 1e6, 32767, 1e6, 1e9, 1};
     for (i = 0; i < 7; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, lo[i], hi[i], &v[i])) return AVGPIPE_PARSE_ERROR;
-    for (i = 7; i < 9; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+    if (!avgpipe__kv_num(ctx, kv, n, "samples", line, AVGPIPE__PROFILE_MAX_SAMPLES, &v[7]) ||
+        !avgpipe__kv_num(ctx, kv, n, "seconds", line, AVGPIPE__PROFILE_MAX_SECONDS, &v[8]))
+        return AVGPIPE_PARSE_ERROR;
     if (v[7] <= 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'samples' must be > 0", line);
     if (v[0] * v[1] > AVGPIPE__MAX_STAGES || v[0] * v[1] * v[2] * v[3] * v[4] > 5e7)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
                              "profile line %d: stages x chunks x micro x pipes x rounds is too large for a profile (at most 5e7)", line);
-    ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, ((size_t)p->nsections + 1) * sizeof *ns);
-    if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
-    p->sections = ns;
+    if (p->nsections > 0 && avgpipe__profile_complete(ctx, p, p->nsections - 1, line)) return AVGPIPE_PARSE_ERROR;
+    if (p->nsections == INT_MAX) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: too many sections", line);
+    if ((size_t)p->nsections == *cap) { /* doubling: one at a time would copy them all for each */
+        size_t nc = *cap ? 2 * *cap : 4;
+        ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, nc * sizeof *ns);
+        if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+        p->sections = ns;
+        *cap = nc;
+    }
     sec = &p->sections[p->nsections++];
     memset(sec, 0, sizeof *sec);
     if (!kind || avgpipe_sched_kind_parse(kind, &sec->shape.kind))
@@ -7326,16 +7510,22 @@ static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profi
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const avgpipe__kv *kv, int n,
-                                             int line) {
+/* "stage <g> key=value ...": the index is the word [idx, idx_end), parsed within it (the text need not
+   be NUL-terminated, and a missing index must not be taken from the next line). */
+static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line) {
     avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
     double pf, ab;
-    char *e;
-    long g = strtol(idx, &e, 10);
+    const char *e = idx;
+    int g = -1;
+    char q[48];
     if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' before any 'shape' line", line);
-    if (e == idx || (*e && !avgpipe__is_space(*e)) || g < 0 || g >= sec->nstages)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index out of range 0..%d", line, sec->nstages - 1);
-    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, &pf) || !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, &ab))
+    if (idx == idx_end) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' needs a stage index", line);
+    if (!avgpipe__parse_int(&e, idx_end, &g) || e != idx_end || g >= sec->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index '%s' is not a number in 0..%d", line,
+                             avgpipe__quote(idx, (size_t)(idx_end - idx), q, sizeof q), sec->nstages - 1);
+    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, AVGPIPE__PROFILE_MAX_FLOATS, &pf) ||
+        !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, AVGPIPE__PROFILE_MAX_BYTES, &ab))
         return AVGPIPE_PARSE_ERROR;
     sec->param_floats[g] = pf;
     sec->act_bytes[g] = ab;
@@ -7353,7 +7543,8 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
     for (i = 0; i < 4; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, 0, 2e9, &v[i])) return AVGPIPE_PARSE_ERROR;
     for (i = 4; i < 7; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, i < 6 ? AVGPIPE__PROFILE_MAX_SECONDS : AVGPIPE__PROFILE_MAX_BYTES, &v[i]))
+            return AVGPIPE_PARSE_ERROR;
     for (i = 1; kind && i < AVGPIPE_OP_KIND_COUNT; i++)
         if (strcmp(kind, avgpipe__op_names[i]) == 0) k = i;
     if (k < 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'kind' missing or unknown", line);
@@ -7383,8 +7574,8 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
 
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
     const char *p, *end;
-    int line = 0, i, g, have_header = 0;
-    size_t cap = 0;
+    int line = 0, have_header = 0;
+    size_t cap = 0, scap = 0;
     avgpipe_result res = AVGPIPE_OK;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_parse: NULL argument");
     memset(out, 0, sizeof *out);
@@ -7404,7 +7595,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
         } else if ((size_t)(w - p) == 5 && memcmp(p, "shape", 5) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_shape(ctx, out, kv, n, line);
+                      : avgpipe__profile_shape(ctx, out, &scap, kv, n, line);
         } else if ((size_t)(w - p) == 5 && memcmp(p, "stage", 5) == 0) {
             const char *idx = w;
             while (idx < e && avgpipe__is_space(*idx)) idx++;
@@ -7412,7 +7603,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             while (w < e && !avgpipe__is_space(*w)) w++;
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_stage(ctx, out, idx, kv, n, line);
+                      : avgpipe__profile_stage(ctx, out, idx, w, kv, n, line);
         } else if ((size_t)(w - p) == 2 && memcmp(p, "op", 2) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
@@ -7422,13 +7613,11 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
         }
         if (line == 1 && !have_header && !res)
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line 1: expected '# avgpipe profile v1'");
-        p = (e < end && *e == '\r') ? e + 2 : e + 1;
+        p = (e < end && *e == '\r') ? e + 1 : e; /* past the line's end: its '\r', then its '\n' */
+        if (p < end) p++;
     }
     if (!res && out->nsections == 0) res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: no 'shape' line");
-    for (i = 0; i < out->nsections && !res; i++)
-        for (g = 0; g < out->sections[i].nstages && !res; g++)
-            if (out->sections[i].param_floats[g] < 0)
-                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+    if (!res) res = avgpipe__profile_complete(ctx, out, out->nsections - 1, 0); /* the others: at the next shape line */
     if (res) avgpipe_profile_free(ctx, out);
     return res;
 }
@@ -7480,47 +7669,77 @@ static int avgpipe__cmp_dbl(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+/* A producer's end time, found by (section's pipeline, stage, micro-batch, forward or backward):
+   sorted keys, so the fit's memory follows the ops a profile holds, not the cells its shape names. */
+typedef struct avgpipe__prod {
+    long long key;
+    size_t ix; /* position in the profile: of equal keys the last one counts */
+    double end;
+} avgpipe__prod;
+
+static int avgpipe__cmp_prod(const void *x, const void *y) {
+    const avgpipe__prod *a = (const avgpipe__prod *)x, *b = (const avgpipe__prod *)y;
+    if (a->key != b->key) return a->key < b->key ? -1 : 1;
+    return (a->ix > b->ix) - (a->ix < b->ix);
+}
+
+/* The parser keeps pipe, stage and micro inside the section's shape (at most 5e7 cells): no overflow. */
+static long long avgpipe__prod_key(const avgpipe_profile_section *sec, int pipe, int stage, int micro, int backward) {
+    long long U = (long long)sec->shape.micro * sec->shape.rounds;
+    return ((((long long)pipe * sec->nstages + stage) * U + micro) << 1) | backward;
+}
+
+/* End of the last producer with `key` in sorted v[0..n-1], or -1. */
+static double avgpipe__prod_end(const avgpipe__prod *v, size_t n, long long key) {
+    size_t lo = 0, hi = n; /* first element with a larger key */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (v[mid].key <= key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo > 0 && v[lo - 1].key == key ? v[lo - 1].end : -1;
+}
+
 /* Transfer latency: median over the receive waits that blocked of (wait end - producer end). */
 static avgpipe_result avgpipe__fit_latency(avgpipe_context *ctx, const avgpipe_profile *p, double *latency) {
     int s;
-    double *d = NULL;
+    double *d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
+    avgpipe__prod *v = (avgpipe__prod *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(avgpipe__prod));
     size_t nd = 0, i;
     *latency = 0;
-    d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
-    if (!d) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    if (!d || !v) {
+        avgpipe_free(ctx, d);
+        avgpipe_free(ctx, v);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    }
     for (s = 0; s < p->nsections; s++) {
         const avgpipe_profile_section *sec = &p->sections[s];
-        size_t U = (size_t)sec->shape.micro * sec->shape.rounds, cells = (size_t)sec->shape.pipes * sec->nstages * U, c;
-        double *fend = (double *)avgpipe_alloc(ctx, 2 * cells * sizeof(double)), *bend;
-        if (!fend) {
-            avgpipe_free(ctx, d);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
-        }
-        bend = fend + cells;
-        for (c = 0; c < 2 * cells; c++) fend[c] = -1;
+        size_t nv = 0;
         for (i = 0; i < p->nops; i++) {
             const avgpipe_profile_op *o = &p->ops[i];
-            size_t ix = ((size_t)o->pipe * sec->nstages + (size_t)o->stage) * U + (size_t)o->micro;
-            if (o->section != s || (size_t)o->micro >= U) continue;
-            if (o->kind == AVGPIPE_OP_F) fend[ix] = o->end;
-            if (o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I) bend[ix] = o->end;
+            int back = o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I;
+            if (o->section != s || (o->kind != AVGPIPE_OP_F && !back)) continue;
+            v[nv].key = avgpipe__prod_key(sec, o->pipe, o->stage, o->micro, back);
+            v[nv].ix = i;
+            v[nv++].end = o->end;
         }
+        qsort(v, nv, sizeof *v, avgpipe__cmp_prod);
         for (i = 0; i < p->nops; i++) {
             const avgpipe_profile_op *o = &p->ops[i];
-            int g2 = o->stage + (o->kind == AVGPIPE_OP_RECV_F ? -1 : 1);
+            int fwd = o->kind == AVGPIPE_OP_RECV_F, g2 = o->stage + (fwd ? -1 : 1);
             double prod;
-            if (o->section != s || (o->kind != AVGPIPE_OP_RECV_F && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
-            if (g2 < 0 || g2 >= sec->nstages || (size_t)o->micro >= U) continue;
-            prod = (o->kind == AVGPIPE_OP_RECV_F ? fend : bend)[((size_t)o->pipe * sec->nstages + (size_t)g2) * U + (size_t)o->micro];
+            if (o->section != s || (!fwd && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
+            if (g2 < 0 || g2 >= sec->nstages) continue;
+            prod = avgpipe__prod_end(v, nv, avgpipe__prod_key(sec, o->pipe, g2, o->micro, !fwd));
             if (prod >= 0 && o->end >= prod) d[nd++] = o->end - prod;
         }
-        avgpipe_free(ctx, fend);
     }
     if (nd) {
         qsort(d, nd, sizeof *d, avgpipe__cmp_dbl);
         *latency = d[nd / 2];
     }
     avgpipe_free(ctx, d);
+    avgpipe_free(ctx, v);
     return AVGPIPE_OK;
 }
 
@@ -7646,19 +7865,43 @@ static int avgpipe__cmp_candidate(const void *x, const void *y) {
     return a->sched.advance - b->sched.advance;
 }
 
+/* The sizes the memory model converts to size_t must be in range first (a model is plain data the
+   caller may have filled in): parameters and activation bytes per sample finite, within the
+   profile's bounds. */
+static avgpipe_result avgpipe__model_check(avgpipe_context *ctx, const avgpipe_cost_model *m) {
+    int g;
+    if (m->nstages < 1 || m->nstages > AVGPIPE__MAX_STAGES || !m->a || !m->b || !m->param_floats || !m->act_bytes_per_sample)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: %d stages (1..%d) or a table missing", m->nstages, AVGPIPE__MAX_STAGES);
+    for (g = 0; g < m->nstages; g++) {
+        if (!(m->param_floats[g] >= 0 && m->param_floats[g] <= AVGPIPE__PROFILE_MAX_FLOATS))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: stage %d: param_floats %g is not a number from 0 to 2^48", g,
+                                 m->param_floats[g]);
+        if (!(m->act_bytes_per_sample[g] >= 0 && m->act_bytes_per_sample[g] <= AVGPIPE__PROFILE_MAX_BYTES))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: stage %d: act_bytes_per_sample %g is not a number from 0 to 2^50",
+                                 g, m->act_bytes_per_sample[g]);
+    }
+    return AVGPIPE_OK;
+}
+
 /* Predict one candidate: time by simulation, memory by the runtime's planner. */
 static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
                                          avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem) {
     avgpipe_run_desc rd;
     avgpipe_result res;
     int g, r, S = c->sched.stages;
+    for (g = 0; g < m->nstages; g++) { /* checked before the conversion: an out-of-range double -> size_t is undefined */
+        double ab = m->act_bytes_per_sample[g] * c->samples + 0.5;
+        if (!(ab <= AVGPIPE__PROFILE_MAX_BYTES))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                                 "tune: stage %d: %.4g activation bytes per micro-batch of %g samples (act_bytes_per_sample %g) is over "
+                                 "2^50 bytes",
+                                 g, ab, c->samples, m->act_bytes_per_sample[g]);
+        act[g] = (size_t)ab;
+        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1; /* in range: avgpipe__model_check */
+    }
     res = avgpipe_tune_predict(ctx, m, &c->sched, c->samples, &c->seconds);
     if (res) return res;
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
-    for (g = 0; g < m->nstages; g++) {
-        act[g] = (size_t)(m->act_bytes_per_sample[g] * c->samples + 0.5);
-        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1;
-    }
     memset(&rd, 0, sizeof rd);
     rd.sched = c->sched;
     rd.act_bytes = act;
@@ -7696,6 +7939,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     if (!td.min_micro) td.min_micro = 1;
     kinds = td.kinds ? td.kinds
                      : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
+    if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
     S = m->nstages; /* one stage partition per rank */
     act = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
     pcount = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
@@ -7708,7 +7952,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
             for (M = 1; M <= td.batch && !res; M++) {
                 if (td.batch % M || td.batch / M < td.min_micro) continue;
                 for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
-                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : (N * M - 1) * (S > 1 ? S - 1 : 1);
+                    long long kfull = ((long long)N * M - 1) * (S > 1 ? S - 1 : 1); /* in long long: N, M, S are the caller's */
+                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : kfull < INT_MAX ? (int)kfull : INT_MAX - 1;
                     int r, same;
                     for (K = kind == AVGPIPE_SCHED_ADVANCE ? 1 : 0; K <= kmax && !res; K++) {
                         avgpipe_tune_candidate c;

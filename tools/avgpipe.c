@@ -30,6 +30,7 @@
    (32767 stages, 1.3e8 ops) would exhaust memory before they fail cleanly. */
 #define CLI_MAX_STAGES 4096
 #define CLI_MAX_ITEMS 10000000LL
+#define CLI_MAX_INPUT ((size_t)1 << 30) /* bytes of a schedule on standard input: the library's cap for files */
 #define CLI_EXIT_INVALID 1
 #define CLI_EXIT_USAGE 2
 /* tune: every candidate is a simulation of up to stages x pipes x batch x rounds ops. */
@@ -640,18 +641,28 @@ static int cmd_compare(avgpipe_context *ctx, const cli_opts *o) {
     return rc ? rc : invalid ? CLI_EXIT_INVALID : 0;
 }
 
-/* Read all of a stream (for '-'); NULL on a read error or when out of memory. */
+/* Read all of a stream (for '-'), at most CLI_MAX_INPUT bytes: the running total is checked before
+   the buffer grows, so '</dev/zero' stops at the cap. NULL (and the reason printed) on a read error,
+   input over the cap, or out of memory. */
 static char *read_stream(FILE *f, size_t *len) {
     size_t cap = (size_t)1 << 16, n = 0;
     char *buf = (char *)malloc(cap), *p;
     while (buf) {
         n += fread(buf + n, 1, cap - n, f);
         if (n < cap) break; /* end of input or an error */
-        if ((p = (char *)realloc(buf, cap * 2)) == NULL) break;
+        if (cap > CLI_MAX_INPUT) { /* holds more than the cap: refuse before growing */
+            cli_error("the standard input is over 1 GiB (%zu bytes), the most a schedule file may hold", CLI_MAX_INPUT);
+            free(buf);
+            return NULL;
+        }
+        /* double, but to at most one byte over the cap (enough to see that the input passes it) */
+        p = (char *)realloc(buf, 2 * cap <= CLI_MAX_INPUT ? 2 * cap : CLI_MAX_INPUT + 1);
+        if (p == NULL) break;
         buf = p;
-        cap *= 2;
+        cap = 2 * cap <= CLI_MAX_INPUT ? 2 * cap : CLI_MAX_INPUT + 1;
     }
     if (!buf || n == cap || ferror(f)) {
+        cli_error(buf ? "cannot read the standard input: %s" : "cannot read the standard input: out of memory", strerror(errno));
         free(buf);
         return NULL;
     }
@@ -672,7 +683,7 @@ static int load_schedule(avgpipe_context *ctx, const char *path, avgpipe_schedul
         if (bad) return rc;
         return avgpipe_sched_load(ctx, path, s) == AVGPIPE_OK ? 0 : lib_error(ctx);
     }
-    if ((text = read_stream(stdin, &len)) == NULL) return cli_error("cannot read the standard input");
+    if ((text = read_stream(stdin, &len)) == NULL) return CLI_EXIT_USAGE;
     res = avgpipe_sched_import(ctx, text, len, s);
     free(text);
     return res == AVGPIPE_OK ? 0 : cli_error("<stdin>: %s", avgpipe_last_error(ctx));
