@@ -241,9 +241,23 @@ AVGPIPE_API avgpipe_result avgpipe_buf_append(avgpipe_context *ctx, avgpipe_buf 
 /* 2. Schedule IR                                                                                */
 /* ============================================================================================ */
 /* A schedule is one op list per rank, executed in order. Stage partitions ("stages" below) are
-   global: the model has G = S·V of them, and stage g lives on rank g % S (PyTorch's loop
-   placement). Micro-batch numbers are per parallel pipeline and run on across rounds: micro-batch
-   u of pipeline i belongs to round u / M, and is micro-batch u % M of that round's batch. */
+   global: the model has G = S·V of them, and the schedule's placement says which rank holds each
+   (avgpipe_placement: PyTorch's loop and V placements, or any map). Micro-batch numbers are per
+   parallel pipeline and run on across rounds: micro-batch u of pipeline i belongs to round u / M,
+   and is micro-batch u % M of that round's batch. */
+
+/* Which rank holds stage partition g (S ranks, G = S·V stages). Data flows from stage g to g+1
+   whatever the placement; a transfer between two stages on the same rank is a local hand-over,
+   not a message. */
+typedef enum avgpipe_placement {
+    AVGPIPE_PLACE_AUTO = 0, /* in a description: the kind's own (V for zbv and dualpipev, else loop) */
+    AVGPIPE_PLACE_LOOP,     /* stage g on rank g % S: rank r holds r, S+r, 2S+r, ... */
+    AVGPIPE_PLACE_V,        /* chunk c = g / S runs down the ranks when c is even and back up when it
+                               is odd: rank r holds r, 2S-1-r, 2S+r, ... (the first and the last
+                               stage share rank 0 when V = 2) */
+    AVGPIPE_PLACE_CUSTOM,   /* any map: avgpipe_schedule.place */
+    AVGPIPE_PLACE_COUNT
+} avgpipe_placement;
 
 typedef enum avgpipe_op_kind {
     AVGPIPE_OP_IDLE = 0,    /* an empty slot (kept so imported files export unchanged) */
@@ -283,6 +297,9 @@ typedef enum avgpipe_sched_kind {
     AVGPIPE_SCHED_ADVANCE,    /* AvgPipe's advance forward propagation with K extra forwards */
     AVGPIPE_SCHED_INTERLEAVED,/* interleaved 1F1B, V chunks per rank (Megatron-LM) */
     AVGPIPE_SCHED_ZBH1,       /* zero-bubble ZB-H1: B split into I and W, W fills the bubbles */
+    AVGPIPE_SCHED_ZBV,        /* zero-bubble ZB-V: two chunks per rank in a V, I/W split */
+    AVGPIPE_SCHED_DUALPIPEV,  /* DualPipeV: V placement, forward of one micro-batch overlapped with
+                                 the backward of another */
     AVGPIPE_SCHED_KIND_COUNT
 } avgpipe_sched_kind;
 
@@ -298,10 +315,13 @@ typedef struct avgpipe_sched_desc {
     int rounds;     /* R */
     int advance;    /* K (advance forward only) */
     int continuous; /* 0 synchronous, 1 continuous rounds */
+    avgpipe_placement placement; /* stage -> rank */
 } avgpipe_sched_desc;
 
 /* A schedule: ops[r][0 .. len[r]-1] for each rank r < nranks. Owned by the library's allocator:
-   release with avgpipe_sched_free(). has_comm is 1 when the lists carry SEND/RECV ops. */
+   release with avgpipe_sched_free(). has_comm is 1 when the lists carry SEND/RECV ops.
+   shape.placement is LOOP, V or CUSTOM (never AUTO); place[g] is the rank of stage g for g < nplace
+   when it is CUSTOM (NULL otherwise). Read placements through avgpipe_stage_rank(). */
 typedef struct avgpipe_schedule {
     avgpipe_sched_desc shape;
     int nranks;
@@ -309,6 +329,8 @@ typedef struct avgpipe_schedule {
     int has_comm;
     int *len;
     avgpipe_op **ops;
+    int *place;
+    int nplace;
 } avgpipe_schedule;
 
 /* Release a schedule's lists (the struct itself is the caller's). Safe on a zeroed struct. */
@@ -322,12 +344,23 @@ AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_sche
 /* Append one op to rank r's list. */
 AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_schedule *s, int rank,
                                               avgpipe_op op);
-/* Rank that holds global stage g under loop placement. */
+/* Rank that holds global stage g under the schedule's placement; -1 when g is out of range or a
+   custom map does not place it. */
 AVGPIPE_API int avgpipe_stage_rank(const avgpipe_schedule *s, int stage);
+/* Rank of stage g under a named placement (LOOP or V) of `ranks` ranks; -1 for a bad argument. */
+AVGPIPE_API int avgpipe_place_rank(avgpipe_placement p, int ranks, int stage);
+/* Place the stages explicitly: rank_of[g] for g < nstages, each in 0 .. nranks-1. The schedule's
+   placement becomes LOOP or V when the map is one of them, else CUSTOM; nstages grows to cover the
+   map (and shape.chunks to ceil(nstages / nranks)). An op already pushed for a stage the map puts
+   on another rank is refused (AVGPIPE_INVALID_ARG, naming it). */
+AVGPIPE_API avgpipe_result avgpipe_sched_set_place(avgpipe_context *ctx, avgpipe_schedule *s, const int *rank_of,
+                                                   int nstages);
 
-/* Names: "F", "SEND_F", ... and "afab", "1f1b", "advance", "interleaved", "zbh1", "custom". */
+/* Names: "F", "SEND_F", ... and "afab", "1f1b", "advance", "interleaved", "zbh1", "zbv",
+   "dualpipev", "custom"; "auto", "loop", "v", "custom" for placements. */
 AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k);
 AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k);
+AVGPIPE_API const char *avgpipe_placement_name(avgpipe_placement p);
 /* Parse a schedule kind name (as above); returns AVGPIPE_INVALID_ARG for an unknown name. */
 AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out);
 
@@ -400,11 +433,15 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
 /* Forwards a stage runs before its first backward (per batch stream): AvgPipe's warm-up
    min(T, (S-s-1) + floor(K(S-s-1)/(S-1) + 1/2)) for s < S-1, 0 for the last stage, with T = N·M
    the micro-batches of one round (K = 0 is 1F1B, AFAB is T). For INTERLEAVED, counted in
-   (chunk, micro-batch) units per rank: min(T·V, 2(S-r-1) + (V-1)S). Returns -1 on a bad desc. */
+   (chunk, micro-batch) units per rank: min(T·V, 2(S-r-1) + (V-1)S). ZB-V, in the same units:
+   min(T, 2S-r-1 + k_r) + min(T, r+1) with k_r = floor(K(S-1-r)/(S-1) + 1/2) (0 on the last rank);
+   DualPipeV 2S (2S+1 on the last rank). Returns -1 on a bad desc. */
 AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank);
 /* Memory model: peak stashed activations (micro-batches whose forward ran and whose backward did
    not finish: B, or W after I) on a rank, over all its chunks: min(warm-up + 1, T·V); AFAB T·V;
-   ZB-H1 min(S, T). Equals what the simulator measures for generated schedules. */
+   ZB-H1 min(S, T); ZB-V its warm-up (2S + k_r when T >= 2S: 1F1B's S micro-batches of a whole
+   rank); DualPipeV 2S + 1. Equals what the simulator measures for generated schedules, except
+   continuous ZB-V, whose forwards may wait for their pipeline's STEP: at most this there. */
 AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank);
 
 /* Greedy list scheduler for custom schedules (V = 1). It simulates the pipeline with the given op
@@ -1582,6 +1619,7 @@ static double avgpipe__now(void) {
    micro-batch) that a schedule's numbers name. A valid schedule has at least one op per cell (its
    forward); these tables may hold at most this many cells per op, plus a floor for small hand-made
    schedules, so that a few bytes of text cannot ask for gigabytes. */
+#define AVGPIPE__TEXT_VERSION 1 /* the schedule text header's format version */
 #define AVGPIPE__CELLS_PER_OP 8
 #define AVGPIPE__CELLS_FLOOR 4096
 
@@ -1593,13 +1631,17 @@ static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
     "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
     "UNSHARD", "RESHARD", "REDUCE_GRAD"};
 static const char *const avgpipe__sched_names[AVGPIPE_SCHED_KIND_COUNT] = {
-    "custom", "afab", "1f1b", "advance", "interleaved", "zbh1"};
+    "custom", "afab", "1f1b", "advance", "interleaved", "zbh1", "zbv", "dualpipev"};
+static const char *const avgpipe__place_names[AVGPIPE_PLACE_COUNT] = {"auto", "loop", "v", "custom"};
 
 AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k) {
     return (k >= 0 && k < AVGPIPE_OP_KIND_COUNT) ? avgpipe__op_names[k] : "?";
 }
 AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k) {
     return (k >= 0 && k < AVGPIPE_SCHED_KIND_COUNT) ? avgpipe__sched_names[k] : "?";
+}
+AVGPIPE_API const char *avgpipe_placement_name(avgpipe_placement p) {
+    return (p >= 0 && p < AVGPIPE_PLACE_COUNT) ? avgpipe__place_names[p] : "?";
 }
 AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out) {
     int k;
@@ -1616,13 +1658,84 @@ AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sc
     return AVGPIPE_INVALID_ARG;
 }
 
-/* Rank of stage g under loop placement: g % S, without a division in the common V <= 2 case. */
-static int avgpipe__rank_of(int g, int S) { return g < S ? g : g < 2 * S ? g - S : g % S; }
+/* Rank of stage g under a named placement (g >= 0, S >= 1). */
+static int avgpipe__place_formula(avgpipe_placement p, int g, int S) {
+    int c = g / S, j = g - c * S;
+    return p == AVGPIPE_PLACE_V && (c & 1) ? S - 1 - j : j;
+}
 
-/* Channels: under loop placement a rank only talks to its neighbours r+1 and r-1 (mod S), so the
-   channel src -> dst is one of two per rank (one when S = 2: both neighbours are the other rank). */
-static int avgpipe__chan_of(int src, int dst, int S) {
-    return 2 * src + (S > 2 && dst != (src + 1 == S ? 0 : src + 1));
+/* The placement a description asks for, resolved: AUTO -> the kind's own. */
+static avgpipe_placement avgpipe__placement_of(avgpipe_sched_kind kind, avgpipe_placement p) {
+    if (p != AVGPIPE_PLACE_AUTO) return p;
+    return kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP;
+}
+
+/* A schedule's placement resolved into tables for the passes that walk it (lowering, simulation,
+   validation, buffer planning, the runtime): the rank of every stage, and the channels. A channel
+   is one ordered pair of ranks that exchange messages; data crosses boundary g|g+1 forwards on
+   up[g] and gradients cross it backwards on down[g + 1]. Messages on one channel keep the sender's
+   order whatever boundaries they cross (the comm backends match per peer). */
+typedef struct avgpipe__place {
+    int G, S, nchan;
+    int *rank;      /* [G] */
+    int *up;        /* [G]: channel of stage g's forward output to g+1; -1 on the same rank or g = G-1 */
+    int *down;      /* [G]: channel of stage g's input gradient to g-1; -1 on the same rank or g = 0 */
+    int *src, *dst; /* [nchan] */
+} avgpipe__place;
+
+static void avgpipe__place_free(avgpipe_context *ctx, avgpipe__place *pl) {
+    avgpipe_free(ctx, pl->rank);
+    memset(pl, 0, sizeof *pl);
+}
+
+/* The channel id of (a, b), added when new: open addressing over a table of 2^k >= 4 entries per
+   boundary, keyed a * S + b. */
+static int avgpipe__place_chan(avgpipe__place *pl, int *keys, int mask, int a, int b) {
+    long long key = (long long)a * pl->S + b;
+    unsigned h = (unsigned)((key * 2654435761u) & (unsigned)mask);
+    for (;; h = (h + 1) & (unsigned)mask) {
+        if (keys[2 * h] < 0) {
+            keys[2 * h] = (int)key; /* S <= 32767: a * S + b fits an int */
+            keys[2 * h + 1] = pl->nchan;
+            pl->src[pl->nchan] = a;
+            pl->dst[pl->nchan] = b;
+            return pl->nchan++;
+        }
+        if (keys[2 * h] == (int)key) return keys[2 * h + 1];
+    }
+}
+
+static avgpipe_result avgpipe__place_build(avgpipe_context *ctx, const avgpipe_schedule *s, avgpipe__place *pl) {
+    int g, G = s->nstages, mask = 15, *keys;
+    memset(pl, 0, sizeof *pl);
+    pl->G = G;
+    pl->S = s->nranks;
+    while (mask + 1 < 8 * (G + 1)) mask = 2 * mask + 1;
+    /* one block: rank, up, down [G each], src, dst [2G each] */
+    pl->rank = (int *)avgpipe_alloc(ctx, ((size_t)G * 7 + 2) * sizeof(int));
+    keys = (int *)avgpipe_alloc(ctx, ((size_t)mask + 1) * 2 * sizeof(int));
+    if (!pl->rank || !keys) {
+        avgpipe_free(ctx, keys);
+        avgpipe__place_free(ctx, pl);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory placing %d stages", G);
+    }
+    pl->up = pl->rank + G;
+    pl->down = pl->up + G;
+    pl->src = pl->down + G;
+    pl->dst = pl->src + 2 * (size_t)G + 1;
+    memset(keys, 0xff, ((size_t)mask + 1) * 2 * sizeof(int));
+    for (g = 0; g < G; g++) {
+        pl->rank[g] = avgpipe_stage_rank(s, g);
+        pl->up[g] = pl->down[g] = -1;
+    }
+    for (g = 0; g + 1 < G; g++) {
+        int a = pl->rank[g], b = pl->rank[g + 1];
+        if (a == b || a < 0 || b < 0) continue;
+        pl->up[g] = avgpipe__place_chan(pl, keys, mask, a, b);
+        pl->down[g + 1] = avgpipe__place_chan(pl, keys, mask, b, a);
+    }
+    avgpipe_free(ctx, keys);
+    return AVGPIPE_OK;
 }
 
 static int avgpipe__is_compute(int k) {
@@ -1643,8 +1756,16 @@ static avgpipe_op avgpipe__op(int kind, int pipe, int stage, int micro) {
     return o;
 }
 
+AVGPIPE_API int avgpipe_place_rank(avgpipe_placement p, int ranks, int stage) {
+    if (ranks < 1 || stage < 0 || (p != AVGPIPE_PLACE_LOOP && p != AVGPIPE_PLACE_V)) return -1;
+    return avgpipe__place_formula(p, stage, ranks);
+}
+
 AVGPIPE_API int avgpipe_stage_rank(const avgpipe_schedule *s, int stage) {
-    return (s && s->nranks > 0 && stage >= 0) ? stage % s->nranks : -1;
+    if (!s || s->nranks < 1 || stage < 0 || stage >= s->nstages) return -1;
+    if (s->shape.placement == AVGPIPE_PLACE_CUSTOM)
+        return s->place && stage < s->nplace && s->place[stage] >= 0 && s->place[stage] < s->nranks ? s->place[stage] : -1;
+    return avgpipe__place_formula(s->shape.placement, stage, s->nranks);
 }
 
 AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s) {
@@ -1654,8 +1775,11 @@ AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s) {
         for (r = 0; r < s->nranks; r++) avgpipe_free(ctx, s->ops[r]);
     avgpipe_free(ctx, s->ops);
     avgpipe_free(ctx, s->len);
+    avgpipe_free(ctx, s->place);
     s->ops = NULL;
     s->len = NULL;
+    s->place = NULL;
+    s->nplace = 0;
     s->nranks = 0;
 }
 
@@ -1666,6 +1790,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_sche
     if (nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_init: nranks must be >= 1 (got %d)", nranks);
     s->nranks = nranks;
     if (shape) s->shape = *shape;
+    s->shape.placement = avgpipe__placement_of(s->shape.kind, s->shape.placement);
+    if (s->shape.placement < 0 || s->shape.placement >= AVGPIPE_PLACE_COUNT) s->shape.placement = AVGPIPE_PLACE_LOOP;
     if (s->shape.stages <= 0) s->shape.stages = nranks;
     if (s->shape.chunks <= 0) s->shape.chunks = 1;
     if (s->shape.pipes <= 0) s->shape.pipes = 1;
@@ -1705,6 +1831,52 @@ AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_sche
     return AVGPIPE_OK;
 }
 
+AVGPIPE_API avgpipe_result avgpipe_sched_set_place(avgpipe_context *ctx, avgpipe_schedule *s, const int *rank_of,
+                                                   int nstages) {
+    int g, r, i, p, match[AVGPIPE_PLACE_COUNT] = {0, 1, 1, 1};
+    int *map;
+    if (!s || !s->len || !rank_of) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: NULL argument");
+    if (nstages < 1 || nstages > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: nstages must be in 1..%d (got %d)", AVGPIPE__MAX_STAGES,
+                             nstages);
+    if (nstages < s->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: the schedule has %d stages, the map places %d",
+                             s->nstages, nstages);
+    for (g = 0; g < nstages; g++) {
+        if (rank_of[g] < 0 || rank_of[g] >= s->nranks)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: stage %d on rank %d (ranks are 0..%d)", g, rank_of[g],
+                                 s->nranks - 1);
+        for (p = AVGPIPE_PLACE_LOOP; p <= AVGPIPE_PLACE_V; p++)
+            match[p] &= rank_of[g] == avgpipe__place_formula((avgpipe_placement)p, g, s->nranks);
+    }
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (op->kind != AVGPIPE_OP_IDLE && op->stage >= 0 && op->stage < nstages && rank_of[op->stage] != r) {
+                char txt[64];
+                avgpipe_op_format(op, 0, txt, sizeof txt);
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: rank %d position %d (%s) runs stage %d, which the map puts on rank %d",
+                                     r, i, txt, op->stage, rank_of[op->stage]);
+            }
+        }
+    s->nstages = nstages;
+    s->shape.chunks = (nstages + s->nranks - 1) / s->nranks;
+    avgpipe_free(ctx, s->place);
+    s->place = NULL;
+    s->nplace = 0;
+    if (match[AVGPIPE_PLACE_LOOP] || match[AVGPIPE_PLACE_V]) {
+        s->shape.placement = match[AVGPIPE_PLACE_LOOP] ? AVGPIPE_PLACE_LOOP : AVGPIPE_PLACE_V;
+        return AVGPIPE_OK;
+    }
+    map = (int *)avgpipe_alloc(ctx, (size_t)nstages * sizeof(int));
+    if (!map) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_set_place: out of memory");
+    memcpy(map, rank_of, (size_t)nstages * sizeof(int));
+    s->place = map;
+    s->nplace = nstages;
+    s->shape.placement = AVGPIPE_PLACE_CUSTOM;
+    return AVGPIPE_OK;
+}
+
 /* Reserve exactly n ops for a rank (generators know their counts). */
 static avgpipe_result avgpipe__sched_reserve(avgpipe_context *ctx, avgpipe_schedule *s, int rank, size_t n) {
     avgpipe_op *p;
@@ -1716,13 +1888,29 @@ static avgpipe_result avgpipe__sched_reserve(avgpipe_context *ctx, avgpipe_sched
     return AVGPIPE_OK;
 }
 
+/* An empty schedule with src's ranks, shape, stages and placement. */
+static avgpipe_result avgpipe__sched_init_like(avgpipe_context *ctx, avgpipe_schedule *dst, const avgpipe_schedule *src) {
+    avgpipe_result res = avgpipe_sched_init(ctx, dst, src->nranks, &src->shape);
+    if (res) return res;
+    dst->nstages = src->nstages;
+    if (src->place && src->nplace > 0) {
+        dst->place = (int *)avgpipe_alloc(ctx, (size_t)src->nplace * sizeof(int));
+        if (!dst->place) {
+            avgpipe_sched_free(ctx, dst);
+            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory copying a placement of %d stages", src->nplace);
+        }
+        memcpy(dst->place, src->place, (size_t)src->nplace * sizeof(int));
+        dst->nplace = src->nplace;
+    }
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_copy(avgpipe_context *ctx, const avgpipe_schedule *src, avgpipe_schedule *dst) {
     int r;
     avgpipe_result res;
     if (!src || !dst) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_copy: NULL argument");
-    res = avgpipe_sched_init(ctx, dst, src->nranks, &src->shape);
+    res = avgpipe__sched_init_like(ctx, dst, src);
     if (res) return res;
-    dst->nstages = src->nstages;
     dst->has_comm = src->has_comm;
     for (r = 0; r < src->nranks; r++) {
         size_t n = (size_t)src->len[r];
@@ -1763,14 +1951,18 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             char txt[64];
             if (op->kind == AVGPIPE_OP_IDLE) continue;
             nops++;
-            if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
-                op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
-                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
+            int home = avgpipe_stage_rank(s, op->stage);
+            if (op->kind >= AVGPIPE_OP_KIND_COUNT || home != r || op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
+                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the messages below */
             if (op->kind >= AVGPIPE_OP_KIND_COUNT)
                 return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d: unknown op kind %d", r, i, op->kind);
-            if (op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r)
-                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d does not live on rank %d", r,
-                                     i, txt, op->stage, r);
+            if (home != r) {
+                if (home < 0)
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d is not placed (%d stages)", r, i,
+                                         txt, op->stage, s->nstages);
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d lives on rank %d (%s placement)",
+                                     r, i, txt, op->stage, home, avgpipe_placement_name(s->shape.placement));
+            }
             if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
             if (op->pipe >= N) N = op->pipe + 1;
             if (avgpipe__has_micro(op->kind)) {
@@ -1794,6 +1986,31 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
 
 /* ---- export ---- */
 
+/* The placement the actions imply: LOOP when every op's stage is where loop placement puts it, else
+   V when the V placement puts it there, else CUSTOM. With map (s->nstages entries), the rank of each
+   stage an op names (-1 for the others); a stage on two ranks returns -1 with *conflict = that
+   stage. */
+static int avgpipe__place_of_ops(const avgpipe_schedule *s, int *map, int *conflict) {
+    int r, i, loop = 1, v = 1, S = s->nranks;
+    if (map)
+        for (i = 0; i < s->nstages; i++) map[i] = -1;
+    for (r = 0; r < S; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            int g = s->ops[r][i].stage;
+            if (s->ops[r][i].kind == AVGPIPE_OP_IDLE || g < 0) continue;
+            loop &= avgpipe__place_formula(AVGPIPE_PLACE_LOOP, g, S) == r;
+            v &= avgpipe__place_formula(AVGPIPE_PLACE_V, g, S) == r;
+            if (map && g < s->nstages) {
+                if (map[g] >= 0 && map[g] != r) {
+                    *conflict = g;
+                    return -1;
+                }
+                map[g] = r;
+            }
+        }
+    return loop ? AVGPIPE_PLACE_LOOP : v ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_CUSTOM;
+}
+
 /* The shape a header-less import gives the actions: ranks = lines, stages = highest stage + 1,
    V = stages / ranks, N = highest pipeline + 1, R = highest STEP/AVG round + 1, M = micro-batches per
    round. Also the highest stage and pipeline named (-1, 0 when none). */
@@ -1814,6 +2031,7 @@ static avgpipe_sched_desc avgpipe__shape_of_ops(const avgpipe_schedule *s, int *
     memset(&sh, 0, sizeof sh);
     stages = maxstage + 1;
     sh.kind = AVGPIPE_SCHED_CUSTOM;
+    sh.placement = (avgpipe_placement)avgpipe__place_of_ops(s, NULL, NULL);
     sh.stages = s->nranks;
     sh.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
     sh.pipes = maxpipe + 1;
@@ -1827,13 +2045,28 @@ static avgpipe_sched_desc avgpipe__shape_of_ops(const avgpipe_schedule *s, int *
 
 static int avgpipe__same_shape(const avgpipe_sched_desc *a, const avgpipe_sched_desc *b) {
     return a->kind == b->kind && a->stages == b->stages && a->micro == b->micro && a->pipes == b->pipes && a->chunks == b->chunks &&
-           a->rounds == b->rounds && a->advance == b->advance && a->continuous == b->continuous;
+           a->rounds == b->rounds && a->advance == b->advance && a->continuous == b->continuous && a->placement == b->placement;
 }
 
-static int avgpipe__needs_ext(const avgpipe_schedule *s) {
+/* A custom map import can infer: every stage named by an op on the rank the map says (-1: out of
+   memory). */
+static int avgpipe__place_inferable(avgpipe_context *ctx, const avgpipe_schedule *s) {
+    int g, ok = 1, conflict = -1, *map;
+    if (s->shape.placement != AVGPIPE_PLACE_CUSTOM) return 1;
+    if (!s->place || s->nplace < s->nstages) return 0;
+    map = (int *)avgpipe_alloc(ctx, ((size_t)s->nstages + 1) * sizeof(int));
+    if (!map) return -1;
+    if (avgpipe__place_of_ops(s, map, &conflict) < 0) ok = 0;
+    for (g = 0; g < s->nstages && ok; g++) ok = map[g] == s->place[g];
+    avgpipe_free(ctx, map);
+    return ok;
+}
+
+static int avgpipe__needs_ext(avgpipe_context *ctx, const avgpipe_schedule *s) {
     int r, i, last = s->nranks - 1;
     avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, NULL, NULL);
     if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
+    if (avgpipe__place_inferable(ctx, s) != 1) return 1;
     /* a shape that import would not infer from the actions (a header's micro=8 over a partial
        schedule): only the header keeps it */
     if (!avgpipe__same_shape(&inferred, &s->shape)) return 1;
@@ -1853,16 +2086,24 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
     int r, i, ok = 1, torch = (flags & AVGPIPE_TEXT_TORCH) != 0, ext;
     char txt[64];
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_export: NULL argument");
+    if (s->shape.placement == AVGPIPE_PLACE_CUSTOM && (!s->place || s->nplace < s->nstages))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_export: custom placement without a map of its %d stages", s->nstages);
     if (torch && s->shape.pipes > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "avgpipe_sched_export: PyTorch's format has no parallel pipelines (pipes = %d)", s->shape.pipes);
-    ext = !torch && avgpipe__needs_ext(s);
+    ext = !torch && avgpipe__needs_ext(ctx, s);
     out->len = 0;
-    if (ext)
+    if (ext) {
         ok &= avgpipe__buf_printf(ctx, out,
-                                  "# avgpipe kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d\n",
-                                  avgpipe_sched_kind_name(s->shape.kind), s->nranks, s->shape.chunks, s->shape.micro,
-                                  s->shape.pipes, s->shape.rounds, s->shape.advance, s->shape.continuous);
+                                  "# avgpipe version=%d kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d",
+                                  AVGPIPE__TEXT_VERSION, avgpipe_sched_kind_name(s->shape.kind), s->nranks, s->shape.chunks,
+                                  s->shape.micro, s->shape.pipes, s->shape.rounds, s->shape.advance, s->shape.continuous);
+        if (s->shape.placement != AVGPIPE_PLACE_LOOP)
+            ok &= avgpipe__buf_printf(ctx, out, " placement=%s", avgpipe_placement_name(s->shape.placement));
+        if (s->shape.placement == AVGPIPE_PLACE_CUSTOM)
+            for (i = 0; i < s->nstages && ok; i++) ok &= avgpipe__buf_printf(ctx, out, "%s%d", i ? "," : " place=", s->place[i]);
+        ok &= avgpipe__buf_put(ctx, out, "\n", 1);
+    }
     for (r = 0; r < s->nranks && ok; r++) {
         int first = 1, in_group = 0;
         for (i = 0; i < s->len[r] && ok; i++) {
@@ -1978,13 +2219,38 @@ static const char *avgpipe__quote(const char *p, size_t n, char *out, size_t cap
     return out;
 }
 
+/* A header's explicit map "place=0,1,1,0" in [p, end): into *map (allocated, *n entries). */
+static avgpipe_result avgpipe__parse_place(avgpipe_context *ctx, const char *p, const char *end, int line, int **map, int *n) {
+    int cap = 0, v;
+    avgpipe_free(ctx, *map);
+    *map = NULL;
+    *n = 0;
+    while (p < end) {
+        if (!avgpipe__parse_int(&p, end, &v) || v >= AVGPIPE__MAX_STAGES || (p < end && *p != ','))
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field 'place' needs ranks separated by commas", line);
+        if (*n == AVGPIPE__MAX_STAGES)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field 'place' places more than %d stages", line, AVGPIPE__MAX_STAGES);
+        if (*n == cap) {
+            int c2 = cap ? 2 * cap : 16, *q = (int *)avgpipe__realloc(ctx, *map, (size_t)cap * sizeof(int), (size_t)c2 * sizeof(int));
+            if (!q) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading 'place'");
+            *map = q;
+            cap = c2;
+        }
+        (*map)[(*n)++] = v;
+        if (p < end) p++; /* the comma */
+        if (p == end && end[-1] == ',')
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field 'place' needs ranks separated by commas", line);
+    }
+    return AVGPIPE_OK;
+}
+
+/* "# avgpipe key=value ...": the shape into *sh, an explicit stage map into *map (*nmap entries). */
 static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p, const char *end, int line,
-                                            avgpipe_sched_desc *sh) {
-    /* "# avgpipe key=value ..." */
+                                            avgpipe_sched_desc *sh, int **map, int *nmap) {
     while (p < end) {
         const char *k0, *k1, *v0;
         char key[32], val[32], q[48];
-        int iv = 0;
+        int iv = 0, k;
         while (p < end && avgpipe__is_space(*p)) p++;
         if (p >= end) break;
         k0 = p;
@@ -1996,6 +2262,11 @@ static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p,
         p++;
         v0 = p;
         while (p < end && !avgpipe__is_space(*p)) p++;
+        if ((size_t)(k1 - k0) == 5 && memcmp(k0, "place", 5) == 0 && p > v0) {
+            avgpipe_result res = avgpipe__parse_place(ctx, v0, p, line, map, nmap);
+            if (res) return res;
+            continue;
+        }
         if ((size_t)(k1 - k0) >= sizeof key || (size_t)(p - v0) >= sizeof val || p == v0)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: bad header field '%s'", line,
                                  avgpipe__quote(k0, (size_t)(p - k0), q, sizeof q));
@@ -2008,12 +2279,24 @@ static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p,
                 return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: unknown schedule kind '%s'", line, val);
             continue;
         }
+        if (strcmp(key, "placement") == 0) {
+            for (k = AVGPIPE_PLACE_LOOP; k < AVGPIPE_PLACE_COUNT && strcmp(val, avgpipe__place_names[k]) != 0; k++) {
+            }
+            if (k == AVGPIPE_PLACE_COUNT)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: unknown placement '%s' (loop, v, custom)", line, val);
+            sh->placement = (avgpipe_placement)k;
+            continue;
+        }
         {
             const char *q = val;
             if (!avgpipe__parse_int(&q, val + strlen(val), &iv) || *q)
                 return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field '%s' needs a number, got '%s'", line, key, val);
         }
-        if (strcmp(key, "stages") == 0) sh->stages = iv;
+        if (strcmp(key, "version") == 0) {
+            if (iv < 1 || iv > AVGPIPE__TEXT_VERSION)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: format version %d (this avgpipe reads versions 1 to %d%s)", line,
+                                     iv, AVGPIPE__TEXT_VERSION, iv > AVGPIPE__TEXT_VERSION ? ": written by a newer avgpipe" : "");
+        } else if (strcmp(key, "stages") == 0) sh->stages = iv;
         else if (strcmp(key, "chunks") == 0) sh->chunks = iv;
         else if (strcmp(key, "micro") == 0) sh->micro = iv;
         else if (strcmp(key, "pipes") == 0) sh->pipes = iv;
@@ -2095,6 +2378,79 @@ static avgpipe_result avgpipe__shape_limits(avgpipe_context *ctx, const avgpipe_
     return AVGPIPE_OK;
 }
 
+/* The placement: the header's, checked against the actions, or inferred from them (each stage on
+   one rank). line_of[r] is rank r's line in the text. Takes *map (the header's explicit one). */
+static avgpipe_result avgpipe__infer_place(avgpipe_context *ctx, avgpipe_schedule *s, avgpipe_placement said, int **map, int nmap,
+                                           const int *line_of) {
+    int g, r, i, conflict = -1, kind, *seen = (int *)avgpipe_alloc(ctx, ((size_t)s->nstages + 1) * sizeof(int));
+    if (!seen) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory placing %d stages", s->nstages);
+    kind = avgpipe__place_of_ops(s, seen, &conflict);
+    if (kind < 0) { /* name both lines */
+        int first = -1, other = -1;
+        for (r = 0; r < s->nranks && other < 0; r++)
+            for (i = 0; i < s->len[r]; i++)
+                if (s->ops[r][i].kind != AVGPIPE_OP_IDLE && s->ops[r][i].stage == conflict) {
+                    if (first < 0) first = r;
+                    else if (r != first) other = r;
+                    break;
+                }
+        avgpipe_free(ctx, seen);
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "stage %d appears on two ranks: %d (line %d) and %d (line %d); a stage lives on one rank",
+                             conflict, first, line_of[first], other, line_of[other]);
+    }
+    if (said == AVGPIPE_PLACE_AUTO && kind == AVGPIPE_PLACE_CUSTOM)
+        for (g = 0; g < s->nstages; g++)
+            if (seen[g] < 0) {
+                avgpipe_free(ctx, seen);
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
+                                     "the actions place their stages on neither the loop nor the V placement, and stage %d appears on no rank: "
+                                     "give the map in the header (placement=custom place=...)",
+                                     g);
+            }
+    if (said == AVGPIPE_PLACE_AUTO) said = (avgpipe_placement)kind;
+    if (said == AVGPIPE_PLACE_CUSTOM) {
+        int *m = *map;
+        if (!m) { /* placement=custom without place=: the actions' map */
+            m = seen;
+            seen = NULL;
+            for (g = 0; g < s->nstages; g++)
+                if (m[g] < 0) {
+                    avgpipe_free(ctx, m);
+                    return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: placement=custom, and stage %d appears on no rank (give place=...)", g);
+                }
+        } else if (nmap != s->nstages) {
+            avgpipe_free(ctx, seen);
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= names %d stages, the schedule has %d", nmap, s->nstages);
+        } else
+            *map = NULL;
+        for (g = 0; g < s->nstages; g++)
+            if (m[g] < 0 || m[g] >= s->nranks) {
+                avgpipe_free(ctx, m);
+                avgpipe_free(ctx, seen);
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= puts stage %d on rank %d of %d", g, m[g], s->nranks);
+            }
+        s->place = m;
+        s->nplace = s->nstages;
+    } else if (*map) {
+        avgpipe_free(ctx, seen);
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= needs placement=custom");
+    }
+    s->shape.placement = said;
+    avgpipe_free(ctx, seen);
+    for (r = 0; r < s->nranks; r++) /* the header's placement against the actions */
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            int home = op->kind == AVGPIPE_OP_IDLE ? r : avgpipe_stage_rank(s, op->stage);
+            if (home != r) {
+                char txt[64];
+                avgpipe_op_format(op, 0, txt, sizeof txt);
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: action %s runs stage %d on rank %d, but the %s placement puts it on rank %d",
+                                     line_of[r], txt, op->stage, r, avgpipe_placement_name(said), home);
+            }
+        }
+    return AVGPIPE_OK;
+}
+
 /* Infer what the header did not say. */
 static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
     int r, i, maxstage, maxpipe;
@@ -2163,6 +2519,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
     size_t taglen = sizeof avgpipe__header_tag - 1;
     avgpipe_sched_desc sh;
     avgpipe_result res;
+    int *map = NULL, nmap = 0, *line_of = NULL;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_import: NULL argument");
     memset(out, 0, sizeof *out);
     memset(&sh, 0, sizeof sh);
@@ -2170,17 +2527,24 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         const char *e = (const char *)memchr(text, '\n', len);
         if (!e) e = text + len;
         if (e > text && e[-1] == '\r') e--;
-        res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh);
+        res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh, &map, &nmap);
         if (!res) res = avgpipe__shape_limits(ctx, &sh, "line 1: header");
-        if (res) return res;
+        if (res) {
+            avgpipe_free(ctx, map);
+            return res;
+        }
         have_header = 1;
     }
     end = avgpipe__ranks_end(text, len, have_header, sh.stages, &nlines);
-    if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
-    if (nlines > AVGPIPE__MAX_STAGES) /* a rank holds at least one stage partition */
+    if (nlines == 0 || nlines > AVGPIPE__MAX_STAGES) { /* a rank holds at least one stage partition */
+        avgpipe_free(ctx, map);
+        if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most %d)", nlines, AVGPIPE__MAX_STAGES);
+    }
     res = avgpipe_sched_init(ctx, out, nlines, NULL);
-    if (res) return res;
+    if (!res && !(line_of = (int *)avgpipe_alloc(ctx, (size_t)nlines * sizeof(int))))
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_import: out of memory");
+    if (res) goto fail;
     for (p = text; p < end;) {
         const char *e = (const char *)memchr(p, '\n', (size_t)(end - p)), *le;
         if (!e) e = end;
@@ -2193,6 +2557,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
                 goto fail;
             }
         } else {
+            line_of[r] = line;
             res = avgpipe__parse_line(ctx, p, le, line, out, r++);
             if (res) goto fail;
         }
@@ -2202,10 +2567,15 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         out->shape = sh;
         if (out->shape.chunks == 0) out->shape.chunks = 1;
     }
+    out->shape.placement = AVGPIPE_PLACE_LOOP; /* until inferred: the shape checks need a named one */
     res = avgpipe__infer_shape(ctx, out, have_header);
+    if (!res) res = avgpipe__infer_place(ctx, out, sh.placement, &map, nmap, line_of);
     if (res) goto fail;
+    avgpipe_free(ctx, line_of);
     return AVGPIPE_OK;
 fail:
+    avgpipe_free(ctx, map);
+    avgpipe_free(ctx, line_of);
     avgpipe_sched_free(ctx, out);
     return res;
 }
@@ -2303,7 +2673,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
     if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_resolve: NULL argument");
     d = *desc;
     if (d.kind <= AVGPIPE_SCHED_CUSTOM || d.kind >= AVGPIPE_SCHED_KIND_COUNT)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kind: %d is not a generator (afab, 1f1b, advance, interleaved, zbh1)",
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kind: %d is not a generator (afab, 1f1b, advance, interleaved, zbh1, zbv, dualpipev)",
                              (int)d.kind);
     if (d.stages < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: must be >= 1 (got %d)", d.stages);
     if (d.micro < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: must be >= 1 (got %d)", d.micro);
@@ -2313,13 +2683,28 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
     if (d.advance < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "advance: must be >= 0 (got %d)", d.advance);
     if (d.continuous != 0 && d.continuous != 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "continuous: must be 0 or 1 (got %d)", d.continuous);
+    if ((int)d.placement < 0 || d.placement >= AVGPIPE_PLACE_COUNT)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: %d is not a placement (auto, loop, v)", (int)d.placement);
+    if (d.placement == AVGPIPE_PLACE_CUSTOM)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: generators place stages by a named placement (loop, v); "
+                                                       "set a custom map on the schedule (avgpipe_sched_set_place)");
     if (d.pipes == 0) d.pipes = 1;
     if (d.rounds == 0) d.rounds = 1;
-    if (d.chunks == 0) d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1;
-    if (d.kind != AVGPIPE_SCHED_ADVANCE) d.advance = 0;
-    if (d.chunks > 1 && d.kind != AVGPIPE_SCHED_INTERLEAVED)
+    if (d.chunks == 0) d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED || d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV ? 2 : 1;
+    d.placement = avgpipe__placement_of(d.kind, d.placement);
+    if (d.chunks == 1) d.placement = AVGPIPE_PLACE_LOOP; /* one stage per rank: the placements agree */
+    if (d.kind != AVGPIPE_SCHED_ADVANCE && d.kind != AVGPIPE_SCHED_ZBV) d.advance = 0;
+    if (d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV) {
+        if (d.chunks != 2)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %s holds two stages per rank (got %d)", avgpipe_sched_kind_name(d.kind), d.chunks);
+        if (d.placement != AVGPIPE_PLACE_V)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: %s places its stages in a V (got %s)", avgpipe_sched_kind_name(d.kind),
+                                 avgpipe_placement_name(d.placement));
+    } else if (d.chunks > 1 && d.kind != AVGPIPE_SCHED_INTERLEAVED)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %d chunks per rank need the interleaved schedule (%s takes 1)",
                              d.chunks, avgpipe_sched_kind_name(d.kind));
+    if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.placement != AVGPIPE_PLACE_LOOP)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: interleaved 1F1B runs the loop placement (zbv and dualpipev run the V)");
     if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.chunks > 1 && d.micro % d.stages != 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
@@ -2334,10 +2719,16 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
     return AVGPIPE_OK;
 }
 
+static long long avgpipe__advance_extra(const avgpipe_sched_desc *d, int r);
+
 static int avgpipe__warmup(const avgpipe_sched_desc *d, int r) {
     long long T = (long long)d->pipes * d->micro, w, S = d->stages, k = d->advance, dist = S - r - 1;
     switch (d->kind) {
     case AVGPIPE_SCHED_AFAB: return (int)T;
+    case AVGPIPE_SCHED_ZBV: /* chunk-0 forwards before the first I1 (K's share extra), and r + 1 chunk-1 ones */
+        w = 2 * S - r - 1 + avgpipe__advance_extra(d, r);
+        return (int)((w < T ? w : T) + (r + 1 < T ? r + 1 : T));
+    case AVGPIPE_SCHED_DUALPIPEV: return (int)(r == S - 1 ? 2 * S + 1 : 2 * S);
     case AVGPIPE_SCHED_INTERLEAVED:
         if (d->chunks > 1) {
             w = 2 * dist + (long long)(d->chunks - 1) * S;
@@ -2371,6 +2762,8 @@ AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int ran
     T = (long long)d.pipes * d.micro * d.chunks;
     if (d.kind == AVGPIPE_SCHED_AFAB) return (int)T;
     if (d.kind == AVGPIPE_SCHED_ZBH1) return (int)(d.stages < T ? d.stages : T);
+    if (d.kind == AVGPIPE_SCHED_ZBV) return avgpipe__warmup(&d, rank); /* no W before the first I */
+    if (d.kind == AVGPIPE_SCHED_DUALPIPEV) return 2 * d.stages + 1;
     w = avgpipe__warmup(&d, rank) + 1;
     return (int)(w < T ? w : T);
 }
@@ -2448,6 +2841,250 @@ static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sche
     return AVGPIPE_OK;
 }
 
+/* ---- V-placed schedules: ZB-V and DualPipeV ----
+   Rank r holds chunk 0 = stage r and chunk 1 = stage 2S-1-r. Each is written first as a template:
+   the published per-rank order over one batch stream of `count` micro-batches (with I/W split and
+   overlapped pairs), then settled into the rank's list: ops are taken in template order, except that
+   an op whose inputs this rank has not produced yet (a forward of a batch whose pipeline has not
+   stepped the previous round on this stage, in continuous rounds, and what hangs on it) waits while
+   later ops go on; STEP and AVG follow a batch's last backward work on a stage at once. */
+
+typedef struct avgpipe__vop {
+    long long item; /* stream position */
+    uint8_t kind, chunk, pair; /* pair: runs together with the next template op (OVERLAP_F_B) */
+} avgpipe__vop;
+
+typedef struct avgpipe__vgen {
+    avgpipe_context *ctx;
+    avgpipe__vop *t;
+    long long n, cap, base, count; /* template ops; the items of the template: base .. base+count-1 */
+    int oom;
+} avgpipe__vgen;
+
+/* Append one template op for item (relative to base); items past the stream's end are dropped
+   (ZB-V pads short streams to 2S-1 micro-batches and drops the padding, as PyTorch does). */
+static void avgpipe__vput(avgpipe__vgen *g, int kind, int chunk, long long item, int pair) {
+    avgpipe__vop *o;
+    if (item >= g->count || g->oom) return;
+    if (g->n == g->cap) {
+        long long cap = g->cap ? 2 * g->cap : 1024;
+        avgpipe__vop *p = (avgpipe__vop *)avgpipe__realloc(g->ctx, g->t, (size_t)g->n * sizeof *p, (size_t)cap * sizeof *p);
+        if (!p) {
+            g->oom = 1;
+            return;
+        }
+        g->t = p;
+        g->cap = cap;
+    }
+    o = &g->t[g->n++];
+    o->item = g->base + item;
+    o->kind = (uint8_t)kind;
+    o->chunk = (uint8_t)chunk;
+    o->pair = (uint8_t)pair;
+}
+
+/* Extra warm-up forwards of AvgPipe's advance forward on rank r: floor(K(S-1-r)/(S-1) + 1/2). */
+static long long avgpipe__advance_extra(const avgpipe_sched_desc *d, int r) {
+    long long S = d->stages, dist = S - 1 - r;
+    return S > 1 && dist > 0 ? (2 * (long long)d->advance * dist + (S - 1)) / (2 * (S - 1)) : 0;
+}
+
+/* ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", the V schedule; PyTorch's ScheduleZBVZeroBubble):
+   warm-up 2(S-r)-1 (+K's share) chunk-0 forwards, r x (F1, F0), (S-r) x (F1, I1, W1); steady state
+   F0, I0, W0, F1, I1, W1; cool-down r x (I0, I1), (S-r) x (I0, W0), then the held-back W1 and W0. */
+static void avgpipe__zbv_template(avgpipe__vgen *g, const avgpipe_sched_desc *d, int r) {
+    long long S = d->stages, k = avgpipe__advance_extra(d, r), nm = 2 * S - 1 + avgpipe__advance_extra(d, 0), i;
+    long long f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
+    if (nm < g->count) nm = g->count;
+    for (i = 0; i < 2 * (S - r) - 1 + k; i++) avgpipe__vput(g, AVGPIPE_OP_F, 0, f0++, 0);
+    for (i = 0; i < r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_F, 1, f1++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_F, 0, f0++, 0);
+    }
+    for (i = 0; i < S - r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_F, 1, f1++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 1, b1, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 1, b1++, 0);
+    }
+    while (f1 < f0 || f0 < nm) {
+        if (f0 < nm) avgpipe__vput(g, AVGPIPE_OP_F, 0, f0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 0, b0, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 0, b0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_F, 1, f1++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 1, b1, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 1, b1++, 0);
+    }
+    w0 = b0;
+    w1 = b1;
+    for (i = 0; i < r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_I, 0, b0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 1, b1++, 0);
+    }
+    for (i = 0; i < S - r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_I, 0, b0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 0, w0++, 0);
+    }
+    while (w1 < b1) avgpipe__vput(g, AVGPIPE_OP_W, 1, w1++, 0);
+    while (w0 < b0) avgpipe__vput(g, AVGPIPE_OP_W, 0, w0++, 0);
+}
+
+/* DualPipeV (DeepSeek's DualPipe folded into a V; PyTorch's ScheduleDualPipeV), count >= 2S:
+   1. 2(S-r-1) x F0;  2. (r+1) x (F0, F1);  3. (S-r-1) x (I1, W1, F1);
+   4. count-2S+r+1 x ((F0;B1), (F1;B0)) overlapped pairs, the first F0, B1 apart on the last rank;
+   5. (S-r-1) x (B1, (F1;B0));  6. (r+1) x (B1, B0), switching to I (W held back) half-way;
+   7. (S-r-1) x (W, I0);  8. (r+1) x W. W runs the oldest held-back weight gradient. */
+static void avgpipe__dualpipev_template(avgpipe__vgen *g, const avgpipe_sched_desc *d, int r, long long *wq) {
+    long long S = d->stages, n = g->count, i, f[2] = {0, 0}, b[2] = {0, 0}, wh = 0, wt = 0;
+    int zb = 0, c;
+#define AVGPIPE__VF_(ch, pr) avgpipe__vput(g, AVGPIPE_OP_F, ch, f[ch]++, pr)
+#define AVGPIPE__VB_(ch, split)                                                                                                    \
+    do {                                                                                                                           \
+        avgpipe__vput(g, (split) ? AVGPIPE_OP_I : AVGPIPE_OP_B, ch, b[ch], 0);                                                    \
+        if (split) wq[wt++] = b[ch] * 2 + (ch);                                                                                    \
+        b[ch]++;                                                                                                                   \
+    } while (0)
+#define AVGPIPE__VW_() (avgpipe__vput(g, AVGPIPE_OP_W, (int)(wq[wh] & 1), wq[wh] >> 1, 0), wh++)
+    for (i = 0; i < 2 * (S - r - 1); i++) AVGPIPE__VF_(0, 0);
+    for (i = 0; i < r + 1; i++) {
+        AVGPIPE__VF_(0, 0);
+        AVGPIPE__VF_(1, 0);
+    }
+    for (i = 0; i < S - r - 1; i++) {
+        AVGPIPE__VB_(1, 1);
+        AVGPIPE__VW_();
+        AVGPIPE__VF_(1, 0);
+    }
+    for (i = 0; i < n - 2 * S + r + 1; i++) {
+        int apart = i == 0 && r == S - 1;
+        AVGPIPE__VF_(0, !apart);
+        AVGPIPE__VB_(1, 0);
+        AVGPIPE__VF_(1, 1);
+        AVGPIPE__VB_(0, 0);
+    }
+    for (i = 0; i < S - r - 1; i++) {
+        AVGPIPE__VB_(1, 0);
+        AVGPIPE__VF_(1, 1);
+        AVGPIPE__VB_(0, 0);
+    }
+    for (i = 0; i < r + 1; i++)
+        for (c = 1; c >= 0; c--) {
+            if (i == (r + 1) / 2 && (r % 2 == 1) == (c == 1)) zb = 1; /* odd ranks switch before B1, even ones before B0 */
+            AVGPIPE__VB_(c, zb);
+        }
+    for (i = 0; i < S - r - 1; i++) {
+        AVGPIPE__VW_();
+        AVGPIPE__VB_(0, 1);
+    }
+    while (wh < wt) AVGPIPE__VW_();
+#undef AVGPIPE__VF_
+#undef AVGPIPE__VB_
+#undef AVGPIPE__VW_
+}
+
+/* Settle a rank's template into its op list (see above). st: [2 * items] zeroed, bdone: [2 * batches]
+   zeroed, done: [ntemplate] zeroed. */
+static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, const avgpipe__vgen *g, avgpipe_schedule *s,
+                                       unsigned char *st, int *bdone, unsigned char *done) {
+    long long items = (long long)d->rounds * d->pipes * d->micro, batches = (long long)d->rounds * d->pipes, head = 0, left = g->n, i;
+    int S = d->stages, stage[2], n = 0;
+    avgpipe_op *o = s->ops[r];
+    enum { VS_F = 1, VS_B = 2, VS_W = 4 };
+    stage[0] = r;
+    stage[1] = 2 * S - 1 - r;
+    while (left > 0) {
+        const avgpipe__vop *t = NULL;
+        for (i = head; i < g->n; i++) {
+            const avgpipe__vop *x = &g->t[i];
+            unsigned char *me;
+            if (done[i]) continue;
+            me = &st[x->chunk * items + x->item];
+            if (x->kind == AVGPIPE_OP_F) {
+                long long b = x->item / d->micro;
+                if (x->chunk == 1 && !(st[x->item] & VS_F)) continue; /* stage r's forward feeds stage 2S-1-r */
+                if (d->continuous && b >= d->pipes && bdone[x->chunk * batches + b - d->pipes] != d->micro) continue;
+            } else if (x->kind == AVGPIPE_OP_W) {
+                if (!(*me & VS_B)) continue;
+            } else {
+                if (!(*me & VS_F)) continue;
+                if (x->chunk == 0 && !(st[items + x->item] & VS_B)) continue; /* the gradient comes back through stage 2S-1-r */
+            }
+            t = x;
+            break;
+        }
+        if (!t) return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d of %s cannot continue (%lld ops left)", r,
+                                     avgpipe_sched_kind_name(d->kind), left);
+        for (;;) { /* the op, and the op it overlaps when that one can run with it */
+            int pipe, micro, c = t->chunk;
+            long long b, ti = t - g->t;
+            unsigned char *me = &st[c * items + t->item];
+            avgpipe__stream_item(d, t->item, &pipe, &micro, &b);
+            o[n] = avgpipe__op(t->kind, pipe, stage[c], micro);
+            done[ti] = 1;
+            left--;
+            *me |= t->kind == AVGPIPE_OP_F ? VS_F : t->kind == AVGPIPE_OP_W ? VS_W : VS_B;
+            if (t->kind == AVGPIPE_OP_B || t->kind == AVGPIPE_OP_W) {
+                if (++bdone[c * batches + b] == d->micro) {
+                    o[++n] = avgpipe__op(AVGPIPE_OP_STEP, pipe, stage[c], (int)(b / d->pipes));
+                    o[++n] = avgpipe__op(AVGPIPE_OP_AVG, pipe, stage[c], (int)(b / d->pipes));
+                }
+            }
+            n++;
+            if (!t->pair || ti + 1 >= g->n || done[ti + 1]) break;
+            { /* the partner: a backward whose inputs are here */
+                const avgpipe__vop *x = t + 1;
+                if (!(st[x->chunk * items + x->item] & VS_F) || (x->chunk == 0 && !(st[items + x->item] & VS_B))) break;
+                if (o[n - 1].kind != t->kind) break; /* a STEP came between (cannot after a forward) */
+                o[n - 1].flags |= AVGPIPE_OPF_OVERLAP_NEXT;
+                t = x;
+            }
+        }
+        while (head < g->n && done[head]) head++;
+    }
+    s->len[r] = n;
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
+    long long T = (long long)d->pipes * d->micro, items = T * d->rounds, batches = (long long)d->rounds * d->pipes, t;
+    avgpipe__vgen g;
+    unsigned char *st = NULL, *done = NULL;
+    int *bdone = NULL, r;
+    long long *wq = NULL;
+    avgpipe_result res = AVGPIPE_OK;
+    if (d->kind == AVGPIPE_SCHED_DUALPIPEV && T < 2LL * d->stages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: dualpipev needs micro x pipes >= 2 x stages (%lld < %d)", T, 2 * d->stages);
+    memset(&g, 0, sizeof g);
+    g.ctx = ctx;
+    st = (unsigned char *)avgpipe_alloc(ctx, (size_t)(2 * items));
+    bdone = (int *)avgpipe_alloc(ctx, (size_t)(2 * batches) * sizeof(int));
+    wq = (long long *)avgpipe_alloc(ctx, (size_t)(2 * items + 1) * sizeof(long long));
+    if (!st || !bdone || !wq) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    for (r = 0; r < d->stages && !res; r++) {
+        g.n = 0;
+        for (t = 0; t < (d->continuous ? 1 : d->rounds); t++) { /* continuous: one stream over every round */
+            g.base = t * T;
+            g.count = d->continuous ? items : T;
+            if (d->kind == AVGPIPE_SCHED_ZBV) avgpipe__zbv_template(&g, d, r);
+            else avgpipe__dualpipev_template(&g, d, r, wq);
+        }
+        avgpipe_free(ctx, done);
+        done = g.oom ? NULL : (unsigned char *)avgpipe__calloc(ctx, (size_t)g.n + 1, 1);
+        if (!done) {
+            res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+            break;
+        }
+        memset(st, 0, (size_t)(2 * items));
+        memset(bdone, 0, (size_t)(2 * batches) * sizeof(int));
+        res = avgpipe__vsettle(ctx, d, r, &g, out, st, bdone, done);
+    }
+    avgpipe_free(ctx, g.t);
+    avgpipe_free(ctx, st);
+    avgpipe_free(ctx, bdone);
+    avgpipe_free(ctx, wq);
+    avgpipe_free(ctx, done);
+    return res;
+}
+
 static avgpipe_result avgpipe__shape_sched(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
     return avgpipe_sched_init(ctx, out, d->stages, d);
 }
@@ -2470,13 +3107,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
         avgpipe_sched_free(ctx, out);
         return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
     }
-    for (r = 0; r < d.stages && !res; r++) {
-        res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
-        if (!res) {
+    for (r = 0; r < d.stages && !res; r++) res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
+    if (!res && (d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV)) res = avgpipe__gen_v(ctx, &d, out);
+    else
+        for (r = 0; r < d.stages && !res; r++) {
             memset(bdone, 0, sizeof(int) * (size_t)d.chunks * d.rounds * d.pipes);
             res = avgpipe__gen_rank(ctx, &d, r, out, bdone);
         }
-    }
     avgpipe_free(ctx, bdone);
     if (res) avgpipe_sched_free(ctx, out);
     return res;
@@ -2679,14 +3316,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgp
 
 
 
-/* The SEND a compute op needs under loop placement (its consumer is on another rank). */
-static int avgpipe__op_send(const avgpipe_schedule *s, const avgpipe_op *op, int r, avgpipe_op *send) {
-    int G = s->nstages, S = s->nranks;
-    if (op->kind == AVGPIPE_OP_F && op->stage < G - 1 && avgpipe__rank_of(op->stage + 1, S) != r) {
+/* The SEND a compute op needs (its consumer is on another rank). */
+static int avgpipe__op_send(const avgpipe__place *pl, const avgpipe_op *op, avgpipe_op *send) {
+    if (op->kind == AVGPIPE_OP_F && pl->up[op->stage] >= 0) {
         *send = avgpipe__op(AVGPIPE_OP_SEND_F, op->pipe, op->stage, op->micro);
         return 1;
     }
-    if (avgpipe__is_backward(op->kind) && op->stage > 0 && avgpipe__rank_of(op->stage - 1, S) != r) {
+    if (avgpipe__is_backward(op->kind) && pl->down[op->stage] >= 0) {
         *send = avgpipe__op(AVGPIPE_OP_SEND_B, op->pipe, op->stage, op->micro);
         return 1;
     }
@@ -2705,6 +3341,7 @@ static int avgpipe__op_send(const avgpipe_schedule *s, const avgpipe_op *op, int
    on another rank (one rank), the result has no SEND/RECV ops and has_comm stays 0. */
 typedef struct avgpipe__lower {
     const avgpipe_schedule *in;
+    avgpipe__place pl;
     int S, G, N;
     long long U;
     int *fpos, *bpos; /* [pipe][stage][micro] -> index of the unit holding F / B-or-I on its rank */
@@ -2725,7 +3362,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
+    memset(&L, 0, sizeof L);
     res = avgpipe__sched_scan(ctx, in, &L.N, &L.U);
+    if (!res) res = avgpipe__place_build(ctx, in, &L.pl);
     if (res) return res;
     L.in = in;
     L.S = in->nranks;
@@ -2776,9 +3415,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
             if (in->ops[r][j].kind == AVGPIPE_OP_F) last = u;
         }
     }
-    res = avgpipe_sched_init(ctx, out, in->nranks, &in->shape);
+    res = avgpipe__sched_init_like(ctx, out, in);
     if (res) goto fail;
-    out->nstages = in->nstages;
     out->has_comm = 1;
     /* every message, grouped by receiving rank, each group in (sender, sender's order) */
     moff = (long long *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(long long));
@@ -2786,7 +3424,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     for (r = 0; r < L.S; r++)
         for (i = 0; i < in->len[r]; i++) {
             avgpipe_op x;
-            if (avgpipe__op_send(in, &in->ops[r][i], r, &x)) moff[avgpipe__rank_of(x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1), L.S) + 1]++;
+            if (avgpipe__op_send(&L.pl, &in->ops[r][i], &x)) moff[L.pl.rank[x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1)] + 1]++;
         }
     for (r = 0; r < L.S; r++) moff[r + 1] += moff[r];
     maxmsg = (size_t)moff[L.S];
@@ -2800,9 +3438,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
         for (i = 0; i < in->len[r]; i++) {
             avgpipe_op x;
             int g2, dst;
-            if (!avgpipe__op_send(in, &in->ops[r][i], r, &x)) continue;
+            if (!avgpipe__op_send(&L.pl, &in->ops[r][i], &x)) continue;
             g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
-            dst = avgpipe__rank_of(g2, L.S);
+            dst = L.pl.rank[g2];
             msrc[mfill[dst]] = r;
             msgs[mfill[dst]++] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
         }
@@ -2852,7 +3490,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
                 for (b = bucket[q]; b < bucket[q + 1]; b++) o[w++] = msgs[a0 + ord[b]];
                 /* sends of the previous unit */
                 for (e = pend_from; e >= 0 && e < pend_to; e++)
-                    if (avgpipe__op_send(in, &so[e], r, &x)) o[w++] = x;
+                    if (avgpipe__op_send(&L.pl, &so[e], &x)) o[w++] = x;
                 pend_from = pend_to = -1;
                 if (q == nu) break;
                 while (j < n && units[ustart[r] + j] < q) j++;
@@ -2871,6 +3509,7 @@ oom:
 fail:
     avgpipe_sched_free(ctx, out);
 done:
+    avgpipe__place_free(ctx, &L.pl);
     avgpipe_free(ctx, L.fpos);
     avgpipe_free(ctx, L.bpos);
     avgpipe_free(ctx, units);
@@ -2904,7 +3543,8 @@ typedef struct avgpipe__sim {
     int S, G, N;
     long long U;
     double *f_end, *b_end, *act_in, *grad_in; /* [pipe][stage][micro], -1 = not yet */
-    avgpipe__chan *chan;                      /* [src * S + dst] */
+    avgpipe__place pl;
+    avgpipe__chan *chan;                      /* [pl.nchan] */
     int *pos, *waiting, *stack, nstack, *stash;
     double *t, *bytes;
     long long flows;
@@ -2969,9 +3609,10 @@ static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int t
     return 1;
 }
 
-/* A transfer on the src->dst link, ready at `ready`, not before `post` (blocking). Returns its end. */
-static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int src, int dst, double ready, int boundary, int *ok) {
-    avgpipe__chan *c = &m->chan[avgpipe__chan_of(src, dst, m->S)];
+/* A transfer on channel ch (src -> dst), ready at `ready`. Returns its end. */
+static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
+    avgpipe__chan *c = &m->chan[ch];
+    int src = m->pl.src[ch], dst = m->pl.dst[ch];
     double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
     int flow = (int)(m->flows++ & 0x7fffffff);
     c->link_free = xe;
@@ -2989,11 +3630,11 @@ static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, doubl
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
     double *slot;
     if (g2 < 0 || g2 >= m->G) return;
-    r2 = avgpipe__rank_of(g2, m->S);
+    r2 = m->pl.rank[g2];
     slot = fwd ? &m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] : &m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)];
     if (r2 == r) *slot = end;
     else if (!m->s->has_comm) {
-        *slot = avgpipe__transfer(m, op, r, r2, end, fwd ? op->stage : g2, ok);
+        *slot = avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
         avgpipe__wake(m, r2);
     }
 }
@@ -3029,12 +3670,13 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             return 1;
         }
         if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
-            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst;
+            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst, c;
             avgpipe__chan *ch;
             double ready = dep > t ? dep : t, xe;
-            if (g2 < 0 || g2 >= m->G) return 1; /* validator reports it; cannot happen after validation */
-            dst = avgpipe__rank_of(g2, m->S);
-            ch = &m->chan[avgpipe__chan_of(r, dst, m->S)];
+            c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
+            if (g2 < 0 || g2 >= m->G || c < 0) return 1; /* validator reports it; cannot happen after validation */
+            dst = m->pl.rank[g2];
+            ch = &m->chan[c];
             if (d->blocking_send) {
                 if (ch->nrecv <= ch->nsend) {
                     m->waiting[r] = 1;
@@ -3043,7 +3685,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
                 if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
             }
             ch->nsend++;
-            xe = avgpipe__transfer(m, op, r, dst, ready, fwd ? op->stage : g2, &ok);
+            xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, &ok);
             if (fwd) m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
             else m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
             avgpipe__wake(m, dst);
@@ -3055,11 +3697,13 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             continue;
         }
         if (k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) {
-            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src;
+            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src, c;
             avgpipe__chan *ch;
             if (g2 < 0 || g2 >= m->G) return 1;
-            src = avgpipe__rank_of(g2, m->S);
-            ch = &m->chan[avgpipe__chan_of(src, r, m->S)];
+            c = k == AVGPIPE_OP_RECV_F ? m->pl.up[g2] : m->pl.down[g2];
+            if (c < 0) return 1;
+            src = m->pl.rank[g2];
+            ch = &m->chan[c];
             if (ch->nrecv == ch->post_cap) {
                 int cap = ch->post_cap ? 2 * ch->post_cap : 64;
                 double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
@@ -3110,8 +3754,9 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
     avgpipe_context *ctx = m->ctx;
     int i;
     if (m->chan)
-        for (i = 0; i < 2 * m->S; i++) avgpipe_free(ctx, m->chan[i].post);
+        for (i = 0; i < m->pl.nchan; i++) avgpipe_free(ctx, m->chan[i].post);
     avgpipe_free(ctx, m->chan);
+    avgpipe__place_free(ctx, &m->pl);
     avgpipe_free(ctx, m->f_end);
     avgpipe_free(ctx, m->b_end);
     avgpipe_free(ctx, m->act_in);
@@ -3191,6 +3836,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     res = avgpipe__sched_scan(ctx, s, &N, &U);
     if (res) return res;
     memset(&m, 0, sizeof m);
+    res = avgpipe__place_build(ctx, s, &m.pl);
+    if (res) return res;
     m.ctx = ctx;
     m.s = s;
     m.d = desc;
@@ -3204,7 +3851,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.b_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
     m.act_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
     m.grad_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, 2 * (size_t)m.S, sizeof(avgpipe__chan));
+    m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, (size_t)m.pl.nchan + 1, sizeof(avgpipe__chan));
     m.pos = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.waiting = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.stack = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
@@ -3290,7 +3937,8 @@ typedef struct avgpipe__vstate {
     int S, G, N, M, R;
     uint8_t *st;   /* [pipe][stage][micro]: bits below */
     uint8_t *step; /* [pipe][stage][round]: 1 STEP, 2 AVG */
-    avgpipe__msgs *sendq, *recvq; /* [src * S + dst] */
+    avgpipe__place pl;
+    avgpipe__msgs *sendq, *recvq; /* [pl.nchan] */
     int any_step;
 } avgpipe__vstate;
 
@@ -3323,14 +3971,16 @@ static size_t avgpipe__vix(const avgpipe__vstate *v, int p, int g, int u) {
 /* One op of the static pass. */
 static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     const avgpipe_op *op = &v->s->ops[r][i];
-    int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, S = v->S, G = v->G, MR = v->M * v->R;
+    int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
     uint8_t *x;
     avgpipe__msg msg;
     if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD)
         return AVGPIPE_OK;
     if (k >= AVGPIPE_OP_KIND_COUNT) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "unknown op kind %d", k);
     if (g < 0 || g >= G) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d out of range 0..%d", g, G - 1);
-    if (avgpipe__rank_of(g, S) != r) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d", g, g % S, r);
+    if (v->pl.rank[g] != r)
+        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d (%s placement)", g, v->pl.rank[g], r,
+                              avgpipe_placement_name(v->s->shape.placement));
     if (p < 0 || p >= v->N) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "pipeline %d out of range 0..%d", p, v->N - 1);
     if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) {
         uint8_t *sx;
@@ -3363,9 +4013,9 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     switch (k) {
     case AVGPIPE_OP_F:
         if (*x & AVGPIPE__VF) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate forward");
-        if (g > 0 && avgpipe__rank_of(g - 1, S) == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
+        if (g > 0 && v->pl.rank[g - 1] == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward before the forward of stage %d it needs", g - 1);
-        if (v->s->has_comm && g > 0 && avgpipe__rank_of(g - 1, S) != r && !(*x & AVGPIPE__VRF))
+        if (v->s->has_comm && g > 0 && v->pl.rank[g - 1] != r && !(*x & AVGPIPE__VRF))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward without a RECV_F posted before it");
         if (v->any_step && u >= v->M && !(v->step[((size_t)p * G + g) * v->R + u / v->M - 1] & 1))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward of round %d before STEP of round %d", u / v->M,
@@ -3376,9 +4026,9 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_I:
         if (!(*x & AVGPIPE__VF)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before its forward");
         if (*x & (AVGPIPE__VB | AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate backward");
-        if (g < G - 1 && avgpipe__rank_of(g + 1, S) == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
+        if (g < G - 1 && v->pl.rank[g + 1] == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before the backward of stage %d it needs", g + 1);
-        if (v->s->has_comm && g < G - 1 && avgpipe__rank_of(g + 1, S) != r && !(*x & AVGPIPE__VRB))
+        if (v->s->has_comm && g < G - 1 && v->pl.rank[g + 1] != r && !(*x & AVGPIPE__VRB))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward without a RECV_B posted before it");
         *x |= k == AVGPIPE_OP_B ? AVGPIPE__VB : AVGPIPE__VI;
         break;
@@ -3392,24 +4042,24 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
         int fwd = k == AVGPIPE_OP_SEND_F, g2 = g + (fwd ? 1 : -1);
         if (fwd ? !(*x & AVGPIPE__VF) : !(*x & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
-        if (g2 < 0 || g2 >= G || avgpipe__rank_of(g2, S) == r)
+        if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send with no consumer on another rank");
         msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
         msg.stage = g2;
-        if (!avgpipe__msgs_push(v->ctx, &v->sendq[avgpipe__chan_of(r, avgpipe__rank_of(g2, S), S)], msg))
+        if (!avgpipe__msgs_push(v->ctx, &v->sendq[fwd ? v->pl.up[g] : v->pl.down[g]], msg))
             return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         break;
     }
     case AVGPIPE_OP_RECV_F:
     case AVGPIPE_OP_RECV_B: {
         int fwd = k == AVGPIPE_OP_RECV_F, g2 = g + (fwd ? -1 : 1);
-        if (g2 < 0 || g2 >= G || avgpipe__rank_of(g2, S) == r)
+        if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
         if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
         *x |= fwd ? AVGPIPE__VRF : AVGPIPE__VRB;
         msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
         msg.stage = g;
-        if (!avgpipe__msgs_push(v->ctx, &v->recvq[avgpipe__chan_of(avgpipe__rank_of(g2, S), r, S)], msg))
+        if (!avgpipe__msgs_push(v->ctx, &v->recvq[fwd ? v->pl.up[g2] : v->pl.down[g2]], msg))
             return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         break;
     }
@@ -3426,21 +4076,21 @@ static avgpipe_result avgpipe__check_complete(avgpipe__vstate *v) {
             for (u = 0; u < v->M * v->R; u++) {
                 uint8_t b = v->st[avgpipe__vix(v, p, g, u)];
                 if (!(b & AVGPIPE__VF))
-                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                          "rank %d: pipeline %d stage %d micro-batch %d has no forward (missing forward)", g % v->S, p,
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has no forward (missing forward)", v->pl.rank[g], p,
                                           g, u);
                 if (!(b & (AVGPIPE__VB | AVGPIPE__VI)))
-                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                          "rank %d: pipeline %d stage %d micro-batch %d has no backward", g % v->S, p, g, u);
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has no backward", v->pl.rank[g], p, g, u);
                 if ((b & AVGPIPE__VI) && !(b & AVGPIPE__VW))
-                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                          "rank %d: pipeline %d stage %d micro-batch %d has I but no W", g % v->S, p, g, u);
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has I but no W", v->pl.rank[g], p, g, u);
             }
             if (v->any_step)
                 for (t = 0; t < v->R; t++)
                     if (!(v->step[((size_t)p * v->G + g) * v->R + t] & 1))
-                        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                              "rank %d: pipeline %d stage %d has no STEP for round %d", g % v->S, p, g, t);
+                        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                              "rank %d: pipeline %d stage %d has no STEP for round %d", v->pl.rank[g], p, g, t);
         }
     return AVGPIPE_OK;
 }
@@ -3449,9 +4099,9 @@ static avgpipe_result avgpipe__check_complete(avgpipe__vstate *v) {
    backends match per peer without tags. */
 static avgpipe_result avgpipe__check_channels(avgpipe__vstate *v) {
     int c, j;
-    for (c = 0; c < 2 * v->S; c++) {
+    for (c = 0; c < v->pl.nchan; c++) {
         avgpipe__msgs *a = &v->sendq[c], *b = &v->recvq[c];
-        int n = a->n < b->n ? a->n : b->n, src = c / 2, dst = c % 2 ? (src + v->S - 1) % v->S : (src + 1) % v->S;
+        int n = a->n < b->n ? a->n : b->n, src = v->pl.src[c], dst = v->pl.dst[c];
         for (j = 0; j < n; j++) {
             avgpipe__msg *x = &a->v[j], *y = &b->v[j];
             if (x->kind != y->kind || x->pipe != y->pipe || x->stage != y->stage || x->micro != y->micro) {
@@ -3504,10 +4154,11 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     for (r = 0; r < v->S && r < 256; r++) {
         int model = avgpipe_sched_peak_stash(sh, r), got = v->rep->peak_stash[r];
         if (model < 0) continue;
-        if (got != model)
+        int bound = sh->kind == AVGPIPE_SCHED_ZBV && sh->continuous; /* forwards may wait for a STEP: fewer in flight */
+        if (bound ? got > model : got != model)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, -1,
-                                  "rank %d stashes %d activations at its peak but the memory model of %s says %d", r, got,
-                                  avgpipe_sched_kind_name(sh->kind), model);
+                                  "rank %d stashes %d activations at its peak but the memory model of %s says %s%d", r, got,
+                                  avgpipe_sched_kind_name(sh->kind), bound ? "at most " : "", model);
     }
     return AVGPIPE_OK;
 }
@@ -3607,19 +4258,26 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
                               v.N, v.G, v.M, v.R, (double)v.N * v.G * v.M * v.R, nops);
     v.st = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     v.step = (uint8_t *)avgpipe__calloc(ctx, (size_t)v.N * v.G * v.R, 1);
-    v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, 2 * (size_t)v.S, sizeof(avgpipe__msgs));
-    v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, 2 * (size_t)v.S, sizeof(avgpipe__msgs));
+    if (v.st && v.step && avgpipe__place_build(ctx, s, &v.pl) == AVGPIPE_OK) {
+        v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
+        v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
+    }
     if (!v.st || !v.step || !v.sendq || !v.recvq) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    for (c = 0; c < v.G && !res; c++)
+        if (v.pl.rank[c] < 0)
+            res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
+                                 s->nplace);
     if (!res) res = avgpipe__check_static(&v);
     avgpipe__static_peaks(s, report->peak_stash, 256);
     if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
     if (!res && !(desc && desc->skip_replay)) res = avgpipe__replay(&v);
     if (v.sendq)
-        for (c = 0; c < 2 * v.S; c++) avgpipe_free(ctx, v.sendq[c].v);
+        for (c = 0; c < v.pl.nchan; c++) avgpipe_free(ctx, v.sendq[c].v);
     if (v.recvq)
-        for (c = 0; c < 2 * v.S; c++) avgpipe_free(ctx, v.recvq[c].v);
+        for (c = 0; c < v.pl.nchan; c++) avgpipe_free(ctx, v.recvq[c].v);
     avgpipe_free(ctx, v.sendq);
     avgpipe_free(ctx, v.recvq);
+    avgpipe__place_free(ctx, &v.pl);
     avgpipe_free(ctx, v.st);
     avgpipe_free(ctx, v.step);
     report->result = res;
@@ -5282,10 +5940,10 @@ AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *p
 /* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
    a forward hands its output to it on the same rank, the previous stage's when a backward does. */
 static int avgpipe__plan_keys(const avgpipe_schedule *s, int r, const avgpipe_op *op, int *keys) {
-    int n = 0, g = op->stage, S = s->nranks;
+    int n = 0, g = op->stage;
     keys[n++] = g;
-    if (op->kind == AVGPIPE_OP_F && g + 1 < s->nstages && avgpipe__rank_of(g + 1, S) == r) keys[n++] = g + 1;
-    if (avgpipe__is_backward(op->kind) && g > 0 && avgpipe__rank_of(g - 1, S) == r) keys[n++] = g - 1;
+    if (op->kind == AVGPIPE_OP_F && g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) == r) keys[n++] = g + 1;
+    if (avgpipe__is_backward(op->kind) && g > 0 && avgpipe_stage_rank(s, g - 1) == r) keys[n++] = g - 1;
     return n;
 }
 
@@ -5363,10 +6021,10 @@ AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const 
         return avgpipe__fail(ctx, res, "runtime: out of memory planning the buffers");
     }
     for (g = 0; g < s->nstages; g++) {
-        int rk = avgpipe__rank_of(g, s->nranks);
+        int rk = avgpipe_stage_rank(s, g);
         size_t in = g > 0 ? act_bytes[g - 1] : 0, o = g + 1 < s->nstages ? act_bytes[g] : 0;
-        int remote_next = g + 1 < s->nstages && avgpipe__rank_of(g + 1, s->nranks) != rk;
-        int remote_prev = g > 0 && avgpipe__rank_of(g - 1, s->nranks) != rk;
+        int remote_next = g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) != rk;
+        int remote_prev = g > 0 && avgpipe_stage_rank(s, g - 1) != rk;
         out->slot_bytes[g] = in + (remote_next ? o : 0) + o + (remote_prev ? in : 0);
     }
     res = avgpipe__plan_slots(ctx, s, N, (int)U, out);
@@ -5429,6 +6087,8 @@ struct avgpipe_run {
     avgpipe_schedule base, low;
     avgpipe_run_plan plan;
     int S, G, N, M, R, U, K;
+    int *place, *chunk;   /* [G]: the rank of each stage; its index among that rank's stages */
+    int *rst, *roff;      /* [G], [S + 1]: the stages of each stage-rank (AVGPIPE__RANK_STAGES) */
     int D, H, P;          /* replica groups, rounds between their averagings, ranks in all (D·S) */
     int nlocal, all_local;
     size_t *act;          /* [G]: act[g] = bytes at boundary g|g+1 (0 for the last stage) */
@@ -5459,7 +6119,9 @@ struct avgpipe_run {
     size_t mcap;
 };
 
-static int avgpipe__run_rank(const avgpipe_run *run, int g) { return avgpipe__rank_of(g, run->S); }
+static int avgpipe__run_rank(const avgpipe_run *run, int g) { return run->place[g]; }
+/* The stages of stage-rank r: rst[roff[r]] .. rst[roff[r + 1] - 1], ascending. */
+#define AVGPIPE__RANK_STAGES(run, r, j, g) for ((j) = (run)->roff[r]; (j) < (run)->roff[(r) + 1] && ((g) = (run)->rst[j]) >= 0; (j)++)
 static avgpipe__stage *avgpipe__run_stage(avgpipe_run *run, int replica, int g) { return &run->st[replica * run->G + g]; }
 static int avgpipe__run_aborted(const avgpipe_run *run) { return AVGPIPE__LOAD(&run->aborted); }
 static float *avgpipe__run_params(const avgpipe_run *run, int replica, int pipe, int g) {
@@ -5647,6 +6309,7 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int replica, int g)
 static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     avgpipe_context *ctx = run->ctx;
     avgpipe_result res;
+    int j;
     int k, g;
     avgpipe__free_plan(run);
     res = avgpipe__run_schedules(ctx, run->d.schedule, &run->sd, run->K, 1, &run->base, &run->low);
@@ -5658,7 +6321,7 @@ static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     run->slot_of = (int *)avgpipe_alloc(ctx, (size_t)run->D * run->G * run->N * run->U * sizeof(int));
     if (!run->slot_of) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
     for (k = 0; k < run->nlocal && !res; k++)
-        for (g = run->w[k].srank; g < run->G && !res; g += run->S) res = avgpipe__alloc_stage(run, run->w[k].replica, g);
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g) if (!res) res = avgpipe__alloc_stage(run, run->w[k].replica, g);
     return res;
 }
 
@@ -6018,6 +6681,7 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
 static void avgpipe__worker_iteration(avgpipe__worker *w) {
     avgpipe_run *run = w->run;
     const avgpipe_schedule *s = &run->low;
+    int j;
     int r = w->srank, i, g, q;
     avgpipe_result res = AVGPIPE_OK;
     for (i = 0; i < s->len[r] && !res; i++) {
@@ -6038,7 +6702,8 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
                               run->comm.last_error ? ": " : "", run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
         }
     }
-    for (g = r; g < run->G && !res; g += run->S) { /* sends still in flight must finish inside the iteration */
+    for (j = run->roff[r]; j < run->roff[r + 1] && !res; j++) { /* sends still in flight must finish inside the iteration */
+        g = run->rst[j];
         avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
         avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
         for (q = 0; q < st->nslots && !res; q++) res = avgpipe__slot_sends(w, &st->slot[q], &none, "a send to");
@@ -6134,10 +6799,10 @@ static void *avgpipe__avg_main(void *arg) {
 
 /* After a failure: give back every request the local ranks still have (the backend's cancel). */
 static void avgpipe__run_cancel_pending(avgpipe_run *run) {
-    int k, g, q, j;
+    int k, g, q, j, i;
     for (k = 0; k < run->nlocal; k++) {
         avgpipe__worker *w = &run->w[k];
-        for (g = w->srank; g < run->G; g += run->S) {
+        AVGPIPE__RANK_STAGES(run, w->srank, i, g) {
             avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
             for (q = 0; st->slot && q < st->nslots; q++) {
                 avgpipe__slot *sl = &st->slot[q];
@@ -6441,6 +7106,7 @@ static int avgpipe__ckpt_record(avgpipe_context *ctx, avgpipe_buf *b, uint32_t t
 /* The bytes of local worker w's rank file: header, the run's state, each stage's averaging state and
    models, the user's state. */
 static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, avgpipe_buf *b) {
+    int j;
     avgpipe_context *ctx = run->ctx;
     unsigned char head[AVGPIPE__CKPT_HEADER];
     avgpipe_buf user = {NULL, 0, 0};
@@ -6466,7 +7132,8 @@ static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, 
         ok = ok && avgpipe__ckpt_record(ctx, b, AVGPIPE__CK_RUN, (uint32_t)(run->win_n | run->adapt_done << 8 | n << 16), rs,
                                         (size_t)(4 + n) * sizeof(double));
     }
-    for (g = w->srank; g < run->G && ok && !res; g += run->S) { /* each stage: rounds, z (z_prev), the N models */
+    for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && ok && !res; j++) { /* each stage: rounds, z (z_prev), the N models */
+        g = run->rst[j];
         avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
         size_t count = run->d.param_count[g], n = count * sizeof(float);
         int momentum = run->d.momentum != 0.0f;
@@ -6635,6 +7302,7 @@ static avgpipe_result avgpipe__ckpt_manifest_read(avgpipe_run *run, const char *
 
 /* Read and verify local worker w's file; find its records. Nothing of the run is changed. */
 static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgpipe__worker *w, long long *iter, avgpipe__ckpt_file *out) {
+    int j;
     avgpipe_context *ctx = run->ctx;
     avgpipe_buf man = {NULL, 0, 0};
     char name[256], path[4400];
@@ -6669,17 +7337,17 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
         tag = avgpipe__get_u32(q), id = avgpipe__get_u32(q + 4);
         if (tag == AVGPIPE__CK_RUN) out->run_rec = q + 16, out->run_len = (size_t)n, out->run_id = id;
         else if (tag == AVGPIPE__CK_USER) out->user = q + 16, out->user_len = (size_t)n;
-        else if (tag == AVGPIPE__CK_STAGE && (int)id < run->G && (int)id % run->S == w->srank && (int)id / run->S < 64) {
+        else if (tag == AVGPIPE__CK_STAGE && (int)id < run->G && run->place[id] == w->srank && run->chunk[id] < 64) {
             size_t count = run->d.param_count[id], want = 16 + count * sizeof(float) * (size_t)(1 + (run->d.momentum != 0.0f) + run->N);
             if (n != want || avgpipe__get_u64(q + 24) != count)
                 return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s': stage %u holds another number of parameters", path, id);
-            out->stage[id / run->S] = q + 16;
+            out->stage[run->chunk[id]] = q + 16;
         } else
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': unknown record %u/%u", path, tag, id);
         q += 16 + n;
     }
-    for (g = w->srank; g < run->G; g += run->S)
-        if (!out->stage[g / run->S]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no state for stage %d", path, g);
+    AVGPIPE__RANK_STAGES(run, w->srank, j, g)
+        if (!out->stage[run->chunk[g]]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no state for stage %d", path, g);
     if (!out->run_rec || out->run_len < 4 * sizeof(double)) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no run state", path);
     return AVGPIPE_OK;
 }
@@ -6688,10 +7356,10 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
 static avgpipe_result avgpipe__ckpt_apply(avgpipe_run *run, avgpipe__worker *w, const avgpipe__ckpt_file *f) {
     avgpipe_context *ctx = run->ctx;
     avgpipe_result res = AVGPIPE_OK;
-    int g, p, momentum = run->d.momentum != 0.0f;
-    for (g = w->srank; g < run->G && !res; g += run->S) {
-        const unsigned char *q = f->stage[g / run->S];
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+    int g, p, j, momentum = run->d.momentum != 0.0f;
+    for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && !res; j++) {
+        const unsigned char *q = f->stage[j - run->roff[w->srank]];
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         size_t n = run->d.param_count[g] * sizeof(float);
         uint64_t rounds = avgpipe__get_u64(q);
         res = avgpipe_ea_load_state(ctx, st->ea, rounds, (const float *)(const void *)(q + 16),
@@ -6766,7 +7434,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
 
 static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
-    int k, g, p;
+    int k, g, p, j;
     if (!d->cb.forward) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.forward: required");
     if (!d->cb.backward && !(d->cb.backward_input && d->cb.backward_weight))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward: required (or both backward_input and backward_weight)");
@@ -6777,7 +7445,7 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
     for (g = 0; g < run->G; g++)
         if (d->param_count[g] < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "param_count[%d]: must be >= 1", g);
     for (k = 0; k < run->nlocal; k++) /* the local ranks' partitions of every model */
-        for (g = run->w[k].srank; g < run->G; g += run->S)
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g)
             for (p = 0; p < run->N; p++)
                 if (!avgpipe__run_params(run, run->w[k].replica, p, g))
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (replica %d, pipeline %d, stage %d, run by local rank %d)",
@@ -6863,10 +7531,10 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
 }
 
 static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
-    int k, g;
+    int k, g, j;
     avgpipe_result res;
     for (k = 0; k < run->nlocal; k++) /* averaging: one module per local stage partition */
-        for (g = run->w[k].srank; g < run->G; g += run->S) {
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g) {
             avgpipe__stage *st = avgpipe__run_stage(run, run->w[k].replica, g);
             avgpipe_ea_desc ed;
             memset(&ed, 0, sizeof ed);
@@ -6908,6 +7576,7 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
 static avgpipe_result avgpipe__run_shape(avgpipe_context *ctx, avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
     avgpipe_result res;
+    int g, r;
     if (d->schedule) {
         if (!d->schedule->len || d->schedule->nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "schedule: empty");
         run->sd = d->schedule->shape;
@@ -6928,7 +7597,20 @@ static avgpipe_result avgpipe__run_shape(avgpipe_context *ctx, avgpipe_run *run)
     if ((long long)run->D * run->S > 1 << 20) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "replicas x stages: too many ranks");
     run->P = run->D * run->S;
     run->act = (size_t *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(size_t));
-    if (!run->act) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    run->place = (int *)avgpipe_alloc(ctx, (3 * (size_t)run->G + (size_t)run->S + 1) * sizeof(int));
+    if (!run->act || !run->place) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    run->chunk = run->place + run->G;
+    run->rst = run->chunk + run->G;
+    run->roff = run->rst + run->G;
+    memset(run->roff, 0, ((size_t)run->S + 1) * sizeof(int));
+    for (g = 0; g < run->G; g++) {
+        int r = d->schedule ? avgpipe_stage_rank(d->schedule, g) : avgpipe__place_formula(run->sd.placement, g, run->S);
+        if (r < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "schedule: stage %d is not placed on any rank", g);
+        run->place[g] = r;
+        run->chunk[g] = run->roff[r + 1]++; /* counts for now */
+    }
+    for (r = 0; r < run->S; r++) run->roff[r + 1] += run->roff[r];
+    for (g = 0; g < run->G; g++) run->rst[run->roff[run->place[g]] + run->chunk[g]] = g;
     if (run->G > 1 && !d->act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "act_bytes: required for %d stages (one entry per boundary)", run->G);
     if (run->G > 1) memcpy(run->act, d->act_bytes, (size_t)(run->G - 1) * sizeof(size_t));
     return AVGPIPE_OK;
@@ -6999,6 +7681,7 @@ static void avgpipe__run_free(avgpipe_run *run) {
     avgpipe_free(ctx, run->st);
     avgpipe_free(ctx, run->w);
     avgpipe_free(ctx, run->act);
+    avgpipe_free(ctx, run->place);
     avgpipe_free(ctx, run->win);
     avgpipe_free(ctx, run->mev);
     avgpipe_free(ctx, run->mbytes);
@@ -7051,9 +7734,10 @@ static int avgpipe__cmp_double(const void *a, const void *b) {
 static double avgpipe__predicted_stash(const avgpipe_run *run, int K, int rank) {
     avgpipe_sched_desc d = run->sd;
     double bytes = 0;
+    int j;
     int g;
     d.advance = K;
-    for (g = rank; g < run->G; g += run->S)
+    AVGPIPE__RANK_STAGES(run, rank, j, g)
         bytes += (double)avgpipe_sched_peak_stash(&d, rank) * (double)((g > 0 ? run->act[g - 1] : 0) + run->act[g]);
     return bytes;
 }
@@ -7223,11 +7907,12 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
 
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
     double bytes = 0;
+    int j;
     avgpipe_context quiet;
     int g;
     if (!run || !avgpipe_run_is_local(run, rank)) return -1;
     avgpipe_context_init(&quiet, NULL);
-    for (g = rank % run->S; g < run->G; g += run->S)
+    AVGPIPE__RANK_STAGES(run, rank % run->S, j, g)
         bytes += (double)run->plan.slot_bytes[g] * run->plan.slots[g] + avgpipe__ea_bytes(&quiet, &run->d, run->N, run->d.param_count[g]);
     return bytes;
 }
@@ -7254,11 +7939,12 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
         for (g = 0; g < run.G && !res; g++) {
             double ea = avgpipe__ea_bytes(ctx, desc, run.N, desc->param_count[g]);
             if (ea < 0) res = avgpipe_last_result(avgpipe__ctx(ctx));
-            per_rank[avgpipe__rank_of(g, run.S)] += (double)plan.slot_bytes[g] * plan.slots[g] + ea;
+            per_rank[run.place[g]] += (double)plan.slot_bytes[g] * plan.slots[g] + ea;
         }
         avgpipe_run_plan_free(ctx, &plan);
     }
     avgpipe_free(ctx, run.act);
+    avgpipe_free(ctx, run.place);
     return res;
 }
 

@@ -195,7 +195,7 @@ usage_error "validate binary garbage" "garbage.bin" validate "$TMP/garbage.bin"
 usage_error "validate missing file" "nonexistent" validate "$TMP/nonexistent.csv"
 usage_error "validate directory" "directory" validate "$TMP"
 usage_error "validate no file" "FILE" validate
-awk 'BEGIN { for (i = 0; i < 5000; i++) print "0F0" }' >"$TMP/ranks.csv"
+awk 'BEGIN { for (i = 0; i < 5000; i++) print i "F0" }' >"$TMP/ranks.csv"
 usage_error "validate 5000 ranks" "5000 ranks" validate "$TMP/ranks.csv"
 printf '0F99999999999\n' >"$TMP/huge.csv"
 usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"

@@ -220,10 +220,12 @@ Test(shapes, interleaved_needs_micro_multiple_of_stages) {
             }
 }
 
+/* Chunks: any V for interleaved, exactly two for the V-placed kinds, one for the others. */
 Test(shapes, chunks_only_for_interleaved) {
     int kind;
     for (kind = AVGPIPE_SCHED_AFAB; kind < AVGPIPE_SCHED_KIND_COUNT; kind++) {
-        avgpipe_sched_desc d = desc_of((avgpipe_sched_kind)kind, 4, 8, 1, 2, 1, 1, 0);
+        int vkind = kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV;
+        avgpipe_sched_desc d = desc_of((avgpipe_sched_kind)kind, 4, 8, 1, vkind ? 3 : 2, 1, 1, 0);
         avgpipe_schedule s;
         avgpipe_result r = avgpipe_sched_generate(NULL, &d, &s);
         if (kind == AVGPIPE_SCHED_INTERLEAVED) {
@@ -231,7 +233,7 @@ Test(shapes, chunks_only_for_interleaved) {
             cr_assert_eq(s.nstages, 8);
             avgpipe_sched_free(NULL, &s);
         } else {
-            cr_assert_eq(r, AVGPIPE_INVALID_ARG, "%s accepted V=2", avgpipe_sched_kind_name((avgpipe_sched_kind)kind));
+            cr_assert_eq(r, AVGPIPE_INVALID_ARG, "%s accepted V=%d", avgpipe_sched_kind_name((avgpipe_sched_kind)kind), d.chunks);
             cr_assert_not_null(strstr(avgpipe_last_error(NULL), "chunks"), "message '%s'", avgpipe_last_error(NULL));
         }
     }
@@ -582,7 +584,7 @@ Test(sim, tables_follow_the_ops) {
         "", /* built below: one op of pipeline 5999 on stage 32766 (import refuses the shape it implies) */
         "0F0,0F9999999\n",
         "99:0F0,0F99999\n",
-        "# avgpipe kind=custom stages=1 chunks=1 micro=100000000 pipes=1 rounds=1 advance=0 continuous=0\n0F0,0B0\n",
+        "# avgpipe version=1 kind=custom stages=1 chunks=1 micro=100000000 pipes=1 rounds=1 advance=0 continuous=0\n0F0,0B0\n",
     };
     avgpipe_context ctx;
     avgpipe_context_desc cd;
@@ -597,7 +599,7 @@ Test(sim, tables_follow_the_ops) {
         avgpipe_validate_report rep;
         avgpipe_result res;
         if (i == 0) {
-            avgpipe_sched_desc sh = {AVGPIPE_SCHED_CUSTOM, 1, 1, 6000, 32767, 1, 0, 0};
+            avgpipe_sched_desc sh = {AVGPIPE_SCHED_CUSTOM, 1, 1, 6000, 32767, 1, 0, 0, AVGPIPE_PLACE_AUTO};
             avgpipe_op op = {32766, 0, 5999, AVGPIPE_OP_F, 0, 0};
             cr_assert_eq(avgpipe_sched_init(&ctx, &s, 1, &sh), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
             cr_assert_eq(avgpipe_sched_push(&ctx, &s, 0, op), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
