@@ -1037,6 +1037,7 @@ typedef struct avgpipe_op_ctx {
     int rank, pipe, stage, micro, round; /* rank: global (replica · S + s); micro: within the batch;
                                             round: global (iteration · R + r) */
     int replica;                         /* replica group d, 0 .. D-1 */
+    int kind;                            /* avgpipe_op_kind: F, B, I or W */
     int slot;                            /* unique among this stage's in-flight micro-batches */
     int stages;                          /* G: stage partitions of the model (not ranks) */
     float *params;                       /* parameters of (replica, pipe, stage) */
@@ -1058,6 +1059,12 @@ typedef struct avgpipe_stage_callbacks {
        split schedules (ZB-H1) run with a plain backward; without backward(), B runs I then W. */
     int (*backward_input)(avgpipe_op_ctx *op);
     int (*backward_weight)(avgpipe_op_ctx *op);
+    /* Overlapped pairs (optional): a schedule's "(F;B)OVERLAP_F_B" (DualPipeV) runs the forward f of one
+       micro-batch and the backward b (kind B or I) of another, on the same or another stage of this
+       rank, in one call, so a trainer can interleave their kernels (one's communication under the
+       other's compute). Both inputs have arrived; it must leave what forward(f) and then backward(b)
+       (backward_input(b) for I) would. Without it the pair runs as F, then B. */
+    int (*overlap)(avgpipe_op_ctx *f, avgpipe_op_ctx *b);
     /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
        round's micro-batches. rank is global (its replica group is rank / S); round is global
        (iteration · R + r), as in avgpipe_op_ctx. */
@@ -2064,12 +2071,13 @@ static int avgpipe__place_inferable(avgpipe_context *ctx, const avgpipe_schedule
 
 static int avgpipe__needs_ext(avgpipe_context *ctx, const avgpipe_schedule *s) {
     int r, i, last = s->nranks - 1;
-    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, NULL, NULL);
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, NULL, NULL), own = s->shape;
+    if (own.micro < 1) own.micro = inferred.micro; /* a hand-built schedule that never set it: the actions say */
     if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
     if (avgpipe__place_inferable(ctx, s) != 1) return 1;
     /* a shape that import would not infer from the actions (a header's micro=8 over a partial
        schedule): only the header keeps it */
-    if (!avgpipe__same_shape(&inferred, &s->shape)) return 1;
+    if (!avgpipe__same_shape(&inferred, &own)) return 1;
     /* An empty last rank line reads back as a blank line at the end of the file, which import drops
        (editors add them) unless the header's stage count says it is a rank. */
     if (last >= 0 && (s->len[last] == 0 || (s->len[last] == 1 && s->ops[last][0].kind == AVGPIPE_OP_IDLE))) return 1;
@@ -2097,7 +2105,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
         ok &= avgpipe__buf_printf(ctx, out,
                                   "# avgpipe version=%d kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d",
                                   AVGPIPE__TEXT_VERSION, avgpipe_sched_kind_name(s->shape.kind), s->nranks, s->shape.chunks,
-                                  s->shape.micro, s->shape.pipes, s->shape.rounds, s->shape.advance, s->shape.continuous);
+                                  s->shape.micro > 0 ? s->shape.micro : avgpipe__shape_of_ops(s, NULL, NULL).micro, s->shape.pipes,
+                                  s->shape.rounds, s->shape.advance, s->shape.continuous);
         if (s->shape.placement != AVGPIPE_PLACE_LOOP)
             ok &= avgpipe__buf_printf(ctx, out, " placement=%s", avgpipe_placement_name(s->shape.placement));
         if (s->shape.placement == AVGPIPE_PLACE_CUSTOM)
@@ -2379,11 +2388,18 @@ static avgpipe_result avgpipe__shape_limits(avgpipe_context *ctx, const avgpipe_
 }
 
 /* The placement: the header's, checked against the actions, or inferred from them (each stage on
-   one rank). line_of[r] is rank r's line in the text. Takes *map (the header's explicit one). */
+   one rank). A custom map may place any number of stages that the ranks x chunks hold: the header's
+   map says how many, else the highest stage an action names. line_of[r] is rank r's line in the
+   text. Takes *map (the header's place= list). */
 static avgpipe_result avgpipe__infer_place(avgpipe_context *ctx, avgpipe_schedule *s, avgpipe_placement said, int **map, int nmap,
                                            const int *line_of) {
-    int g, r, i, conflict = -1, kind, *seen = (int *)avgpipe_alloc(ctx, ((size_t)s->nstages + 1) * sizeof(int));
-    if (!seen) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory placing %d stages", s->nstages);
+    int g, r, i, conflict = -1, kind, G = s->nstages, *seen;
+    if (*map && said != AVGPIPE_PLACE_CUSTOM) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= needs placement=custom");
+    if (*map && (nmap > G || nmap <= G - s->nranks))
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= names %d stages, %d ranks x %d chunks hold %d to %d", nmap, s->nranks,
+                             s->shape.chunks, G - s->nranks + 1, G);
+    seen = (int *)avgpipe_alloc(ctx, ((size_t)G + 1) * sizeof(int));
+    if (!seen) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory placing %d stages", G);
     kind = avgpipe__place_of_ops(s, seen, &conflict);
     if (kind < 0) { /* name both lines */
         int first = -1, other = -1;
@@ -2398,42 +2414,33 @@ static avgpipe_result avgpipe__infer_place(avgpipe_context *ctx, avgpipe_schedul
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "stage %d appears on two ranks: %d (line %d) and %d (line %d); a stage lives on one rank",
                              conflict, first, line_of[first], other, line_of[other]);
     }
-    if (said == AVGPIPE_PLACE_AUTO && kind == AVGPIPE_PLACE_CUSTOM)
-        for (g = 0; g < s->nstages; g++)
-            if (seen[g] < 0) {
-                avgpipe_free(ctx, seen);
-                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
-                                     "the actions place their stages on neither the loop nor the V placement, and stage %d appears on no rank: "
-                                     "give the map in the header (placement=custom place=...)",
-                                     g);
-            }
     if (said == AVGPIPE_PLACE_AUTO) said = (avgpipe_placement)kind;
     if (said == AVGPIPE_PLACE_CUSTOM) {
-        int *m = *map;
-        if (!m) { /* placement=custom without place=: the actions' map */
-            m = seen;
-            seen = NULL;
-            for (g = 0; g < s->nstages; g++)
-                if (m[g] < 0) {
-                    avgpipe_free(ctx, m);
-                    return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: placement=custom, and stage %d appears on no rank (give place=...)", g);
-                }
-        } else if (nmap != s->nstages) {
+        if (*map) { /* the header's */
             avgpipe_free(ctx, seen);
-            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= names %d stages, the schedule has %d", nmap, s->nstages);
-        } else
+            seen = *map;
             *map = NULL;
+            s->nstages = nmap;
+        } else { /* the actions': every stage up to the highest one named must be */
+            while (s->nstages > G - s->nranks + 1 && seen[s->nstages - 1] < 0) s->nstages--;
+            for (g = 0; g < s->nstages; g++)
+                if (seen[g] < 0) {
+                    avgpipe_free(ctx, seen);
+                    return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
+                                         "the actions place their stages on neither the loop nor the V placement, and stage %d appears on "
+                                         "no rank: give the map in the header (placement=custom place=...)",
+                                         g);
+                }
+        }
         for (g = 0; g < s->nstages; g++)
-            if (m[g] < 0 || m[g] >= s->nranks) {
-                avgpipe_free(ctx, m);
+            if (seen[g] >= s->nranks) {
+                int bad = seen[g];
                 avgpipe_free(ctx, seen);
-                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= puts stage %d on rank %d of %d", g, m[g], s->nranks);
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= puts stage %d on rank %d of %d", g, bad, s->nranks);
             }
-        s->place = m;
+        s->place = seen;
         s->nplace = s->nstages;
-    } else if (*map) {
-        avgpipe_free(ctx, seen);
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= needs placement=custom");
+        seen = NULL;
     }
     s->shape.placement = said;
     avgpipe_free(ctx, seen);
@@ -6525,6 +6532,7 @@ static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpi
     memset(oc, 0, sizeof *oc);
     oc->rank = w->rank;
     oc->replica = w->replica;
+    oc->kind = op->kind;
     oc->pipe = op->pipe;
     oc->stage = op->stage;
     oc->micro = op->micro % run->M;
@@ -6552,52 +6560,89 @@ static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, 
     return AVGPIPE_OK;
 }
 
-/* F, B, I, W: wait for the inputs, call the user, hand results to local neighbours. */
-static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op *op) {
+/* F, B, I, W before the user's call: wait for the inputs and point the context at its buffers (the
+   next stage's input slot, or the previous stage's gradient slot, when that stage is on this rank). */
+static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe_op *op, avgpipe_op_ctx *oc) {
     avgpipe_run *run = w->run;
     int g = op->stage, k = op->kind, s = w->srank;
     avgpipe__slot *sl, *nb;
-    avgpipe_op_ctx oc;
     avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
-    double t, e;
     if (res) return res;
-    avgpipe__op_ctx_init(w, op, &oc);
-    oc.input = g > 0 ? sl->in_act : NULL;
+    avgpipe__op_ctx_init(w, op, oc);
+    oc->input = g > 0 ? sl->in_act : NULL;
     if (k == AVGPIPE_OP_F) {
         if ((res = avgpipe__recv_wait(w, sl, op, 1)) != AVGPIPE_OK) return res;
-        if (oc.round > 0 && (res = avgpipe__wait_avg(w, g, op->pipe, oc.round, op)) != AVGPIPE_OK) return res;
+        if (oc->round > 0 && (res = avgpipe__wait_avg(w, g, op->pipe, oc->round, op)) != AVGPIPE_OK) return res;
         if (g + 1 < run->G) {
             if (avgpipe__run_rank(run, g + 1) == s) {
                 if ((res = avgpipe__slot_get(w, g + 1, op, &nb)) != AVGPIPE_OK) return res;
-                oc.output = nb->in_act;
+                oc->output = nb->in_act;
             } else {
-                oc.output = sl->out_act;
+                oc->output = sl->out_act;
             }
         }
-        t = avgpipe__now();
-        res = avgpipe__callback(w, run->d.cb.forward, &oc, op);
-        if (g == run->G - 1) {
-            w->loss += oc.loss;
-            w->nloss++;
-        }
-    } else {
-        if (avgpipe__is_backward(k) && (res = avgpipe__recv_wait(w, sl, op, 0)) != AVGPIPE_OK) return res;
-        oc.grad_output = g + 1 < run->G ? sl->grad_out : NULL;
-        if (g > 0 && k != AVGPIPE_OP_W) {
-            if (avgpipe__run_rank(run, g - 1) == s) {
-                if ((res = avgpipe__slot_get(w, g - 1, op, &nb)) != AVGPIPE_OK) return res;
-                oc.grad_input = nb->grad_out;
-            } else {
-                oc.grad_input = sl->grad_in;
-            }
-        }
-        t = avgpipe__now();
-        res = avgpipe__backward(w, &oc, op);
+        return AVGPIPE_OK;
     }
+    if (avgpipe__is_backward(k) && (res = avgpipe__recv_wait(w, sl, op, 0)) != AVGPIPE_OK) return res;
+    oc->grad_output = g + 1 < run->G ? sl->grad_out : NULL;
+    if (g > 0 && k != AVGPIPE_OP_W) {
+        if (avgpipe__run_rank(run, g - 1) == s) {
+            if ((res = avgpipe__slot_get(w, g - 1, op, &nb)) != AVGPIPE_OK) return res;
+            oc->grad_input = nb->grad_out;
+        } else {
+            oc->grad_input = sl->grad_in;
+        }
+    }
+    return AVGPIPE_OK;
+}
+
+/* After the user's call: the loss of a last-stage forward, the event. */
+static avgpipe_result avgpipe__compute_finish(avgpipe__worker *w, const avgpipe_op *op, const avgpipe_op_ctx *oc, double t, double e) {
+    if (op->kind == AVGPIPE_OP_F && op->stage == w->run->G - 1) {
+        w->loss += oc->loss;
+        w->nloss++;
+    }
+    if (!avgpipe__record(w, op, 0, -1, -1, t, e, 0)) return avgpipe__profile_oom(w);
+    return AVGPIPE_OK;
+}
+
+/* F, B, I, W: wait for the inputs, call the user, hand results to local neighbours. */
+static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_op_ctx oc;
+    avgpipe_result res = avgpipe__compute_prepare(w, op, &oc);
+    double t, e;
+    if (res) return res;
+    t = avgpipe__now();
+    res = op->kind == AVGPIPE_OP_F ? avgpipe__callback(w, w->run->d.cb.forward, &oc, op) : avgpipe__backward(w, &oc, op);
     e = avgpipe__now();
     w->busy += e - t;
-    if (!res && !avgpipe__record(w, op, 0, -1, -1, t, e, 0)) return avgpipe__profile_oom(w);
-    return res;
+    return res ? res : avgpipe__compute_finish(w, op, &oc, t, e);
+}
+
+/* An overlapped pair (f a forward, b a B or I) through the user's overlap callback: both prepared,
+   one call, both finished (each recorded over the call's span). */
+static avgpipe_result avgpipe__exec_overlap(avgpipe__worker *w, const avgpipe_op *f, const avgpipe_op *b) {
+    avgpipe_op_ctx of, ob;
+    avgpipe_result res = avgpipe__compute_prepare(w, f, &of);
+    double t, e;
+    int rc;
+    char tf[64], tb[64];
+    if (!res) res = avgpipe__compute_prepare(w, b, &ob);
+    if (res) return res;
+    t = avgpipe__now();
+    avgpipe__in_callback(w, f->kind, f);
+    rc = w->run->d.cb.overlap(&of, &ob);
+    avgpipe__in_callback(w, 0, NULL);
+    e = avgpipe__now();
+    w->busy += e - t;
+    if (avgpipe__run_aborted(w->run)) return AVGPIPE_ABORTED;
+    if (rc != 0) {
+        avgpipe_op_format(f, 1, tf, sizeof tf);
+        avgpipe_op_format(b, 1, tb, sizeof tb);
+        return avgpipe__run_fail(w->run, AVGPIPE_CALLBACK_ERROR, "rank %d, ops (%s;%s): the overlap callback returned %d", w->rank, tf, tb, rc);
+    }
+    res = avgpipe__compute_finish(w, f, &of, t, e);
+    return res ? res : avgpipe__compute_finish(w, b, &ob, t, e);
 }
 
 /* SEND/RECV: post on the comm backend, tagged with what the message is; waits happen where the data
@@ -6687,14 +6732,24 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
     for (i = 0; i < s->len[r] && !res; i++) {
         const avgpipe_op *op = &s->ops[r][i];
         const int *rel = &run->plan.release[r][2 * i];
-        int k = op->kind;
-        if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
+        int k = op->kind, pair = 0;
+        if (k == AVGPIPE_OP_F && (op->flags & AVGPIPE_OPF_OVERLAP_NEXT) && run->d.cb.overlap && i + 1 < s->len[r] &&
+            avgpipe__is_backward(s->ops[r][i + 1].kind)) { /* lowering keeps a pair adjacent */
+            pair = 1;
+            res = avgpipe__exec_overlap(w, op, &s->ops[r][i + 1]);
+        } else if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
         else if (avgpipe__is_comm(k)) res = avgpipe__exec_comm(w, op);
         else if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) res = avgpipe__exec_step(w, op);
         else continue;
-        w->ops++;
+        w->ops += 1 + pair;
         if (!res && rel[0] >= 0) avgpipe__slot_put(w, rel[0], op);
         if (!res && rel[1] >= 0) avgpipe__slot_put(w, rel[1], op);
+        if (pair && !res) { /* then the backward's releases */
+            op = &s->ops[r][++i];
+            rel = &run->plan.release[r][2 * i];
+            if (rel[0] >= 0) avgpipe__slot_put(w, rel[0], op);
+            if (rel[1] >= 0) avgpipe__slot_put(w, rel[1], op);
+        }
         if (res && !avgpipe__run_aborted(run)) { /* e.g. ABORTED from a comm backend stopped from outside */
             char txt[64];
             avgpipe_op_format(op, 1, txt, sizeof txt);
@@ -6703,8 +6758,7 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
         }
     }
     for (j = run->roff[r]; j < run->roff[r + 1] && !res; j++) { /* sends still in flight must finish inside the iteration */
-        g = run->rst[j];
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
         for (q = 0; q < st->nslots && !res; q++) res = avgpipe__slot_sends(w, &st->slot[q], &none, "a send to");
         if (res && !avgpipe__run_aborted(run)) avgpipe__run_fail(run, res, "rank %d: finishing its sends: %s", w->rank, avgpipe_result_string(res));
@@ -6901,12 +6955,12 @@ static avgpipe_result avgpipe__ctl_allgather(avgpipe_run *run, const unsigned ch
 
 /* The agreement check: a fingerprint of the description and the lowered schedule, compared field by
    field between every rank and rank 0 (every process finds the same first difference). */
-#define AVGPIPE__FP_FIELDS 24
+#define AVGPIPE__FP_FIELDS 25
 static const char *const avgpipe__fp_names[AVGPIPE__FP_FIELDS] = {
     "protocol", "comm.size", "replicas", "average_every", "schedule (given or generated)", "sched.kind", "sched.stages",
     "sched.chunks", "sched.micro", "sched.pipes", "sched.rounds", "sched.advance (K)", "sched.continuous", "adaptive", "window",
     "mem_limit", "ea_mode", "alpha", "momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
-    "the lowered schedule (its ops)", "stage partitions (G)"};
+    "the lowered schedule (its ops)", "stage partitions (G)", "placement (the rank of each stage)"};
 
 static uint64_t avgpipe__fnv(uint64_t h, const void *p, size_t n) {
     const unsigned char *b = (const unsigned char *)p;
@@ -6949,6 +7003,7 @@ static void avgpipe__fingerprint(const avgpipe_run *run, int64_t *f) {
     for (r = 0; r < run->low.nranks; r++) h = avgpipe__fnv(h, run->low.ops[r], (size_t)run->low.len[r] * sizeof(avgpipe_op));
     f[i++] = (int64_t)h;
     f[i++] = run->G;
+    f[i++] = (int64_t)avgpipe__fnv(14695981039346656037ull, run->place, (size_t)run->G * sizeof(int));
 }
 
 static avgpipe_result avgpipe__run_agree(avgpipe_run *run) {
@@ -7133,8 +7188,7 @@ static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, 
                                         (size_t)(4 + n) * sizeof(double));
     }
     for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && ok && !res; j++) { /* each stage: rounds, z (z_prev), the N models */
-        g = run->rst[j];
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         size_t count = run->d.param_count[g], n = count * sizeof(float);
         int momentum = run->d.momentum != 0.0f;
         uint64_t rounds = 0;
