@@ -5,8 +5,10 @@
    ----------
    A C trainer describes its model as S stage partitions and gets, from this one header:
      - schedules for N parallel pipelines that share the same S ranks: all-forward-all-backward (GPipe),
-       1F1B, AvgPipe's advance forward (K extra warm-up forwards), interleaved 1F1B (V chunks per rank)
-       and zero-bubble ZB-H1 (backward split into I and W), in synchronous or continuous rounds;
+       1F1B, AvgPipe's advance forward (K extra warm-up forwards), interleaved 1F1B (V chunks per rank),
+       zero-bubble ZB-H1 (backward split into I and W), and the V-placed ZB-V and DualPipeV (two stages
+       per rank, the first and the last on rank 0; DualPipeV overlaps a forward with a backward), in
+       synchronous or continuous rounds; any stage -> rank placement (loop, V, or your own map);
      - a validator (every invariant of a correct schedule, plus a deadlock replay under asynchronous
        and blocking sends), a timed discrete-event simulator, and timelines (ASCII, Chrome trace, SVG);
      - text import/export compatible with PyTorch's torch.distributed.pipelining CSV schedules;
