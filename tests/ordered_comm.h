@@ -57,10 +57,12 @@ static avgpipe_result ocomm_post(int send, int self, int peer, const void *sbuf,
     avgpipe_device_stream *s;
     ocomm_req *r;
     avgpipe_result res;
-    if (self < 0 || self >= OCOMM_MAXR || peer < 0 || peer >= OCOMM_MAXR || c->used == OCOMM_POOL) return AVGPIPE_INVALID_ARG;
-    s = &c->chan[self][peer][send];
+    long k;
+    if (self < 0 || self >= OCOMM_MAXR || peer < 0 || peer >= OCOMM_MAXR) return AVGPIPE_INVALID_ARG;
+    s = &c->chan[self][peer][send]; /* only rank self's thread touches it */
     if (!*s && (res = d->stream_create(d->user, s)) != AVGPIPE_OK) return res;
-    r = &c->pool[__atomic_fetch_add(&c->used, 1, __ATOMIC_RELAXED)];
+    if ((k = __atomic_fetch_add(&c->used, 1, __ATOMIC_RELAXED)) >= OCOMM_POOL) return AVGPIPE_OUT_OF_MEMORY;
+    r = &c->pool[k];
     r->magic = OCOMM_MAGIC, r->send = send, r->sbuf = sbuf, r->buf = rbuf, r->bytes = bytes, r->tag = tag;
     r->self = self, r->peer = peer, r->res = AVGPIPE_OK;
     if ((res = d->event_create(d->user, &r->mine)) != AVGPIPE_OK) return res;
@@ -191,7 +193,7 @@ static void ocomm_close(void) {
         for (j = 0; j < OCOMM_MAXR; j++)
             for (k = 0; k < 2; k++)
                 if (OCOMM.chan[i][j][k]) OCOMM.dev->stream_destroy(OCOMM.dev->user, OCOMM.chan[i][j][k]);
-    for (i = 0; i < OCOMM.used; i++)
+    for (i = 0; i < OCOMM.used && i < OCOMM_POOL; i++)
         if (OCOMM.pool[i].magic == OCOMM_CANCELLED) OCOMM.dev->event_destroy(OCOMM.dev->user, OCOMM.pool[i].mine);
     avgpipe_comm_destroy(&OCOMM.inner);
     free(OCOMM.pool);
