@@ -47,8 +47,9 @@
    thread outside its launcher's choice; give desc.cpus or mpirun --bind-to none to plan freely).
 
    Domains. A GPU rank's domain is the set of cores local to its GPU: those of the object its PCI
-   device hangs from (hwloc's non-I/O ancestor: the GPU's NUMA node or package), or, with the CUDA
-   runtime on this machine, hwloc_cudart_get_device_cpuset (the kernel's local_cpus of the device).
+   device hangs from (hwloc's non-I/O ancestor: the GPU's NUMA node or package), or, when the topology
+   of this machine has no PCI objects, the kernel's local_cpus of the device (through
+   hwloc_cudart_get_device_cpuset for a CUDA ordinal, sysfs for a bus id).
    Ranks whose GPUs have the same domain share it; domains are planned smallest first, each on its
    cores that earlier domains did not take (all of them when none is left). CPU ranks form one domain,
    planned last: every core the GPU ranks left (every core, when they left none).
@@ -129,10 +130,11 @@
    desc.gpus[i] names rank i's GPU as a PCI bus id ("0000:3b:00.0", or "3b:00.0" in domain 0), found
    among the topology's PCI devices (on this machine without them: Linux's sysfs local_cpus), or as a
    CUDA ordinal ("2" or "cuda2"): on this machine with the CUDA runtime (AVGPIPE_HWLOC_CUDART, on by
-   default under nvcc) through hwloc/cudart.h, which asks cudaGetDeviceProperties (this initialises
-   CUDA in the calling process, so plan after any fork), else through the topology's CUDA OS device
-   "cudaN" (hwloc's CUDA plugin adds them; an XML from a GPU machine has them). CUDA numbers devices
-   fastest first unless CUDA_DEVICE_ORDER=PCI_BUS_ID: ordinal and bus order may differ.
+   default under nvcc) through hwloc/cudart.h, whose cudaGetDeviceProperties gives the bus id (this
+   initialises CUDA in the calling process: plan after any fork) and hwloc_cudart_get_device_cpuset the
+   cpus when the topology has no PCI objects; else through the topology's CUDA OS device "cudaN"
+   (hwloc's CUDA plugin adds them; an XML from a GPU machine has them). CUDA numbers devices fastest
+   first unless CUDA_DEVICE_ORDER=PCI_BUS_ID: ordinal and bus order may differ.
 
    LIMITS
    ------
@@ -610,20 +612,20 @@ static int avgpipe__hw_sysfs_near(const avgpipe_hwloc_topo *topo, unsigned dom, 
 }
 
 #ifdef AVGPIPE_HWLOC_CUDART
-/* A CUDA ordinal through the CUDA runtime (this machine only): the PCI device, else its local cpus. */
-static avgpipe_result avgpipe__hw_cudart(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, int i, int ord) {
+/* A CUDA ordinal through the CUDA runtime (this machine only): its PCI device, or, when the topology has
+   no PCI objects, its local cpus (hwloc_cudart_get_device_cpuset: the kernel's local_cpus). */
+static avgpipe_result avgpipe__hw_cudart(avgpipe__hwplan *w, int i, int ord) {
     int dom = 0, bus = 0, dev = 0;
     avgpipe_hwloc_place *p = &w->place[i];
     if (hwloc_cudart_get_device_pci_ids(w->t, ord, &dom, &bus, &dev) != 0)
-        return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: rank %d: CUDA device %d: the CUDA runtime does not know it",
-                                 p->rank, ord);
+        return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG,
+                                 "avgpipe_hwloc_plan_create: rank %d: CUDA device %d: cudaGetDeviceProperties fails (no such device?)", p->rank, ord);
     snprintf(p->gpu, sizeof p->gpu, "%04x:%02x:%02x.0", (unsigned)dom, (unsigned)bus, (unsigned)dev);
     snprintf(p->gpu_name, sizeof p->gpu_name, "cuda%d", ord);
     w->r[i].pcidev = hwloc_get_pcidev_by_busid(w->t, (unsigned)dom, (unsigned)bus, (unsigned)dev, 0);
-    if (hwloc_cudart_get_device_cpuset(w->t, ord, w->r[i].near) != 0 && !w->r[i].pcidev)
+    if (!w->r[i].pcidev && hwloc_cudart_get_device_cpuset(w->t, ord, w->r[i].near) != 0)
         return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: rank %d: CUDA device %d (%s): no local cpus",
                                  p->rank, ord, p->gpu);
-    (void)topo;
     return AVGPIPE_OK;
 }
 #endif
@@ -640,7 +642,11 @@ static avgpipe_result avgpipe__hw_gpu(avgpipe__hwplan *w, const avgpipe_hwloc_to
         hwloc_obj_t os;
         p->cuda = ord;
 #ifdef AVGPIPE_HWLOC_CUDART
-        if (topo->this_system) return avgpipe__hw_cudart(w, topo, i, ord);
+        if (topo->this_system) {
+            avgpipe_result res = avgpipe__hw_cudart(w, i, ord);
+            if (res || !r->pcidev) return res;
+            os = NULL; /* found by bus id: on to what its PCI device says */
+        } else
 #endif
         if (!(os = avgpipe__hw_cuda_osdev(w->t, ord)) || !os->parent || os->parent->type != HWLOC_OBJ_PCI_DEVICE)
             return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG,
@@ -653,7 +659,7 @@ static avgpipe_result avgpipe__hw_gpu(avgpipe__hwplan *w, const avgpipe_hwloc_to
                                      ", and this build has no CUDA runtime (AVGPIPE_HWLOC_CUDART)"
 #endif
             );
-        r->pcidev = os->parent;
+        if (os) r->pcidev = os->parent;
     } else if (avgpipe__hw_parse_busid(spec, &dom, &bus, &dev, &fn)) {
         r->pcidev = hwloc_get_pcidev_by_busid(w->t, dom, bus, dev, fn);
         snprintf(p->gpu, sizeof p->gpu, "%04x:%02x:%02x.%01x", dom, bus, dev, fn);
