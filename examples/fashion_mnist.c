@@ -22,6 +22,10 @@
    Run:   ./fashion_mnist                       (4 stages; schedule, M, N, K from the tuner)
           ./fashion_mnist --micro 4 --pipes 2   (no tuner: advance forward with the runtime's adaptive K)
           ./fashion_mnist --schedule zbh1 --pipes 3 --trace trace.json           (--help lists all)
+          ./fashion_mnist --bind auto           (built with hwloc: print where each rank's stage thread and
+                                                 averaging thread run, and bind them when every stage
+                                                 gets cores of its own; report: print only; always: bind
+                                                 even on shared cores; none, the default: leave them be)
 
    Callback mapping (avgpipe_op_ctx -> mlp.h):
      forward   stage 0 gathers the samples of (pipe, round, micro) into its stash (input is NULL there),
@@ -35,6 +39,9 @@
 #include "avgpipe.h"
 #ifdef FMNIST_MPI
 #include "avgpipe_mpi.h"
+#endif
+#ifdef FMNIST_HWLOC
+#include "avgpipe_hwloc.h"
 #endif
 #define MLP_IMPLEMENTATION
 #include "examples/mlp.h"
@@ -67,6 +74,7 @@ typedef struct options {
     double mem_limit;             /* --mem-limit: bytes per rank for the tuner; 0: none */
     unsigned long long seed;
     const char *data, *hidden, *trace, *profile, *save, *profile_tune, *checkpoint, *resume;
+    const char *bind;             /* --bind: NULL or "none", "report", "auto", "always" */
 } options;
 
 /* Everything the callbacks reach through op->user. Per-(replica, stage) state (stash, perm) is touched
@@ -152,6 +160,7 @@ static const char *usage =
     "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n"
     "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
+    "  --bind MODE         none|report|auto|always: hwloc thread placement\n"
     "Tuning (when --micro or --pipes is auto, the default): before training, the model is profiled for\n"
     "a few iterations of 1 pipeline at two micro-batch sizes on throwaway copies of the initial weights\n"
     "(training then starts from the same weights and sample order as without tuning), a cost model is\n"
@@ -268,6 +277,14 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--trace")) o->trace = v;
     else if (!strcmp(f, "--profile")) o->profile = v;
     else if (!strcmp(f, "--save")) o->save = v;
+    else if (!strcmp(f, "--bind")) {
+        if (strcmp(v, "none") && strcmp(v, "report") && strcmp(v, "auto") && strcmp(v, "always"))
+            bad_usage("--bind expects none, report, auto or always, got '%s'", v);
+#ifndef FMNIST_HWLOC
+        if (strcmp(v, "none")) bad_usage("--bind %s: this build has no hwloc (install libhwloc-dev and rebuild)", v);
+#endif
+        o->bind = v;
+    }
 }
 
 /* Cross-flag checks that need no data. */
@@ -321,7 +338,7 @@ static int is_value_flag(const char *f) {
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
                                         "--schedule", "--data", "--hidden", "--trace", "--profile", "--save",
                                         "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint",
-                                        "--checkpoint-every", "--resume", "--stop-after"};
+                                        "--checkpoint-every", "--resume", "--stop-after", "--bind"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -585,6 +602,57 @@ static int setup_model(app *A) {
     return 0;
 }
 
+#ifdef FMNIST_HWLOC
+/* --bind: where this machine's ranks run (avgpipe_hwloc.h): every rank with threads, the ranks of the
+   processes on this machine with MPI (each process plans them all, the same way, and binds its own). The
+   plan is printed on stderr (with MPI by the first process of each machine); the runtime's threads are
+   bound through run_desc.bind_thread, the profile runs' too. */
+static struct {
+    avgpipe_hwloc_topo *topo;
+    avgpipe_hwloc_plan *plan;
+} g_place;
+
+static int setup_placement(const app *A, avgpipe_context *ctx) {
+    const char *b = A->opt.bind;
+    int show = A->me <= 0;
+#ifdef FMNIST_MPI
+    int ranks[MAX_REPLICAS * MLP_MAX_LAYERS];
+#endif
+    avgpipe_hwloc_plan_desc pd;
+    avgpipe_buf rep = {0};
+    if (!b || !strcmp(b, "none")) return 0;
+    memset(&pd, 0, sizeof pd);
+    pd.bind = !strcmp(b, "report") ? AVGPIPE_HWLOC_BIND_NONE : !strcmp(b, "always") ? AVGPIPE_HWLOC_BIND_ALWAYS : AVGPIPE_HWLOC_BIND_AUTO;
+    pd.count = A->opt.replicas * A->S;
+#ifdef FMNIST_MPI
+    if (A->me >= 0) { /* the processes on this machine, by shared memory */
+        MPI_Comm node;
+        int me;
+        if (MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+            return fail("--bind: MPI_Comm_split_type failed");
+        MPI_Comm_size(node, &pd.count);
+        MPI_Comm_rank(node, &me);
+        if (pd.count > (int)(sizeof ranks / sizeof ranks[0]) || MPI_Allgather((void *)&A->me, 1, MPI_INT, ranks, 1, MPI_INT, node) != MPI_SUCCESS)
+            return fail("--bind: cannot gather the ranks of this machine");
+        MPI_Comm_free(&node);
+        pd.ranks = ranks;
+        show = me == 0;
+    }
+#endif
+    if (avgpipe_hwloc_topo_load(ctx, NULL, &g_place.topo) != AVGPIPE_OK ||
+        avgpipe_hwloc_plan_create(ctx, g_place.topo, &pd, &g_place.plan) != AVGPIPE_OK)
+        return fail("--bind %s: %s", b, avgpipe_last_error(ctx));
+    if (show && avgpipe_hwloc_plan_report(ctx, g_place.plan, &rep) == AVGPIPE_OK) fputs(rep.data, stderr);
+    avgpipe_buf_free(ctx, &rep);
+    return 0;
+}
+
+static void free_placement(void) {
+    avgpipe_hwloc_plan_free(g_place.plan);
+    avgpipe_hwloc_topo_free(g_place.topo);
+}
+#endif
+
 static avgpipe_run_desc make_run_desc(app *A) {
     const options *o = &A->opt;
     avgpipe_run_desc d;
@@ -613,6 +681,9 @@ static avgpipe_run_desc make_run_desc(app *A) {
     d.deterministic = o->deterministic;
     d.profile = o->trace || o->profile;
     d.replicas = o->replicas;
+#ifdef FMNIST_HWLOC
+    if (g_place.plan) d.bind_thread = avgpipe_hwloc_bind_thread, d.bind_user = g_place.plan;
+#endif
     if (A->me >= 0) { /* one rank per process over MPI */
         d.comm = &A->comm;
         d.local_ranks = &A->me;
@@ -1152,6 +1223,9 @@ int main(int argc, char **argv) {
 #ifdef FMNIST_MPI
     if (A.opt.mpi && start_mpi(&A, &ctx, &argc, &argv) != 0) goto done;
 #endif
+#ifdef FMNIST_HWLOC
+    if (setup_placement(&A, &ctx) != 0) goto done;
+#endif
     if (load_data(&A) != 0) goto done;
     if (tuning(&A.opt)) {
         int trc = A.me <= 0 ? tune(&A, &ctx) : 0;
@@ -1181,6 +1255,9 @@ int main(int argc, char **argv) {
     rc = train(&A, run, &ctx) == 0 ? 0 : 1;
 done:
     avgpipe_run_destroy(run);
+#ifdef FMNIST_HWLOC
+    free_placement(); /* after the run that binds with it */
+#endif
     free_app(&A);
     for (g = 0; g < MLP_MAX_LAYERS; g++) free(A.ref[g]);
 #ifdef FMNIST_MPI

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Install the Debian packages avgpipe needs to build, test and run its examples (only the missing ones).
 set -eu
-PKGS="build-essential meson ninja-build pkg-config libcriterion-dev clang libopenblas-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin"
+PKGS="build-essential meson ninja-build pkg-config libcriterion-dev clang libopenblas-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin libhwloc-dev"
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 missing=""
