@@ -38,6 +38,8 @@
 #endif
 #define MLP_IMPLEMENTATION
 #include "examples/mlp.h"
+#define BLAS_KERNEL_IMPLEMENTATION
+#include "examples/blas_kernel.h"
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -50,7 +52,6 @@
 #include <unistd.h>
 
 void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
-char *openblas_get_corename(void);
 
 #define PROG "fashion_mnist"
 #define ADVANCE_AUTO (-1)
@@ -95,6 +96,7 @@ typedef struct app {
 } app;
 
 static int g_rank = -1; /* --backend mpi: this process's rank, for messages */
+static blas_kernel_status g_blas; /* the OpenBLAS kernel this process runs, and why (blas_kernel.h) */
 
 /* Print "fashion_mnist: <message>" (mpi: "fashion_mnist (rank R): ...") on stderr; returns -1. */
 static int fail(const char *fmt, ...) {
@@ -340,6 +342,20 @@ static void parse_options(int argc, char **argv, options *o) {
     check_output("--profile", o->profile);
     check_output("--save", o->save);
     check_output("--profile-tune", o->profile_tune);
+}
+
+/* A generic OpenBLAS kernel on a CPU that can run a better one: restart with it (blas_kernel.h), before
+   anything a restart would repeat (the data, the tuner, MPI). The check uses the model's layer shapes at
+   its micro-batch size (32 rows when the tuner picks it). Returns 0 (a message on stderr when the better
+   kernel failed its check and the generic one stays). */
+static int ensure_blas_kernel(const options *o, char **argv) {
+    blas_kernel_shape shapes[MLP_MAX_LAYERS];
+    mlp_model m;
+    int l, rows = o->micro != AUTO ? o->batch / o->micro : (o->batch < 32 ? o->batch : 32);
+    if (mlp_model_parse(&m, 784, o->hidden, o->stages, NULL, 0) != 0) return 0; /* checked by parse_options */
+    for (l = 0; l < m.layers; l++) shapes[l].m = rows, shapes[l].n = m.width[l + 1], shapes[l].k = m.width[l];
+    blas_kernel_ensure(argv, shapes, m.layers, PROG, &g_blas);
+    return 0;
 }
 
 /* --backend mpi: what rank r writes: FILE for rank 0, FILE.r for the others. */
@@ -800,7 +816,7 @@ static void print_header(const app *A) {
     const options *o = &A->opt;
     char desc[256];
     mlp_model_describe(&A->model, desc, sizeof desc);
-    printf("BLAS: OpenBLAS, kernel %s, 1 thread per stage\n", openblas_get_corename());
+    if (A->me >= 0) printf("BLAS: %s, 1 thread per stage\n", g_blas.line); /* mpi: rank 0's; threads: printed first thing */
     printf("model %s\n", desc);
     printf("%s, %d ranks x %d chunk%s, %d pipelines, batch %d = %d x %d, %d rounds/iteration (%s), alpha %g, "
            "Adam lr %g%s, %d training samples (%lld rounds/epoch)\n",
@@ -1130,6 +1146,7 @@ int main(int argc, char **argv) {
     avgpipe_result r;
     int rc = 1, g;
     parse_options(argc, argv, &A.opt);
+    if (ensure_blas_kernel(&A.opt, argv) == 0 && !A.opt.mpi) printf("BLAS: %s, 1 thread per stage\n", g_blas.line);
     openblas_set_num_threads(1); /* the stage threads are the parallelism */
     avgpipe_context_init(&ctx, NULL);
     A.me = -1;
