@@ -308,6 +308,9 @@ int mlp_params_save(const char *path, const mlp_model *m, const float *const *pa
 
 #include <cblas.h>
 #include <errno.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 #include <limits.h>
 #include <math.h>
 #include <stdarg.h>
@@ -792,19 +795,43 @@ float mlp_lr_cosine(float base, int64_t step, int64_t total) {
     return (float)(base * 0.5 * (1.0 + cos(3.141592653589793 * (double)step / (double)total)));
 }
 
+/* One Adam update of element i (the scalar form, and the tail of the SSE loop below). */
+#define MLP__ADAM_ONE(i)                                                                            \
+    do {                                                                                            \
+        float g_ = grad[i] + wd * params[i];                                                        \
+        m[i] = b1 * m[i] + (1.0f - b1) * g_;                                                        \
+        v[i] = b2 * v[i] + (1.0f - b2) * g_ * g_;                                                   \
+        params[i] -= step * m[i] / (sqrtf(v[i]) * inv_sqrt_bc2 + eps);                              \
+        grad[i] = 0.0f;                                                                             \
+    } while (0)
+
 void mlp_adam_step(mlp_adam *a, const mlp_adam_hp *hp, float *params, float *grad) {
-    size_t i;
-    float b1 = hp->beta1, b2 = hp->beta2, step, inv_sqrt_bc2;
+    size_t i = 0, n = a->count;
+    float b1 = hp->beta1, b2 = hp->beta2, wd = hp->weight_decay, eps = hp->eps, step, inv_sqrt_bc2;
+    float *m = a->m, *v = a->v;
     a->t++;
     step = (float)(hp->lr / (1.0 - pow(b1, (double)a->t)));
     inv_sqrt_bc2 = (float)(1.0 / sqrt(1.0 - pow(b2, (double)a->t)));
-    for (i = 0; i < a->count; i++) {
-        float g = grad[i] + hp->weight_decay * params[i];
-        a->m[i] = b1 * a->m[i] + (1.0f - b1) * g;
-        a->v[i] = b2 * a->v[i] + (1.0f - b2) * g * g;
-        params[i] -= step * a->m[i] / (sqrtf(a->v[i]) * inv_sqrt_bc2 + hp->eps);
-        grad[i] = 0.0f;
+#if defined(__SSE2__)
+    /* Four at a time: the compiler keeps this loop scalar (sqrtf may set errno unless -fno-math-errno),
+       which made Adam a quarter of a batch's time. The same IEEE operations in the same order as the
+       scalar form (no FMA), so the results are bit for bit those of MLP__ADAM_ONE. */
+    {
+        const __m128 vb1 = _mm_set1_ps(b1), vb2 = _mm_set1_ps(b2), c1 = _mm_set1_ps(1.0f - b1), c2 = _mm_set1_ps(1.0f - b2);
+        const __m128 vwd = _mm_set1_ps(wd), vstep = _mm_set1_ps(step), vbc = _mm_set1_ps(inv_sqrt_bc2), veps = _mm_set1_ps(eps);
+        for (; i + 4 <= n; i += 4) {
+            __m128 p = _mm_loadu_ps(params + i), g = _mm_add_ps(_mm_loadu_ps(grad + i), _mm_mul_ps(vwd, p));
+            __m128 mm = _mm_add_ps(_mm_mul_ps(vb1, _mm_loadu_ps(m + i)), _mm_mul_ps(c1, g));
+            __m128 vv = _mm_add_ps(_mm_mul_ps(vb2, _mm_loadu_ps(v + i)), _mm_mul_ps(_mm_mul_ps(c2, g), g));
+            __m128 den = _mm_add_ps(_mm_mul_ps(_mm_sqrt_ps(vv), vbc), veps);
+            _mm_storeu_ps(m + i, mm);
+            _mm_storeu_ps(v + i, vv);
+            _mm_storeu_ps(params + i, _mm_sub_ps(p, _mm_div_ps(_mm_mul_ps(vstep, mm), den)));
+            _mm_storeu_ps(grad + i, _mm_setzero_ps());
+        }
     }
+#endif
+    for (; i < n; i++) MLP__ADAM_ONE(i);
 }
 
 /* ---- Stage compute ---------------------------------------------------------------------------- */
