@@ -7780,10 +7780,45 @@ static avgpipe_result avgpipe__fit_extras(avgpipe_context *ctx, const avgpipe_pr
     return avgpipe__fit_overhead(ctx, p, &m->op_overhead);
 }
 
+typedef struct avgpipe__obs {
+    int g, k;
+    double x, y;
+} avgpipe__obs;
+
+static int avgpipe__cmp_obs(const void *x, const void *y) {
+    const avgpipe__obs *a = (const avgpipe__obs *)x, *b = (const avgpipe__obs *)y;
+    if (a->g != b->g) return a->g - b->g;
+    if (a->k != b->k) return a->k - b->k;
+    if (a->x != b->x) return a->x < b->x ? -1 : 1;
+    return (a->y > b->y) - (a->y < b->y);
+}
+
+/* The points the lines are fitted through: per (stage, kind), the median op time at each micro-batch size
+   (sums[(g K + k) 5 ..]: n, sum x, sum y, sum x^2, sum x y over the sizes). Medians, not every op: a few
+   ops stretched by another program on a shared machine would pull a least-squares line. */
+static avgpipe_result avgpipe__fit_medians(avgpipe_context *ctx, const avgpipe_profile *p, int G, double *sums) {
+    avgpipe__obs *o = (avgpipe__obs *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof *o);
+    size_t n = 0, i, j;
+    if (!o) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
+    for (i = 0; i < p->nops; i++) {
+        const avgpipe_profile_op *op = &p->ops[i];
+        if ((!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) || op->stage >= G) continue;
+        o[n].g = op->stage, o[n].k = op->kind, o[n].x = p->sections[op->section].samples, o[n++].y = op->end - op->start;
+    }
+    qsort(o, n, sizeof *o, avgpipe__cmp_obs);
+    for (i = 0; i < n; i = j) {
+        double *q = &sums[((size_t)o[i].g * AVGPIPE_OP_KIND_COUNT + (size_t)o[i].k) * 5], x = o[i].x, y;
+        for (j = i; j < n && o[j].g == o[i].g && o[j].k == o[i].k && o[j].x == x; j++) continue;
+        y = (j - i) % 2 ? o[i + (j - i) / 2].y : (o[i + (j - i) / 2 - 1].y + o[i + (j - i) / 2].y) / 2;
+        q[0] += 1, q[1] += x, q[2] += y, q[3] += x * x, q[4] += x * y;
+    }
+    avgpipe_free(ctx, o);
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out) {
     int G, s, g, k, K = AVGPIPE_OP_KIND_COUNT;
     double *sums;
-    size_t i;
     avgpipe_result res;
     if (!p || !out || p->nsections < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_fit: NULL or empty profile");
     memset(out, 0, sizeof *out);
@@ -7812,12 +7847,11 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
         out->param_floats[g] = p->sections[0].param_floats[g];
         out->act_bytes_per_sample[g] = p->sections[0].act_bytes[g] / p->sections[0].samples;
     }
-    for (i = 0; i < p->nops; i++) {
-        const avgpipe_profile_op *o = &p->ops[i];
-        double x = p->sections[o->section].samples, y = o->end - o->start, *q;
-        if (!avgpipe__is_compute(o->kind) && o->kind != AVGPIPE_OP_STEP) continue;
-        q = &sums[((size_t)o->stage * K + (size_t)o->kind) * 5];
-        q[0] += 1, q[1] += x, q[2] += y, q[3] += x * x, q[4] += x * y;
+    res = avgpipe__fit_medians(ctx, p, G, sums);
+    if (res) {
+        avgpipe_free(ctx, sums);
+        avgpipe_cost_model_free(ctx, out);
+        return res;
     }
     for (g = 0; g < G; g++)
         for (k = 0; k < K; k++)
