@@ -61,13 +61,15 @@ void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; n
 typedef struct options {
     int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train, replicas;
     int split[MLP_MAX_LAYERS], nsplit; /* --split LIST: layers per stage partition; nsplit 0: auto */
-    int split_planned;                 /* the partitioner chose the split (for the header) */
+    int split_planned, split_given;    /* the partitioner chose the split; --split LIST (for the header) */
     int checkpoint_every, stop_after;  /* iterations between checkpoints (0: only at the end); epochs to run now */
     int deterministic, continuous, normalize, cosine, mpi;
     int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
     avgpipe_sched_kind schedule;
     double alpha, lr;
     double mem_limit;             /* --mem-limit: bytes per rank for the tuner; 0: none */
+    double target_acc;            /* --target-acc: stop when the reference reaches it (0: train every epoch) */
+    int evals_per_epoch;          /* with --target-acc: test evaluations per epoch */
     unsigned long long seed;
     const char *data, *hidden, *trace, *profile, *save, *profile_tune, *checkpoint, *resume;
 } options;
@@ -166,6 +168,8 @@ static const char *usage =
     "  --resume DIR        continue from the checkpoint in DIR: give the flags it was made with (with\n"
     "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n"
     "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
+    "  --target-acc A      stop once the reference model's test accuracy reaches A; say when (epochs, s)\n"
+    "  --evals-per-epoch E with --target-acc: test evaluations per epoch (default 2)\n"
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
     ;
 static const char *usage_tuning =
@@ -285,6 +289,8 @@ static void parse_value(options *o, const char *f, const char *v) {
 #endif
     }
     else if (!strcmp(f, "--alpha")) o->alpha = parse_double(f, v, 0, 1);
+    else if (!strcmp(f, "--target-acc")) o->target_acc = parse_double(f, v, 1e-9, 1);
+    else if (!strcmp(f, "--evals-per-epoch")) o->evals_per_epoch = (int)parse_long(f, v, 1, 1000);
     else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
     else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)parse_long(f, v, 0, 2147483647L);
     else if (!strcmp(f, "--advance")) o->advance = !strcmp(v, "auto") ? ADVANCE_AUTO : (int)parse_long(f, v, 0, 4096);
@@ -300,6 +306,7 @@ static void parse_value(options *o, const char *f, const char *v) {
         char err[256];
         if (!strcmp(v, "auto")) o->nsplit = 0;
         else if (mlp_split_parse(v, o->split, MLP_MAX_LAYERS, &o->nsplit, err, sizeof err) != 0) bad_usage("--split: %s", err);
+        o->split_given = o->nsplit > 0;
     }
     else if (!strcmp(f, "--trace")) o->trace = v;
     else if (!strcmp(f, "--profile")) o->profile = v;
@@ -324,6 +331,8 @@ static void check_options(options *o, const char *advance_flag) {
     if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
     if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
     if (o->stop_after > o->epochs) bad_usage("--stop-after %d is past --epochs %d", o->stop_after, o->epochs);
+    if (o->evals_per_epoch && !(o->target_acc > 0)) bad_usage("--evals-per-epoch applies only with --target-acc");
+    if (!o->evals_per_epoch) o->evals_per_epoch = 2;
     if (interleaved && !o->chunks) o->chunks = 2;
     if (!interleaved) o->chunks = 1;
     if (o->stages % o->chunks != 0)
@@ -355,7 +364,7 @@ static int is_value_flag(const char *f) {
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
                                         "--schedule", "--data", "--hidden", "--trace", "--profile", "--save", "--split",
                                         "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint",
-                                        "--checkpoint-every", "--resume", "--stop-after"};
+                                        "--checkpoint-every", "--resume", "--stop-after", "--target-acc", "--evals-per-epoch"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -743,6 +752,7 @@ static void free_app(app *A) {
 
 typedef struct epoch_stats {
     double seconds, loss, bubble_time; /* bubble_time: sum of bubble * seconds */
+    double acc;                        /* --target-acc: the last test accuracy measured in the epoch (-1: none) */
     long long micro_batches, samples, correct;
     int advance;
 } epoch_stats;
@@ -814,9 +824,27 @@ static int checkpoint(app *A, avgpipe_run *run, avgpipe_context *ctx) {
 }
 
 /* The iterations of epoch `epoch` from `first` on (a resumed run starts inside an epoch). */
-static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t first, epoch_stats *s) {
+/* --target-acc: after iteration `it` of the epoch, when it ends one of the epoch's evaluation points, the
+   reference's test accuracy (collective with mpi: every process gets rank 0's); 1 once it reaches the
+   target (*acc gets it), 0 when not (yet), -1 on a failure. */
+static int target_check(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t it, int64_t iters, double *acc) {
+    int E = A->opt.evals_per_epoch, j, point = 0;
+    double v[1];
+    for (j = 1; j <= E && !point; j++) point = it + 1 == (iters * j + E - 1) / E;
+    if (!(A->opt.target_acc > 0) || !point) return 0;
+    v[0] = evaluate_reference(A, run, ctx);
+    if (v[0] < 0) return -1;
+    if (A->me >= 0 && avgpipe_run_allreduce(run, v, 1) != AVGPIPE_OK) return fail("sharing the test accuracy: %s", avgpipe_last_error(ctx));
+    *acc = v[0];
+    if (A->me <= 0 && it + 1 < iters) /* (the epoch's own line ends with its last evaluation) */
+        fprintf(stderr, "%s  test acc %.4f at epoch %.2f\n", isatty(fileno(stderr)) ? "\n" : "", *acc, epoch + (double)(it + 1) / (double)iters);
+    return *acc >= A->opt.target_acc;
+}
+
+static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t first, epoch_stats *s, double *reached) {
     int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, it;
     memset(s, 0, sizeof *s);
+    s->acc = -1;
     memset(A->correct, 0, sizeof A->correct);
     for (it = first; it < iters; it++) {
         avgpipe_run_stats rs;
@@ -832,6 +860,13 @@ static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, 
         progress(A, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
         if (setup_stashes(A, run) != 0) return -1;
         if (A->opt.checkpoint_every && avgpipe_run_iterations(run) % A->opt.checkpoint_every == 0 && checkpoint(A, run, ctx) != 0) return -1;
+        switch (target_check(A, run, ctx, epoch, it, iters, &s->acc)) {
+        case 1:
+            *reached = epoch + (double)(it + 1) / (double)iters;
+            return 0;
+        case -1: return -1;
+        default: break;
+        }
     }
     return 0;
 }
@@ -851,24 +886,33 @@ static int write_outputs(app *A, avgpipe_run *run, avgpipe_context *ctx) {
 
 /* Train epochs (from where a resumed run left off) up to --stop-after or --epochs. */
 static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
-    double total_s = 0, acc = -1;
+    double total_s = 0, acc = -1, reached = -1, wall0 = now_s();
     long long samples = 0;
     int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, done = avgpipe_run_iterations(run);
     int e, first = (int)(done / iters), last = A->opt.stop_after ? A->opt.stop_after : A->opt.epochs;
     if (done && A->me <= 0)
         fprintf(stderr, PROG ": resumed from %s at iteration %lld (epoch %d, iteration %lld of %lld)\n", A->opt.resume, (long long)done,
                 first + 1, (long long)(done % iters), (long long)iters);
-    for (e = first; e < last; e++) {
+    for (e = first; e < last && reached < 0; e++) {
         epoch_stats s;
-        if (run_epoch(A, run, ctx, e, e == first ? done % iters : 0, &s) != 0) return -1;
+        s.acc = -1;
+        if (run_epoch(A, run, ctx, e, e == first ? done % iters : 0, &s, &reached) != 0) return -1;
         total_s += s.seconds;
         samples += s.samples;
-        acc = evaluate_reference(A, run, ctx);
+        acc = s.acc >= 0 ? s.acc : evaluate_reference(A, run, ctx); /* the target's check evaluated it already */
         if (acc < 0) return -1;
-        if (A->me <= 0) fprintf(stderr, "  test acc %.4f\n", acc);
+        if (A->me <= 0 && (reached < 0 || reached >= e + 1)) fprintf(stderr, "  test acc %.4f\n", acc); /* (else said mid-epoch) */
+    }
+    if (A->me <= 0 && A->opt.target_acc > 0) {
+        if (reached >= 0)
+            printf("reached test accuracy %.4f >= %g after %.2f epochs: %.1f s training, %.1f s wall (with the evaluations)\n", acc,
+                   A->opt.target_acc, reached - first, total_s, now_s() - wall0);
+        else
+            printf("did not reach test accuracy %g in %d epochs (%.1f s training, %.1f s wall): %.4f\n", A->opt.target_acc, last - first,
+                   total_s, now_s() - wall0, acc);
     }
     if (A->me <= 0)
-        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", last - first, total_s,
+        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", e - first, total_s,
                total_s > 0 ? (double)samples / total_s : 0.0, acc);
     if (checkpoint(A, run, ctx) != 0) return -1;
     return write_outputs(A, run, ctx);
@@ -882,7 +926,7 @@ static void print_header(const app *A) {
     if (A->me >= 0) printf("BLAS: %s, 1 thread per stage\n", g_blas.line); /* mpi: rank 0's; threads: printed first thing */
     printf("model %s; split ", desc);
     for (g = 0; g < A->G; g++) printf("%s%d", g ? "," : "", A->model.first[g + 1] - A->model.first[g]);
-    printf(" (%s)\n", o->split_planned ? "the tuner's partitioner" : o->nsplit ? "--split" : "the only one, or by multiply-adds");
+    printf(" (%s)\n", o->split_planned ? "the tuner's partitioner" : o->split_given ? "--split" : split_count(o) > 1 ? "by multiply-adds" : "the only one");
     printf("%s, %d ranks x %d chunk%s, %d pipelines, batch %d = %d x %d, %d rounds/iteration (%s), alpha %g, "
            "Adam lr %g%s, %d training samples (%lld rounds/epoch)\n",
            avgpipe_sched_kind_name(o->schedule), o->stages / o->chunks, o->chunks, o->chunks > 1 ? "s" : "",
@@ -1148,7 +1192,7 @@ static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm
     for (g = 0; g < o->stages; g++) fprintf(stderr, "%s%d", g ? "," : "", split[g]);
     fprintf(stderr, " [%s]", desc);
     if (planned) fprintf(stderr, " chosen by the partitioner among %lld splits (%lld searched, %.2f s)", plan.splits, plan.searched, now_s() - t0);
-    else fprintf(stderr, o->nsplit && split_count(o) > 1 ? " (--split)" : " (the only one)");
+    else fprintf(stderr, o->split_given ? " (--split)" : " (the only one)");
     fprintf(stderr, "; stage %d, the busiest, does %.1f%% of the work per sample (micro-batches of %g): no schedule gains "
             "more than %.2fx over one thread here\n", l, 100 * share, x, share > 0 ? fmin(1 / share, cm->cores > 0 ? cm->cores : 1e9) : 0.0);
     avgpipe_plan_free(ctx, &plan);
