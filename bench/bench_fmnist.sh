@@ -7,7 +7,8 @@
 # spread (slowest run over the fastest).
 #   784-512-256-128-10   the main job's model: layer 0 holds most of the work, no split balances it;
 #                        2 stages (tuned, split auto), and the main job as it runs by default (4 stages)
-#   784-512-512-10       a model whose layers split into two stages of about equal work
+#   784-512-512-10       the model this benchmark used before (stage 0 does ~53% of the work)
+#   784-512-512-512-512-10  a model whose layers split into two stages of equal work (2 + 3 layers: ~50%)
 # Runs during which other programs used >= BENCH_MAX_OTHERS cores (default 0.15) are waited out and redone
 # (bench/bench_lib.sh). The BLAS kernel is printed next to the timings (the programs' first line).
 # Usage: sh bench/bench_fmnist.sh [BUILD_DIR] [REPS]
@@ -30,7 +31,7 @@ kernel=$("$B/mlp_reference" --help >/dev/null 2>&1; "$B/mlp_reference" --epochs 
 echo "bench_fmnist: 1 epoch per run, $REPS runs each, alternating; medians (spread = slowest/fastest run); $(nproc) cores"
 echo "BLAS: $kernel"
 printf '%-20s %-34s %10s %7s %9s %9s %9s\n' model run samples/s spread "vs 1 thr" bound "of bound"
-for hidden in 512,256,128 512,512; do
+for hidden in 512,256,128 512,512 512,512,512,512; do
     name="784-$(echo $hidden | tr , -)-10"
     r1=""; r4=""; p=""; mj=""; sh2=""; shm=""; others=""
     i=0
