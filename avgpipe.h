@@ -8127,7 +8127,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                         memset(&c, 0, sizeof c);
                         c.sched.kind = (avgpipe_sched_kind)kind;
                         c.sched.stages = S;
-                        c.sched.chunks = V > 1 ? V : 0; /* 0: the default, as before chunks existed */
+                        c.sched.chunks = V > 1 ? V : 0; /* V = 1: left 0 (the generators' default), as always */
                         c.sched.micro = M;
                         c.sched.pipes = N;
                         c.sched.rounds = td.rounds;

@@ -31,6 +31,7 @@
      I / W     mlp_stage_backward_input / mlp_stage_backward_weight (B is exactly I then W)
      step      Adam on (pipe, stage) with cosine learning-rate decay; zeroes the accumulated gradient. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* glibc: syscall(SYS_gettid), for a stage thread's own priority (lower_priority) */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 #ifdef FMNIST_MPI
@@ -50,6 +51,10 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#endif
 
 void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
 
@@ -62,6 +67,8 @@ typedef struct options {
     int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train, replicas;
     int split[MLP_MAX_LAYERS], nsplit; /* --split LIST: layers per stage partition; nsplit 0: auto */
     int split_planned, split_given;    /* the partitioner chose the split; --split LIST (for the header) */
+    int priorities;                    /* --priorities: lower the lighter stages' threads when they outnumber the cores */
+    int stage_nice[MLP_MAX_LAYERS];    /* per rank of a group: nice increment of its stage thread (0: none; plan_priorities) */
     int checkpoint_every, stop_after;  /* iterations between checkpoints (0: only at the end); epochs to run now */
     int deterministic, continuous, normalize, cosine, mpi;
     int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
@@ -101,6 +108,9 @@ typedef struct app {
        its layers' times (mlp_layer_times, one per stage, written by the stage's own thread) into
        lsamp[lsize][layer][0 forward, 1 backward]; each layer belongs to one stage, so to one thread. */
     int lprof, lsize;
+    int nice_base, nice_done[MAX_REPLICAS * MLP_MAX_LAYERS]; /* --priorities: the process's nice; per rank, set yet */
+    int have_work;                        /* tune_split filled stage_work: seconds per sample of each stage partition */
+    double stage_work[MLP_MAX_LAYERS], work_cores;
     mlp_layer_times ltimes[MLP_MAX_LAYERS];
     double *lsamp[2][MLP_MAX_LAYERS][2];
     int nlsamp[2][MLP_MAX_LAYERS][2];
@@ -169,6 +179,8 @@ static const char *usage =
     "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n"
     "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
     "  --target-acc A      stop once the reference model's test accuracy reaches A; say when (epochs, s)\n"
+    "  --priorities on|off with more stage threads than cores, the lighter stages' threads run at a lower\n"
+    "                      priority, so the busiest stage keeps a core (default on; threads, tuner)\n"
     "  --evals-per-epoch E with --target-acc: test evaluations per epoch (default 2)\n"
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
     ;
@@ -250,7 +262,7 @@ static int planning(const options *o) { return o->nsplit == 0 && o->schedule != 
 static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
     o->stages = 4, o->pipes = AUTO, o->micro = AUTO, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
-    o->replicas = 1;
+    o->replicas = 1, o->priorities = 1;
     o->advance = ADVANCE_AUTO, o->continuous = 1, o->normalize = 1, o->cosine = 1;
     o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->lr = 1e-3, o->seed = 1;
     o->data = "/usr/share/datasets/fashion-mnist", o->hidden = "512,256,128";
@@ -290,6 +302,10 @@ static void parse_value(options *o, const char *f, const char *v) {
     }
     else if (!strcmp(f, "--alpha")) o->alpha = parse_double(f, v, 0, 1);
     else if (!strcmp(f, "--target-acc")) o->target_acc = parse_double(f, v, 1e-9, 1);
+    else if (!strcmp(f, "--priorities")) {
+        if (strcmp(v, "on") && strcmp(v, "off")) bad_usage("--priorities expects on or off, got '%s'", v);
+        o->priorities = !strcmp(v, "on");
+    }
     else if (!strcmp(f, "--evals-per-epoch")) o->evals_per_epoch = (int)parse_long(f, v, 1, 1000);
     else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
     else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)parse_long(f, v, 0, 2147483647L);
@@ -364,7 +380,8 @@ static int is_value_flag(const char *f) {
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
                                         "--schedule", "--data", "--hidden", "--trace", "--profile", "--save", "--split",
                                         "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint",
-                                        "--checkpoint-every", "--resume", "--stop-after", "--target-acc", "--evals-per-epoch"};
+                                        "--checkpoint-every", "--resume", "--stop-after", "--target-acc", "--evals-per-epoch",
+                                        "--priorities"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -467,12 +484,27 @@ static void record_layers(app *A, int stage, int kind, double total, const mlp_s
     }
 }
 
+/* --priorities: on its first op, a lighter stage's thread lowers its own priority (Linux: nice is per
+   thread), so that when the stage threads outnumber the cores the scheduler gives the busiest stage, which
+   bounds the speed, its core instead of time-slicing it evenly with the others (tune_split decides). */
+static void lower_priority(app *A, const avgpipe_op_ctx *op) {
+    int inc = A->opt.stage_nice[op->rank % A->S];
+    A->nice_done[op->rank] = 1;
+#ifdef __linux__
+    if (inc && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), A->nice_base + inc) != 0)
+        fprintf(stderr, PROG ": note: stage %d's thread keeps its priority: %s\n", op->stage, strerror(errno));
+#else
+    (void)inc;
+#endif
+}
+
 static int cb_forward(avgpipe_op_ctx *op) {
     app *A = (app *)op->user;
     mlp_stash *st = op_stash(A, op);
     int last, correct = 0;
     double t0 = A->lprof ? now_s() : 0;
     if (!st) return 1;
+    if (!A->nice_done[op->rank]) lower_priority(A, op);
     last = op->stage == A->G - 1;
     if ((op->stage == 0 || last) && load_samples(A, op, st) != 0) return 1;
     if (mlp_stage_forward(&A->model, op->stage, op->params, st, (const float *)op->input,
@@ -638,6 +670,7 @@ static int setup_model(app *A) {
     }
     A->G = o->stages;
     A->S = o->stages / o->chunks;
+    memset(A->nice_done, 0, sizeof A->nice_done); /* a new run: new stage threads */
     A->mb = o->batch / o->micro;
     A->loss_scale = 1.0f / (float)o->batch;
     A->adam = mlp_adam_defaults();
@@ -1154,6 +1187,31 @@ static void describe_split(const mlp_model *m, const int *split, int n, char *bu
     }
 }
 
+/* --priorities: with more stage threads than cores (threads backend, one group), the cores - 1 busiest ranks (the
+   work per sample of their stage partitions, A->stage_work from tune_split) keep their priority and the others
+   get nice +5: the busiest stage bounds the speed, and an even time-slicing of the cores would slow it down
+   (measured: the main job's 4 stage threads on 2 cores ran at 0.6 of the bound). Called once the setting is
+   chosen (the chunks set the ranks); without the tuner's stage costs nothing changes. */
+static void plan_priorities(app *A) {
+    options *o = &A->opt;
+    double w[MLP_MAX_LAYERS], cores = A->work_cores;
+    int g, k, above, lowered = 0, S = o->stages / o->chunks;
+    memset(o->stage_nice, 0, sizeof o->stage_nice);
+    if (!o->priorities || !A->have_work || o->mpi || o->replicas > 1 || !(cores > 0) || S <= cores) return; /* (one group of threads) */
+    for (g = 0; g < S; g++) w[g] = 0;
+    for (g = 0; g < o->stages; g++) w[g % S] += A->stage_work[g]; /* loop placement: stage g on rank g mod S */
+    for (g = 0; g < S; g++) {
+        for (k = 0, above = 0; k < S; k++) above += w[k] > w[g] || (w[k] == w[g] && k < g);
+        if (above >= (int)cores - 1) o->stage_nice[g] = 5, lowered++;
+    }
+    if (!lowered) return;
+    fprintf(stderr, PROG ": tuner: %d stage threads on %g cores: rank%s", S, cores, lowered > 1 ? "s" : "");
+    for (g = 0, k = 0; g < S; g++)
+        if (o->stage_nice[g]) fprintf(stderr, "%s %d", k++ ? "," : "", g);
+    fprintf(stderr, " (the lighter) run at nice +5, so that the busiest keep%s a core (--priorities off: all alike)\n",
+            (int)cores - 1 > 1 ? "" : "s");
+}
+
 /* The split to train with, and its cost model *sm (from the layer costs): the partitioner's choice
    with --split auto when there is one to make (jointly with the setting, M and N as fixed), else the
    split given or the only one. Prints it, with what bounds the model: the slowest stage's share of the
@@ -1185,8 +1243,10 @@ static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm
     for (g = 0, l = 0, worst = -1; g < o->stages; g++) { /* the busiest stage, for the message */
         const double *ca = &sm->a[g * AVGPIPE_OP_KIND_COUNT], *cb = &sm->b[g * AVGPIPE_OP_KIND_COUNT];
         double w = (ca[AVGPIPE_OP_F] + ca[AVGPIPE_OP_B]) / x + cb[AVGPIPE_OP_F] + cb[AVGPIPE_OP_B] + ca[AVGPIPE_OP_STEP] / o->batch;
+        A->stage_work[g] = w;
         if (w > worst) worst = w, l = g;
     }
+    A->have_work = 1, A->work_cores = cm->cores;
     describe_split(&A->model, split, o->stages, desc, sizeof desc);
     fprintf(stderr, PROG ": tuner: split ");
     for (g = 0; g < o->stages; g++) fprintf(stderr, "%s%d", g ? "," : "", split[g]);
@@ -1409,6 +1469,11 @@ int main(int argc, char **argv) {
         fflush(stdout); /* first, also when stdout and stderr go to one file */
     }
     openblas_set_num_threads(1); /* the stage threads are the parallelism */
+#ifdef __linux__
+    errno = 0;
+    A.nice_base = getpriority(PRIO_PROCESS, 0);
+    if (errno) A.nice_base = 0;
+#endif
     avgpipe_context_init(&ctx, NULL);
     A.me = -1;
     A.S = A.opt.stages / A.opt.chunks; /* ranks per replica group (is_local needs it before setup_model) */
@@ -1423,6 +1488,7 @@ int main(int argc, char **argv) {
 #endif
         if (trc != 0) goto done;
     }
+    if (A.me <= 0) plan_priorities(&A); /* (threads only: it does nothing under MPI) */
     if (setup_order(&A, 0) != 0 || setup_model(&A) != 0) goto done;
     for (g = 0; A.me == 0 && g < A.G; g++) /* rank 0 gathers the reference model here */
         if (!(A.ref[g] = (float *)malloc(A.model.count[g] * sizeof(float)))) {
