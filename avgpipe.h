@@ -5,8 +5,10 @@
    ----------
    A C trainer describes its model as S stage partitions and gets, from this one header:
      - schedules for N parallel pipelines that share the same S ranks: all-forward-all-backward (GPipe),
-       1F1B, AvgPipe's advance forward (K extra warm-up forwards), interleaved 1F1B (V chunks per rank)
-       and zero-bubble ZB-H1 (backward split into I and W), in synchronous or continuous rounds;
+       1F1B, AvgPipe's advance forward (K extra warm-up forwards), interleaved 1F1B (V chunks per rank),
+       zero-bubble ZB-H1 (backward split into I and W), and the V-placed ZB-V and DualPipeV (two stages
+       per rank, the first and the last on rank 0; DualPipeV overlaps a forward with a backward), in
+       synchronous or continuous rounds; any stage -> rank placement (loop, V, or your own map);
      - a validator (every invariant of a correct schedule, plus a deadlock replay under asynchronous
        and blocking sends), a timed discrete-event simulator, and timelines (ASCII, Chrome trace, SVG);
      - text import/export compatible with PyTorch's torch.distributed.pipelining CSV schedules;
@@ -241,9 +243,23 @@ AVGPIPE_API avgpipe_result avgpipe_buf_append(avgpipe_context *ctx, avgpipe_buf 
 /* 2. Schedule IR                                                                                */
 /* ============================================================================================ */
 /* A schedule is one op list per rank, executed in order. Stage partitions ("stages" below) are
-   global: the model has G = S·V of them, and stage g lives on rank g % S (PyTorch's loop
-   placement). Micro-batch numbers are per parallel pipeline and run on across rounds: micro-batch
-   u of pipeline i belongs to round u / M, and is micro-batch u % M of that round's batch. */
+   global: the model has G = S·V of them, and the schedule's placement says which rank holds each
+   (avgpipe_placement: PyTorch's loop and V placements, or any map). Micro-batch numbers are per
+   parallel pipeline and run on across rounds: micro-batch u of pipeline i belongs to round u / M,
+   and is micro-batch u % M of that round's batch. */
+
+/* Which rank holds stage partition g (S ranks, G = S·V stages). Data flows from stage g to g+1
+   whatever the placement; a transfer between two stages on the same rank is a local hand-over,
+   not a message. */
+typedef enum avgpipe_placement {
+    AVGPIPE_PLACE_AUTO = 0, /* in a description: the kind's own (V for zbv and dualpipev, else loop) */
+    AVGPIPE_PLACE_LOOP,     /* stage g on rank g % S: rank r holds r, S+r, 2S+r, ... */
+    AVGPIPE_PLACE_V,        /* chunk c = g / S runs down the ranks when c is even and back up when it
+                               is odd: rank r holds r, 2S-1-r, 2S+r, ... (the first and the last
+                               stage share rank 0 when V = 2) */
+    AVGPIPE_PLACE_CUSTOM,   /* any map: avgpipe_schedule.place */
+    AVGPIPE_PLACE_COUNT
+} avgpipe_placement;
 
 typedef enum avgpipe_op_kind {
     AVGPIPE_OP_IDLE = 0,    /* an empty slot (kept so imported files export unchanged) */
@@ -283,6 +299,9 @@ typedef enum avgpipe_sched_kind {
     AVGPIPE_SCHED_ADVANCE,    /* AvgPipe's advance forward propagation with K extra forwards */
     AVGPIPE_SCHED_INTERLEAVED,/* interleaved 1F1B, V chunks per rank (Megatron-LM) */
     AVGPIPE_SCHED_ZBH1,       /* zero-bubble ZB-H1: B split into I and W, W fills the bubbles */
+    AVGPIPE_SCHED_ZBV,        /* zero-bubble ZB-V: two chunks per rank in a V, I/W split */
+    AVGPIPE_SCHED_DUALPIPEV,  /* DualPipeV: V placement, forward of one micro-batch overlapped with
+                                 the backward of another */
     AVGPIPE_SCHED_KIND_COUNT
 } avgpipe_sched_kind;
 
@@ -298,10 +317,13 @@ typedef struct avgpipe_sched_desc {
     int rounds;     /* R */
     int advance;    /* K (advance forward only) */
     int continuous; /* 0 synchronous, 1 continuous rounds */
+    avgpipe_placement placement; /* stage -> rank */
 } avgpipe_sched_desc;
 
 /* A schedule: ops[r][0 .. len[r]-1] for each rank r < nranks. Owned by the library's allocator:
-   release with avgpipe_sched_free(). has_comm is 1 when the lists carry SEND/RECV ops. */
+   release with avgpipe_sched_free(). has_comm is 1 when the lists carry SEND/RECV ops.
+   shape.placement is LOOP, V or CUSTOM (never AUTO); place[g] is the rank of stage g for g < nplace
+   when it is CUSTOM (NULL otherwise). Read placements through avgpipe_stage_rank(). */
 typedef struct avgpipe_schedule {
     avgpipe_sched_desc shape;
     int nranks;
@@ -309,6 +331,8 @@ typedef struct avgpipe_schedule {
     int has_comm;
     int *len;
     avgpipe_op **ops;
+    int *place;
+    int nplace;
 } avgpipe_schedule;
 
 /* Release a schedule's lists (the struct itself is the caller's). Safe on a zeroed struct. */
@@ -322,12 +346,23 @@ AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_sche
 /* Append one op to rank r's list. */
 AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_schedule *s, int rank,
                                               avgpipe_op op);
-/* Rank that holds global stage g under loop placement. */
+/* Rank that holds global stage g under the schedule's placement; -1 when g is out of range or a
+   custom map does not place it. */
 AVGPIPE_API int avgpipe_stage_rank(const avgpipe_schedule *s, int stage);
+/* Rank of stage g under a named placement (LOOP or V) of `ranks` ranks; -1 for a bad argument. */
+AVGPIPE_API int avgpipe_place_rank(avgpipe_placement p, int ranks, int stage);
+/* Place the stages explicitly: rank_of[g] for g < nstages, each in 0 .. nranks-1. The schedule's
+   placement becomes LOOP or V when the map is one of them, else CUSTOM; nstages grows to cover the
+   map (and shape.chunks to ceil(nstages / nranks)). An op already pushed for a stage the map puts
+   on another rank is refused (AVGPIPE_INVALID_ARG, naming it). */
+AVGPIPE_API avgpipe_result avgpipe_sched_set_place(avgpipe_context *ctx, avgpipe_schedule *s, const int *rank_of,
+                                                   int nstages);
 
-/* Names: "F", "SEND_F", ... and "afab", "1f1b", "advance", "interleaved", "zbh1", "custom". */
+/* Names: "F", "SEND_F", ... and "afab", "1f1b", "advance", "interleaved", "zbh1", "zbv",
+   "dualpipev", "custom"; "auto", "loop", "v", "custom" for placements. */
 AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k);
 AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k);
+AVGPIPE_API const char *avgpipe_placement_name(avgpipe_placement p);
 /* Parse a schedule kind name (as above); returns AVGPIPE_INVALID_ARG for an unknown name. */
 AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out);
 
@@ -345,20 +380,30 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
      - STEP and AVG actions: "<stage>STEP<round>", "<stage>AVG<round>";
      - a first line "# avgpipe kind=advance stages=4 chunks=1 micro=8 pipes=2 rounds=3 advance=2
        continuous=1" carries the shape; other lines starting with '#' are comments.
+   Blank lines at the end of the text are not ranks, except as many as the header's stages count
+   still needs; a blank line followed by a comment is a rank (with one idle slot).
    The exporter writes the header line and the extension only when the schedule needs them (more
-   than one pipeline or round, STEP/AVG ops, or a generator's shape), so a PyTorch file exports back
-   byte-identical. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file PyTorch reads
-   (an error when N > 1). */
+   than one pipeline or round, STEP/AVG ops, a generator's shape or any shape import would not infer
+   from the actions, or an empty last rank, whose blank line only the header's rank count keeps):
+   a PyTorch file exports back byte-identical, and export -> import is the identity for every
+   schedule import accepts. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file
+   PyTorch reads (an error when N > 1). */
 #define AVGPIPE_TEXT_TORCH 1u
 
 AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgpipe_schedule *s,
                                                 unsigned flags, avgpipe_buf *out);
 /* Parse text (len bytes; need not be NUL-terminated). Errors name the line and the field. The
    shape is taken from the header line when present, else inferred: ranks = lines, stages = highest
-   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage). */
+   stage + 1, V = stages / ranks, N = highest pipeline + 1, M = forwards per (pipeline, stage).
+   The shape, from the header or inferred, stays within the generators' limits: at most 32767 stage
+   partitions (ranks x chunks) and 32767 pipelines, micro x rounds at most 1e9, stages x chunks x
+   pipes x micro x rounds at most 1.3e8. */
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len,
                                                 avgpipe_schedule *out);
 #ifndef AVGPIPE_NO_STDIO
+/* Read a schedule file (a pipe works too) and import it. A file over 1 GiB is refused
+   (AVGPIPE_IO_ERROR) as soon as the read passes the cap, before the buffer grows for it; so are
+   profiles (avgpipe_profile_load). */
 AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out);
 AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
                                               const char *path);
@@ -390,11 +435,15 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
 /* Forwards a stage runs before its first backward (per batch stream): AvgPipe's warm-up
    min(T, (S-s-1) + floor(K(S-s-1)/(S-1) + 1/2)) for s < S-1, 0 for the last stage, with T = N·M
    the micro-batches of one round (K = 0 is 1F1B, AFAB is T). For INTERLEAVED, counted in
-   (chunk, micro-batch) units per rank: min(T·V, 2(S-r-1) + (V-1)S). Returns -1 on a bad desc. */
+   (chunk, micro-batch) units per rank: min(T·V, 2(S-r-1) + (V-1)S). ZB-V, in the same units:
+   min(T, 2S-r-1 + k_r) + min(T, r+1) with k_r = floor(K(S-1-r)/(S-1) + 1/2) (0 on the last rank);
+   DualPipeV 2S (2S+1 on the last rank). Returns -1 on a bad desc. */
 AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank);
 /* Memory model: peak stashed activations (micro-batches whose forward ran and whose backward did
    not finish: B, or W after I) on a rank, over all its chunks: min(warm-up + 1, T·V); AFAB T·V;
-   ZB-H1 min(S, T). Equals what the simulator measures for generated schedules. */
+   ZB-H1 min(S, T); ZB-V its warm-up (2S + k_r when T >= 2S: 1F1B's S micro-batches of a whole
+   rank); DualPipeV 2S + 1. Equals what the simulator measures for generated schedules, except
+   continuous ZB-V, whose forwards may wait for their pipeline's STEP: at most this there. */
 AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank);
 
 /* Greedy list scheduler for custom schedules (V = 1). It simulates the pipeline with the given op
@@ -433,7 +482,11 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
    resource serves its ops in a fixed order), so the result is exactly that of a discrete-event run.
    Zero fields mean: cost F 1, B 2, I 1, W 1, STEP/AVG/others 0; latency 0; bytes 0; bandwidth 0
    (= no bandwidth term); micro_size 1; act_bytes 0. cost[k] = AVGPIPE_ZERO: that kind costs exactly
-   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero). */
+   zero. stage_cost and cost_fn are taken as they are (0 is zero; a negative value counts as zero).
+   The simulator's tables hold one entry per (pipeline, stage, micro-batch) the schedule's numbers
+   span; a schedule that spans more than 8 of them per op it holds (numbered so sparsely that it
+   cannot be valid, and a few bytes of text could ask for gigabytes) is refused with
+   AVGPIPE_INVALID_SCHEDULE; so is it by avgpipe_sched_lower and avgpipe_sched_validate. */
 typedef struct avgpipe_sim_desc {
     double cost[AVGPIPE_OP_KIND_COUNT]; /* per kind, all stages; 0 -> default above, AVGPIPE_ZERO -> 0 */
     const double *stage_cost;   /* optional [stage * AVGPIPE_OP_KIND_COUNT + kind], overrides cost */
@@ -623,6 +676,12 @@ typedef struct avgpipe_device {
                                      avgpipe_device_stream stream);
     /* Optional (needed for replica groups): x[i] = x[i] * factor in fp32, on `stream`. */
     avgpipe_result (*scale)(void *user, float *x, float factor, size_t count, avgpipe_device_stream stream);
+    /* Optional: *done = 1 when the work before the event's latest record has finished (or the event
+       was never recorded), else 0; never blocks. The runtime polls it to wait with a timeout. */
+    avgpipe_result (*event_query)(void *user, avgpipe_device_event event, int *done);
+    /* Optional: the device time between two recorded, finished events, in seconds (profiles time device
+       ops with it; without it they use the host's clock around the enqueue). */
+    avgpipe_result (*event_elapsed)(void *user, avgpipe_device_event start, avgpipe_device_event end, double *seconds);
     /* The backend's text for its last failure ("" if none); may be NULL. */
     const char *(*error_string)(void *user);
     /* Release the backend's own state (called by avgpipe_device_destroy); may be NULL. */
@@ -868,7 +927,8 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
    (when the backend has cancel; else the backend reclaims them at destroy).
 
    Required entries: isend, irecv, test, wait, barrier, abort. Optional (NULL): cancel, group_begin and
-   group_end, allreduce_sum and split (needed only for replica groups), last_error, destroy.
+   group_end, isend_on and irecv_on (device-ordered transfers), allreduce_sum and split (needed only for
+   replica groups), last_error, destroy.
    Thread-safety: different ranks may call concurrently; one rank's calls come from one thread at a
    time (any thread). */
 
@@ -898,9 +958,22 @@ struct avgpipe_comm {
     /* Optional: release a pending request without waiting for it; a receive will not be matched any
        more, a send's buffer is no longer read (MPI: see avgpipe_mpi.h for its limits). */
     void (*cancel)(void *user, int self, avgpipe_comm_request req);
-    /* Optional (NULL = no-op): calls between begin and end may be issued together (NCCL groups). */
+    /* Optional (NULL = no-op): calls between begin and end may be issued together (NCCL groups). The
+       runtime brackets the sends and receives a rank issues between two compute ops with them. */
     avgpipe_result (*group_begin)(void *user, int self);
     avgpipe_result (*group_end)(void *user, int self);
+    /* Optional: device-ordered transfers, for a backend that moves device memory on the device's own
+       streams (NCCL; avgpipe_nccl.h). With a device that is not the CPU (desc.device), the runtime uses
+       them for activations and gradients: the transfer must not touch buf before `ready` has passed (an
+       event recorded on the device after the data's producer, or after the buffer's last reader for a
+       receive; NULL: nothing to wait for), and records `done` on the device when it has finished there;
+       consumers order themselves after `done` with stream_wait_event, so the host does not wait. The
+       request still finishes through test/wait/cancel like any other (test/wait report completion on
+       the device). Tags as for isend/irecv (a backend that cannot carry them says so in its header). */
+    avgpipe_result (*isend_on)(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_device_event ready,
+                               avgpipe_device_event done, avgpipe_comm_request *req);
+    avgpipe_result (*irecv_on)(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_device_event ready,
+                               avgpipe_device_event done, avgpipe_comm_request *req);
     avgpipe_result (*barrier)(void *user, int self, double timeout_s);
     /* Optional: sum `count` floats over all ranks in place. The in-process and MPI backends add in rank
        order, so every rank gets the same bits on every run. */
@@ -986,6 +1059,7 @@ typedef struct avgpipe_op_ctx {
     int rank, pipe, stage, micro, round; /* rank: global (replica · S + s); micro: within the batch;
                                             round: global (iteration · R + r) */
     int replica;                         /* replica group d, 0 .. D-1 */
+    int kind;                            /* avgpipe_op_kind: F, B, I or W */
     int slot;                            /* unique among this stage's in-flight micro-batches */
     int stages;                          /* G: stage partitions of the model (not ranks) */
     float *params;                       /* parameters of (replica, pipe, stage) */
@@ -996,6 +1070,8 @@ typedef struct avgpipe_op_ctx {
     void *grad_input;                    /* B, I: write the gradient of the input here (NULL on stage 0
                                             and for W) */
     double loss;                         /* F on the last stage: set it to the micro-batch's loss */
+    avgpipe_device_stream stream;        /* enqueue the op's device work here and return (the pipeline's
+                                            compute stream on this rank; NULL on the CPU device) */
     void *user;
 } avgpipe_op_ctx;
 
@@ -1007,10 +1083,19 @@ typedef struct avgpipe_stage_callbacks {
        split schedules (ZB-H1) run with a plain backward; without backward(), B runs I then W. */
     int (*backward_input)(avgpipe_op_ctx *op);
     int (*backward_weight)(avgpipe_op_ctx *op);
+    /* Overlapped pairs (optional): a schedule's "(F;B)OVERLAP_F_B" (DualPipeV) runs the forward f of one
+       micro-batch and the backward b (kind B or I) of another, on the same or another stage of this
+       rank, in one call, so a trainer can interleave their kernels (one's communication under the
+       other's compute). Both inputs have arrived; it must leave what forward(f) and then backward(b)
+       (backward_input(b) for I) would. Without it the pair runs as F, then B. */
+    int (*overlap)(avgpipe_op_ctx *f, avgpipe_op_ctx *b);
     /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
        round's micro-batches. rank is global (its replica group is rank / S); round is global
        (iteration · R + r), as in avgpipe_op_ctx. */
     int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
+    /* Instead of step, on a device with asynchronous streams (optional): enqueue the update on `stream`
+       (the pipeline's compute stream, after the round's backward work) and return. */
+    int (*step_async)(int rank, int pipe, int stage, int round, float *params, avgpipe_device_stream stream, void *user);
     /* Checkpoints (optional): what you own for global rank `rank` (the optimizer state of its stages,
        anything your data order needs): save appends it to *out (avgpipe_buf_append), load gets back
        exactly those bytes when the checkpoint is loaded. Called on the thread that saves or loads. */
@@ -1056,7 +1141,19 @@ typedef struct avgpipe_run_desc {
     int adaptive;
     int window;           /* 0 -> 3 */
     double mem_limit;     /* bytes of stashed activations per rank; 0 -> no limit */
+    /* The device the stages run on (see "Devices and streams" above). NULL: the CPU device, created
+       for the run. The run does not own a device it is given: destroy it after the run. */
+    const avgpipe_device *device;
+    /* Optional: called first thing on each thread the run starts, with the global rank it serves and
+       its role (AVGPIPE_THREAD_WORKER: the rank's op list; AVGPIPE_THREAD_AVERAGING: its averaging), to
+       bind it to cores (avgpipe_hwloc.h has one). A nonzero return is logged as a warning; the thread
+       runs unbound. */
+    int (*bind_thread)(int rank, int role, void *user);
+    void *bind_user;
 } avgpipe_run_desc;
+
+#define AVGPIPE_THREAD_WORKER 0
+#define AVGPIPE_THREAD_AVERAGING 1
 
 typedef struct avgpipe_run avgpipe_run; /* opaque */
 
@@ -1246,9 +1343,13 @@ typedef struct avgpipe_profile {
     double averaging_floats, averaging_seconds; /* sums over the 'averaging' lines (0: none) */
 } avgpipe_profile;
 
-/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write). Errors
-   (AVGPIPE_PARSE_ERROR) name the line and the field: missing fields, unknown kinds, negative or
-   non-numeric values, end before start, an op before any shape line. */
+/* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write; len bytes,
+   need not be NUL-terminated). Errors (AVGPIPE_PARSE_ERROR) name the line and the field: missing
+   fields, unknown kinds, negative or non-numeric values, end before start, an op before any shape
+   line, and values no real profile holds (so that the tuner's arithmetic stays exact and every
+   conversion to an integer is in range): bytes (act_bytes, bytes) at most 2^50 (1 PiB), param_floats
+   at most 2^48 (2^50 bytes as fp32), times (start, end, seconds) at most 1e6 s, samples in
+   (0, INT_MAX]; the shape's counts as each field's message says. */
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out);
 #ifndef AVGPIPE_NO_STDIO
 AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out);
@@ -1650,17 +1751,39 @@ static double avgpipe__now(void) {
 
 /* --- 2. Schedule IR ---------------------------------------------------------------------------- */
 
+/* Limits of a schedule, for the generators (section 3) and for imported text alike: a schedule larger
+   than this is surely a mistake. */
+#define AVGPIPE__MAX_STAGES 32767          /* stage partitions S x V */
+#define AVGPIPE__MAX_PIPES 32767           /* parallel pipelines (avgpipe_op.pipe is 16 bits) */
+#define AVGPIPE__MAX_MICRO_ROUNDS 1e9      /* micro-batches x rounds */
+#define AVGPIPE__MAX_OPS 400000000LL
+/* The simulator, the lowering and the validator keep tables of one cell per (pipeline, stage,
+   micro-batch) that a schedule's numbers name. A valid schedule has at least one op per cell (its
+   forward); these tables may hold at most this many cells per op, plus a floor for small hand-made
+   schedules, so that a few bytes of text cannot ask for gigabytes. */
+#define AVGPIPE__TEXT_VERSION 1 /* the schedule text header's format version */
+#define AVGPIPE__CELLS_PER_OP 8
+#define AVGPIPE__CELLS_FLOOR 4096
+
+static int avgpipe__cells_ok(double cells, long long nops) {
+    return cells <= (double)AVGPIPE__CELLS_PER_OP * (double)nops + AVGPIPE__CELLS_FLOOR;
+}
+
 static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
     "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
     "UNSHARD", "RESHARD", "REDUCE_GRAD"};
 static const char *const avgpipe__sched_names[AVGPIPE_SCHED_KIND_COUNT] = {
-    "custom", "afab", "1f1b", "advance", "interleaved", "zbh1"};
+    "custom", "afab", "1f1b", "advance", "interleaved", "zbh1", "zbv", "dualpipev"};
+static const char *const avgpipe__place_names[AVGPIPE_PLACE_COUNT] = {"auto", "loop", "v", "custom"};
 
 AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k) {
     return (k >= 0 && k < AVGPIPE_OP_KIND_COUNT) ? avgpipe__op_names[k] : "?";
 }
 AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k) {
     return (k >= 0 && k < AVGPIPE_SCHED_KIND_COUNT) ? avgpipe__sched_names[k] : "?";
+}
+AVGPIPE_API const char *avgpipe_placement_name(avgpipe_placement p) {
+    return (p >= 0 && p < AVGPIPE_PLACE_COUNT) ? avgpipe__place_names[p] : "?";
 }
 AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out) {
     int k;
@@ -1677,13 +1800,84 @@ AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sc
     return AVGPIPE_INVALID_ARG;
 }
 
-/* Rank of stage g under loop placement: g % S, without a division in the common V <= 2 case. */
-static int avgpipe__rank_of(int g, int S) { return g < S ? g : g < 2 * S ? g - S : g % S; }
+/* Rank of stage g under a named placement (g >= 0, S >= 1). */
+static int avgpipe__place_formula(avgpipe_placement p, int g, int S) {
+    int c = g / S, j = g - c * S;
+    return p == AVGPIPE_PLACE_V && (c & 1) ? S - 1 - j : j;
+}
 
-/* Channels: under loop placement a rank only talks to its neighbours r+1 and r-1 (mod S), so the
-   channel src -> dst is one of two per rank (one when S = 2: both neighbours are the other rank). */
-static int avgpipe__chan_of(int src, int dst, int S) {
-    return 2 * src + (S > 2 && dst != (src + 1 == S ? 0 : src + 1));
+/* The placement a description asks for, resolved: AUTO -> the kind's own. */
+static avgpipe_placement avgpipe__placement_of(avgpipe_sched_kind kind, avgpipe_placement p) {
+    if (p != AVGPIPE_PLACE_AUTO) return p;
+    return kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP;
+}
+
+/* A schedule's placement resolved into tables for the passes that walk it (lowering, simulation,
+   validation, buffer planning, the runtime): the rank of every stage, and the channels. A channel
+   is one ordered pair of ranks that exchange messages; data crosses boundary g|g+1 forwards on
+   up[g] and gradients cross it backwards on down[g + 1]. Messages on one channel keep the sender's
+   order whatever boundaries they cross (the comm backends match per peer). */
+typedef struct avgpipe__place {
+    int G, S, nchan;
+    int *rank;      /* [G] */
+    int *up;        /* [G]: channel of stage g's forward output to g+1; -1 on the same rank or g = G-1 */
+    int *down;      /* [G]: channel of stage g's input gradient to g-1; -1 on the same rank or g = 0 */
+    int *src, *dst; /* [nchan] */
+} avgpipe__place;
+
+static void avgpipe__place_free(avgpipe_context *ctx, avgpipe__place *pl) {
+    avgpipe_free(ctx, pl->rank);
+    memset(pl, 0, sizeof *pl);
+}
+
+/* The channel id of (a, b), added when new: open addressing over a table of 2^k >= 4 entries per
+   boundary, keyed a * S + b. */
+static int avgpipe__place_chan(avgpipe__place *pl, int *keys, int mask, int a, int b) {
+    long long key = (long long)a * pl->S + b;
+    unsigned h = (unsigned)((key * 2654435761u) & (unsigned)mask);
+    for (;; h = (h + 1) & (unsigned)mask) {
+        if (keys[2 * h] < 0) {
+            keys[2 * h] = (int)key; /* S <= 32767: a * S + b fits an int */
+            keys[2 * h + 1] = pl->nchan;
+            pl->src[pl->nchan] = a;
+            pl->dst[pl->nchan] = b;
+            return pl->nchan++;
+        }
+        if (keys[2 * h] == (int)key) return keys[2 * h + 1];
+    }
+}
+
+static avgpipe_result avgpipe__place_build(avgpipe_context *ctx, const avgpipe_schedule *s, avgpipe__place *pl) {
+    int g, G = s->nstages, mask = 15, *keys;
+    memset(pl, 0, sizeof *pl);
+    pl->G = G;
+    pl->S = s->nranks;
+    while (mask + 1 < 8 * (G + 1)) mask = 2 * mask + 1;
+    /* one block: rank, up, down [G each], src, dst [2G each] */
+    pl->rank = (int *)avgpipe_alloc(ctx, ((size_t)G * 7 + 2) * sizeof(int));
+    keys = (int *)avgpipe_alloc(ctx, ((size_t)mask + 1) * 2 * sizeof(int));
+    if (!pl->rank || !keys) {
+        avgpipe_free(ctx, keys);
+        avgpipe__place_free(ctx, pl);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory placing %d stages", G);
+    }
+    pl->up = pl->rank + G;
+    pl->down = pl->up + G;
+    pl->src = pl->down + G;
+    pl->dst = pl->src + 2 * (size_t)G + 1;
+    memset(keys, 0xff, ((size_t)mask + 1) * 2 * sizeof(int));
+    for (g = 0; g < G; g++) {
+        pl->rank[g] = avgpipe_stage_rank(s, g);
+        pl->up[g] = pl->down[g] = -1;
+    }
+    for (g = 0; g + 1 < G; g++) {
+        int a = pl->rank[g], b = pl->rank[g + 1];
+        if (a == b || a < 0 || b < 0) continue;
+        pl->up[g] = avgpipe__place_chan(pl, keys, mask, a, b);
+        pl->down[g + 1] = avgpipe__place_chan(pl, keys, mask, b, a);
+    }
+    avgpipe_free(ctx, keys);
+    return AVGPIPE_OK;
 }
 
 static int avgpipe__is_compute(int k) {
@@ -1704,8 +1898,16 @@ static avgpipe_op avgpipe__op(int kind, int pipe, int stage, int micro) {
     return o;
 }
 
+AVGPIPE_API int avgpipe_place_rank(avgpipe_placement p, int ranks, int stage) {
+    if (ranks < 1 || stage < 0 || (p != AVGPIPE_PLACE_LOOP && p != AVGPIPE_PLACE_V)) return -1;
+    return avgpipe__place_formula(p, stage, ranks);
+}
+
 AVGPIPE_API int avgpipe_stage_rank(const avgpipe_schedule *s, int stage) {
-    return (s && s->nranks > 0 && stage >= 0) ? stage % s->nranks : -1;
+    if (!s || s->nranks < 1 || stage < 0 || stage >= s->nstages) return -1;
+    if (s->shape.placement == AVGPIPE_PLACE_CUSTOM)
+        return s->place && stage < s->nplace && s->place[stage] >= 0 && s->place[stage] < s->nranks ? s->place[stage] : -1;
+    return avgpipe__place_formula(s->shape.placement, stage, s->nranks);
 }
 
 AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s) {
@@ -1715,8 +1917,11 @@ AVGPIPE_API void avgpipe_sched_free(avgpipe_context *ctx, avgpipe_schedule *s) {
         for (r = 0; r < s->nranks; r++) avgpipe_free(ctx, s->ops[r]);
     avgpipe_free(ctx, s->ops);
     avgpipe_free(ctx, s->len);
+    avgpipe_free(ctx, s->place);
     s->ops = NULL;
     s->len = NULL;
+    s->place = NULL;
+    s->nplace = 0;
     s->nranks = 0;
 }
 
@@ -1727,6 +1932,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_init(avgpipe_context *ctx, avgpipe_sche
     if (nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_init: nranks must be >= 1 (got %d)", nranks);
     s->nranks = nranks;
     if (shape) s->shape = *shape;
+    s->shape.placement = avgpipe__placement_of(s->shape.kind, s->shape.placement);
+    if (s->shape.placement < 0 || s->shape.placement >= AVGPIPE_PLACE_COUNT) s->shape.placement = AVGPIPE_PLACE_LOOP;
     if (s->shape.stages <= 0) s->shape.stages = nranks;
     if (s->shape.chunks <= 0) s->shape.chunks = 1;
     if (s->shape.pipes <= 0) s->shape.pipes = 1;
@@ -1766,6 +1973,52 @@ AVGPIPE_API avgpipe_result avgpipe_sched_push(avgpipe_context *ctx, avgpipe_sche
     return AVGPIPE_OK;
 }
 
+AVGPIPE_API avgpipe_result avgpipe_sched_set_place(avgpipe_context *ctx, avgpipe_schedule *s, const int *rank_of,
+                                                   int nstages) {
+    int g, r, i, p, match[AVGPIPE_PLACE_COUNT] = {0, 1, 1, 1};
+    int *map;
+    if (!s || !s->len || !rank_of) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: NULL argument");
+    if (nstages < 1 || nstages > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: nstages must be in 1..%d (got %d)", AVGPIPE__MAX_STAGES,
+                             nstages);
+    if (nstages < s->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: the schedule has %d stages, the map places %d",
+                             s->nstages, nstages);
+    for (g = 0; g < nstages; g++) {
+        if (rank_of[g] < 0 || rank_of[g] >= s->nranks)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: stage %d on rank %d (ranks are 0..%d)", g, rank_of[g],
+                                 s->nranks - 1);
+        for (p = AVGPIPE_PLACE_LOOP; p <= AVGPIPE_PLACE_V; p++)
+            match[p] &= rank_of[g] == avgpipe__place_formula((avgpipe_placement)p, g, s->nranks);
+    }
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (op->kind != AVGPIPE_OP_IDLE && op->stage >= 0 && op->stage < nstages && rank_of[op->stage] != r) {
+                char txt[64];
+                avgpipe_op_format(op, 0, txt, sizeof txt);
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_set_place: rank %d position %d (%s) runs stage %d, which the map puts on rank %d",
+                                     r, i, txt, op->stage, rank_of[op->stage]);
+            }
+        }
+    s->nstages = nstages;
+    s->shape.chunks = (nstages + s->nranks - 1) / s->nranks;
+    avgpipe_free(ctx, s->place);
+    s->place = NULL;
+    s->nplace = 0;
+    if (match[AVGPIPE_PLACE_LOOP] || match[AVGPIPE_PLACE_V]) {
+        s->shape.placement = match[AVGPIPE_PLACE_LOOP] ? AVGPIPE_PLACE_LOOP : AVGPIPE_PLACE_V;
+        return AVGPIPE_OK;
+    }
+    map = (int *)avgpipe_alloc(ctx, (size_t)nstages * sizeof(int));
+    if (!map) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_set_place: out of memory");
+    memcpy(map, rank_of, (size_t)nstages * sizeof(int));
+    s->place = map;
+    s->nplace = nstages;
+    s->shape.placement = AVGPIPE_PLACE_CUSTOM;
+    return AVGPIPE_OK;
+}
+
 /* Reserve exactly n ops for a rank (generators know their counts). */
 static avgpipe_result avgpipe__sched_reserve(avgpipe_context *ctx, avgpipe_schedule *s, int rank, size_t n) {
     avgpipe_op *p;
@@ -1777,13 +2030,29 @@ static avgpipe_result avgpipe__sched_reserve(avgpipe_context *ctx, avgpipe_sched
     return AVGPIPE_OK;
 }
 
+/* An empty schedule with src's ranks, shape, stages and placement. */
+static avgpipe_result avgpipe__sched_init_like(avgpipe_context *ctx, avgpipe_schedule *dst, const avgpipe_schedule *src) {
+    avgpipe_result res = avgpipe_sched_init(ctx, dst, src->nranks, &src->shape);
+    if (res) return res;
+    dst->nstages = src->nstages;
+    if (src->place && src->nplace > 0) {
+        dst->place = (int *)avgpipe_alloc(ctx, (size_t)src->nplace * sizeof(int));
+        if (!dst->place) {
+            avgpipe_sched_free(ctx, dst);
+            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory copying a placement of %d stages", src->nplace);
+        }
+        memcpy(dst->place, src->place, (size_t)src->nplace * sizeof(int));
+        dst->nplace = src->nplace;
+    }
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_copy(avgpipe_context *ctx, const avgpipe_schedule *src, avgpipe_schedule *dst) {
     int r;
     avgpipe_result res;
     if (!src || !dst) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_copy: NULL argument");
-    res = avgpipe_sched_init(ctx, dst, src->nranks, &src->shape);
+    res = avgpipe__sched_init_like(ctx, dst, src);
     if (res) return res;
-    dst->nstages = src->nstages;
     dst->has_comm = src->has_comm;
     for (r = 0; r < src->nranks; r++) {
         size_t n = (size_t)src->len[r];
@@ -1815,7 +2084,7 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep. */
 static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
-    long long U = 1;
+    long long U = 1, nops = 0;
     *npipes = 1;
     *nmicro = 1;
     for (r = 0; r < s->nranks; r++)
@@ -1823,14 +2092,19 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             const avgpipe_op *op = &s->ops[r][i];
             char txt[64];
             if (op->kind == AVGPIPE_OP_IDLE) continue;
-            if (op->kind >= AVGPIPE_OP_KIND_COUNT || op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r ||
-                op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
-                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the message below */
+            nops++;
+            int home = avgpipe_stage_rank(s, op->stage);
+            if (op->kind >= AVGPIPE_OP_KIND_COUNT || home != r || op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
+                avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the messages below */
             if (op->kind >= AVGPIPE_OP_KIND_COUNT)
                 return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d: unknown op kind %d", r, i, op->kind);
-            if (op->stage < 0 || op->stage >= s->nstages || avgpipe__rank_of(op->stage, s->nranks) != r)
-                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d does not live on rank %d", r,
-                                     i, txt, op->stage, r);
+            if (home != r) {
+                if (home < 0)
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d is not placed (%d stages)", r, i,
+                                         txt, op->stage, s->nstages);
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): stage %d lives on rank %d (%s placement)",
+                                     r, i, txt, op->stage, home, avgpipe_placement_name(s->shape.placement));
+            }
             if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
             if (op->pipe >= N) N = op->pipe + 1;
             if (avgpipe__has_micro(op->kind)) {
@@ -1842,6 +2116,11 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
     if ((long long)N * s->nstages * U > 200000000LL)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
                              N, s->nstages, U);
+    if (!avgpipe__cells_ok((double)N * s->nstages * (double)U, nops))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE,
+                             "schedule numbered too sparsely to simulate: %d pipelines x %d stages x %lld micro-batches = %.4g cells for "
+                             "%lld ops (at most %d cells per op)",
+                             N, s->nstages, U, (double)N * s->nstages * (double)U, nops, AVGPIPE__CELLS_PER_OP);
     *npipes = N;
     *nmicro = U;
     return AVGPIPE_OK;
@@ -1849,9 +2128,94 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
 
 /* ---- export ---- */
 
-static int avgpipe__needs_ext(const avgpipe_schedule *s) {
-    int r, i;
+/* The placement the actions imply: LOOP when every op's stage is where loop placement puts it, else
+   V when the V placement puts it there, else CUSTOM. With map (s->nstages entries), the rank of each
+   stage an op names (-1 for the others); a stage on two ranks returns -1 with *conflict = that
+   stage. */
+static int avgpipe__place_of_ops(const avgpipe_schedule *s, int *map, int *conflict) {
+    int r, i, loop = 1, v = 1, S = s->nranks;
+    if (map)
+        for (i = 0; i < s->nstages; i++) map[i] = -1;
+    for (r = 0; r < S; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            int g = s->ops[r][i].stage;
+            if (s->ops[r][i].kind == AVGPIPE_OP_IDLE || g < 0) continue;
+            loop &= avgpipe__place_formula(AVGPIPE_PLACE_LOOP, g, S) == r;
+            v &= avgpipe__place_formula(AVGPIPE_PLACE_V, g, S) == r;
+            if (map && g < s->nstages) {
+                if (map[g] >= 0 && map[g] != r) {
+                    *conflict = g;
+                    return -1;
+                }
+                map[g] = r;
+            }
+        }
+    return loop ? AVGPIPE_PLACE_LOOP : v ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_CUSTOM;
+}
+
+/* The shape a header-less import gives the actions: ranks = lines, stages = highest stage + 1,
+   V = stages / ranks, N = highest pipeline + 1, R = highest STEP/AVG round + 1, M = micro-batches per
+   round. Also the highest stage and pipeline named (-1, 0 when none). */
+static avgpipe_sched_desc avgpipe__shape_of_ops(const avgpipe_schedule *s, int *maxstage_out, int *maxpipe_out) {
+    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1, stages;
+    avgpipe_sched_desc sh;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (op->kind == AVGPIPE_OP_IDLE) continue;
+            if (op->stage > maxstage) maxstage = op->stage;
+            if (op->pipe > maxpipe) maxpipe = op->pipe;
+            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
+                if (op->micro > maxround) maxround = op->micro;
+            } else if (op->micro > maxmicro)
+                maxmicro = op->micro;
+        }
+    memset(&sh, 0, sizeof sh);
+    stages = maxstage + 1;
+    sh.kind = AVGPIPE_SCHED_CUSTOM;
+    sh.placement = (avgpipe_placement)avgpipe__place_of_ops(s, NULL, NULL);
+    sh.stages = s->nranks;
+    sh.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
+    sh.pipes = maxpipe + 1;
+    sh.rounds = maxround >= 0 ? maxround + 1 : 1;
+    sh.micro = (maxmicro + 1) / sh.rounds;
+    if (sh.micro < 1) sh.micro = 1;
+    if (maxstage_out) *maxstage_out = maxstage;
+    if (maxpipe_out) *maxpipe_out = maxpipe;
+    return sh;
+}
+
+static int avgpipe__same_shape(const avgpipe_sched_desc *a, const avgpipe_sched_desc *b) {
+    return a->kind == b->kind && a->stages == b->stages && a->micro == b->micro && a->pipes == b->pipes && a->chunks == b->chunks &&
+           a->rounds == b->rounds && a->advance == b->advance && a->continuous == b->continuous && a->placement == b->placement;
+}
+
+/* A custom map import can infer: every stage named by an op on the rank the map says (-1: out of
+   memory). */
+static int avgpipe__place_inferable(avgpipe_context *ctx, const avgpipe_schedule *s) {
+    int g, ok = 1, conflict = -1, *map;
+    if (s->shape.placement != AVGPIPE_PLACE_CUSTOM) return 1;
+    if (!s->place || s->nplace < s->nstages) return 0;
+    map = (int *)avgpipe_alloc(ctx, ((size_t)s->nstages + 1) * sizeof(int));
+    if (!map) return -1;
+    if (avgpipe__place_of_ops(s, map, &conflict) < 0) ok = 0;
+    for (g = 0; g < s->nstages && ok; g++) ok = map[g] == s->place[g];
+    avgpipe_free(ctx, map);
+    return ok;
+}
+
+static int avgpipe__needs_ext(avgpipe_context *ctx, const avgpipe_schedule *s) {
+    int r, i, last = s->nranks - 1;
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, NULL, NULL), own = s->shape;
+    if (own.micro < 1) own.micro = inferred.micro; /* a hand-built schedule that never set it: the actions say */
     if (s->shape.kind != AVGPIPE_SCHED_CUSTOM || s->shape.pipes > 1 || s->shape.rounds > 1) return 1;
+    if (avgpipe__place_inferable(ctx, s) != 1) return 1;
+    /* a shape that import would not infer from the actions (a header's micro=8 over a partial
+       schedule): only the header keeps it */
+    if (!avgpipe__same_shape(&inferred, &own)) return 1;
+    /* An empty last rank line reads back as a blank line at the end of the file, which import drops
+       (editors add them) unless the header's stage count says it is a rank. */
+    if (last >= 0 && (s->len[last] == 0 || (s->len[last] == 1 && s->ops[last][0].kind == AVGPIPE_OP_IDLE))) return 1;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             int k = s->ops[r][i].kind;
@@ -1865,16 +2229,25 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
     int r, i, ok = 1, torch = (flags & AVGPIPE_TEXT_TORCH) != 0, ext;
     char txt[64];
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_export: NULL argument");
+    if (s->shape.placement == AVGPIPE_PLACE_CUSTOM && (!s->place || s->nplace < s->nstages))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_export: custom placement without a map of its %d stages", s->nstages);
     if (torch && s->shape.pipes > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "avgpipe_sched_export: PyTorch's format has no parallel pipelines (pipes = %d)", s->shape.pipes);
-    ext = !torch && avgpipe__needs_ext(s);
+    ext = !torch && avgpipe__needs_ext(ctx, s);
     out->len = 0;
-    if (ext)
+    if (ext) {
         ok &= avgpipe__buf_printf(ctx, out,
-                                  "# avgpipe kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d\n",
-                                  avgpipe_sched_kind_name(s->shape.kind), s->nranks, s->shape.chunks, s->shape.micro,
-                                  s->shape.pipes, s->shape.rounds, s->shape.advance, s->shape.continuous);
+                                  "# avgpipe version=%d kind=%s stages=%d chunks=%d micro=%d pipes=%d rounds=%d advance=%d continuous=%d",
+                                  AVGPIPE__TEXT_VERSION, avgpipe_sched_kind_name(s->shape.kind), s->nranks, s->shape.chunks,
+                                  s->shape.micro > 0 ? s->shape.micro : avgpipe__shape_of_ops(s, NULL, NULL).micro, s->shape.pipes,
+                                  s->shape.rounds, s->shape.advance, s->shape.continuous);
+        if (s->shape.placement != AVGPIPE_PLACE_LOOP)
+            ok &= avgpipe__buf_printf(ctx, out, " placement=%s", avgpipe_placement_name(s->shape.placement));
+        if (s->shape.placement == AVGPIPE_PLACE_CUSTOM)
+            for (i = 0; i < s->nstages && ok; i++) ok &= avgpipe__buf_printf(ctx, out, "%s%d", i ? "," : " place=", s->place[i]);
+        ok &= avgpipe__buf_put(ctx, out, "\n", 1);
+    }
     for (r = 0; r < s->nranks && ok; r++) {
         int first = 1, in_group = 0;
         for (i = 0; i < s->len[r] && ok; i++) {
@@ -1936,8 +2309,8 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
     }
     if (p < end && *p == ':') {
         p++;
-        if (a > 32767) {
-            *why = "pipeline number too large";
+        if (a >= AVGPIPE__MAX_PIPES) {
+            *why = "pipeline number too large (at most 32767 pipelines)";
             return 0;
         }
         op->pipe = (int16_t)a;
@@ -1945,6 +2318,10 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
             *why = "expected a stage number after the pipeline";
             return 0;
         }
+    }
+    if (a >= AVGPIPE__MAX_STAGES) {
+        *why = "stage number too large (at most 32767 stage partitions)";
+        return 0;
     }
     op->stage = a;
     for (k = 1; k < AVGPIPE_OP_KIND_COUNT; k++) { /* longest match: SEND_F before F, etc. */
@@ -1986,13 +2363,38 @@ static const char *avgpipe__quote(const char *p, size_t n, char *out, size_t cap
     return out;
 }
 
+/* A header's explicit map "place=0,1,1,0" in [p, end): into *map (allocated, *n entries). */
+static avgpipe_result avgpipe__parse_place(avgpipe_context *ctx, const char *p, const char *end, int line, int **map, int *n) {
+    int cap = 0, v;
+    avgpipe_free(ctx, *map);
+    *map = NULL;
+    *n = 0;
+    while (p < end) {
+        if (!avgpipe__parse_int(&p, end, &v) || v >= AVGPIPE__MAX_STAGES || (p < end && *p != ','))
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field 'place' needs ranks separated by commas", line);
+        if (*n == AVGPIPE__MAX_STAGES)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field 'place' places more than %d stages", line, AVGPIPE__MAX_STAGES);
+        if (*n == cap) {
+            int c2 = cap ? 2 * cap : 16, *q = (int *)avgpipe__realloc(ctx, *map, (size_t)cap * sizeof(int), (size_t)c2 * sizeof(int));
+            if (!q) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading 'place'");
+            *map = q;
+            cap = c2;
+        }
+        (*map)[(*n)++] = v;
+        if (p < end) p++; /* the comma */
+        if (p == end && end[-1] == ',')
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field 'place' needs ranks separated by commas", line);
+    }
+    return AVGPIPE_OK;
+}
+
+/* "# avgpipe key=value ...": the shape into *sh, an explicit stage map into *map (*nmap entries). */
 static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p, const char *end, int line,
-                                            avgpipe_sched_desc *sh) {
-    /* "# avgpipe key=value ..." */
+                                            avgpipe_sched_desc *sh, int **map, int *nmap) {
     while (p < end) {
         const char *k0, *k1, *v0;
         char key[32], val[32], q[48];
-        int iv = 0;
+        int iv = 0, k;
         while (p < end && avgpipe__is_space(*p)) p++;
         if (p >= end) break;
         k0 = p;
@@ -2004,6 +2406,11 @@ static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p,
         p++;
         v0 = p;
         while (p < end && !avgpipe__is_space(*p)) p++;
+        if ((size_t)(k1 - k0) == 5 && memcmp(k0, "place", 5) == 0 && p > v0) {
+            avgpipe_result res = avgpipe__parse_place(ctx, v0, p, line, map, nmap);
+            if (res) return res;
+            continue;
+        }
         if ((size_t)(k1 - k0) >= sizeof key || (size_t)(p - v0) >= sizeof val || p == v0)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: bad header field '%s'", line,
                                  avgpipe__quote(k0, (size_t)(p - k0), q, sizeof q));
@@ -2016,12 +2423,24 @@ static avgpipe_result avgpipe__parse_header(avgpipe_context *ctx, const char *p,
                 return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: unknown schedule kind '%s'", line, val);
             continue;
         }
+        if (strcmp(key, "placement") == 0) {
+            for (k = AVGPIPE_PLACE_LOOP; k < AVGPIPE_PLACE_COUNT && strcmp(val, avgpipe__place_names[k]) != 0; k++) {
+            }
+            if (k == AVGPIPE_PLACE_COUNT)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: unknown placement '%s' (loop, v, custom)", line, val);
+            sh->placement = (avgpipe_placement)k;
+            continue;
+        }
         {
             const char *q = val;
             if (!avgpipe__parse_int(&q, val + strlen(val), &iv) || *q)
                 return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: field '%s' needs a number, got '%s'", line, key, val);
         }
-        if (strcmp(key, "stages") == 0) sh->stages = iv;
+        if (strcmp(key, "version") == 0) {
+            if (iv < 1 || iv > AVGPIPE__TEXT_VERSION)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: format version %d (this avgpipe reads versions 1 to %d%s)", line,
+                                     iv, AVGPIPE__TEXT_VERSION, iv > AVGPIPE__TEXT_VERSION ? ": written by a newer avgpipe" : "");
+        } else if (strcmp(key, "stages") == 0) sh->stages = iv;
         else if (strcmp(key, "chunks") == 0) sh->chunks = iv;
         else if (strcmp(key, "micro") == 0) sh->micro = iv;
         else if (strcmp(key, "pipes") == 0) sh->pipes = iv;
@@ -2083,30 +2502,109 @@ static avgpipe_result avgpipe__parse_line(avgpipe_context *ctx, const char *p, c
     return AVGPIPE_OK;
 }
 
-/* Infer what the header did not say. */
-static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
-    int r, i, maxstage = -1, maxpipe = 0, maxmicro = -1, maxround = -1;
-    for (r = 0; r < s->nranks; r++)
+/* The generators' limits (avgpipe_sched_resolve), for a header's shape or the one inferred from the
+   actions: every schedule import accepts, written or inferred, stays within them, so that its export
+   (which writes the shape to a header) imports again. `what` says which shape; zero counts are
+   refused elsewhere, naming them. */
+static avgpipe_result avgpipe__shape_limits(avgpipe_context *ctx, const avgpipe_sched_desc *sh, const char *what) {
+    double V = sh->chunks > 1 ? sh->chunks : 1, G = (double)sh->stages * V;
+    double total = G * (sh->pipes > 1 ? sh->pipes : 1) * (sh->micro > 1 ? sh->micro : 1) * (sh->rounds > 1 ? sh->rounds : 1);
+    if (G > AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: stages x chunks = %.0f, at most %d", what, G, AVGPIPE__MAX_STAGES);
+    if (sh->pipes > AVGPIPE__MAX_PIPES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: pipes = %d, at most %d", what, sh->pipes, AVGPIPE__MAX_PIPES);
+    if ((double)sh->micro * sh->rounds > AVGPIPE__MAX_MICRO_ROUNDS)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: micro x rounds = %.4g, at most %.0g", what, (double)sh->micro * sh->rounds,
+                             AVGPIPE__MAX_MICRO_ROUNDS);
+    if (total * 3 > (double)AVGPIPE__MAX_OPS)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "%s: stages x chunks x pipes x micro x rounds = %.4g, at most %.4g", what, total,
+                             (double)AVGPIPE__MAX_OPS / 3);
+    return AVGPIPE_OK;
+}
+
+/* The placement: the header's, checked against the actions, or inferred from them (each stage on
+   one rank). A custom map may place any number of stages that the ranks x chunks hold: the header's
+   map says how many, else the highest stage an action names. line_of[r] is rank r's line in the
+   text. Takes *map (the header's place= list). */
+static avgpipe_result avgpipe__infer_place(avgpipe_context *ctx, avgpipe_schedule *s, avgpipe_placement said, int **map, int nmap,
+                                           const int *line_of) {
+    int g, r, i, conflict = -1, kind, G = s->nstages, *seen;
+    if (*map && said != AVGPIPE_PLACE_CUSTOM) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= needs placement=custom");
+    if (*map && (nmap > G || nmap <= G - s->nranks))
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= names %d stages, %d ranks x %d chunks hold %d to %d", nmap, s->nranks,
+                             s->shape.chunks, G - s->nranks + 1, G);
+    seen = (int *)avgpipe_alloc(ctx, ((size_t)G + 1) * sizeof(int));
+    if (!seen) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory placing %d stages", G);
+    kind = avgpipe__place_of_ops(s, seen, &conflict);
+    if (kind < 0) { /* name both lines */
+        int first = -1, other = -1;
+        for (r = 0; r < s->nranks && other < 0; r++)
+            for (i = 0; i < s->len[r]; i++)
+                if (s->ops[r][i].kind != AVGPIPE_OP_IDLE && s->ops[r][i].stage == conflict) {
+                    if (first < 0) first = r;
+                    else if (r != first) other = r;
+                    break;
+                }
+        avgpipe_free(ctx, seen);
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "stage %d appears on two ranks: %d (line %d) and %d (line %d); a stage lives on one rank",
+                             conflict, first, line_of[first], other, line_of[other]);
+    }
+    if (said == AVGPIPE_PLACE_AUTO) said = (avgpipe_placement)kind;
+    if (said == AVGPIPE_PLACE_CUSTOM) {
+        if (*map) { /* the header's */
+            avgpipe_free(ctx, seen);
+            seen = *map;
+            *map = NULL;
+            s->nstages = nmap;
+        } else { /* the actions': every stage up to the highest one named must be */
+            while (s->nstages > G - s->nranks + 1 && seen[s->nstages - 1] < 0) s->nstages--;
+            for (g = 0; g < s->nstages; g++)
+                if (seen[g] < 0) {
+                    avgpipe_free(ctx, seen);
+                    return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
+                                         "the actions place their stages on neither the loop nor the V placement, and stage %d appears on "
+                                         "no rank: give the map in the header (placement=custom place=...)",
+                                         g);
+                }
+        }
+        for (g = 0; g < s->nstages; g++)
+            if (seen[g] >= s->nranks) {
+                int bad = seen[g];
+                avgpipe_free(ctx, seen);
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header: place= puts stage %d on rank %d of %d", g, bad, s->nranks);
+            }
+        s->place = seen;
+        s->nplace = s->nstages;
+        seen = NULL;
+    }
+    s->shape.placement = said;
+    avgpipe_free(ctx, seen);
+    for (r = 0; r < s->nranks; r++) /* the header's placement against the actions */
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
-            if (op->kind == AVGPIPE_OP_IDLE) continue;
-            if (op->stage > maxstage) maxstage = op->stage;
-            if (op->pipe > maxpipe) maxpipe = op->pipe;
-            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
-                if (op->micro > maxround) maxround = op->micro;
-            } else if (op->micro > maxmicro)
-                maxmicro = op->micro;
-            if (avgpipe__is_comm(op->kind)) s->has_comm = 1;
+            int home = op->kind == AVGPIPE_OP_IDLE ? r : avgpipe_stage_rank(s, op->stage);
+            if (home != r) {
+                char txt[64];
+                avgpipe_op_format(op, 0, txt, sizeof txt);
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: action %s runs stage %d on rank %d, but the %s placement puts it on rank %d",
+                                     line_of[r], txt, op->stage, r, avgpipe_placement_name(said), home);
+            }
         }
+    return AVGPIPE_OK;
+}
+
+/* Infer what the header did not say. */
+static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedule *s, int have_header) {
+    int r, i, maxstage, maxpipe;
+    avgpipe_sched_desc inferred = avgpipe__shape_of_ops(s, &maxstage, &maxpipe);
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++)
+            if (avgpipe__is_comm(s->ops[r][i].kind)) s->has_comm = 1;
     if (!have_header) {
-        int stages = maxstage + 1;
-        s->shape.kind = AVGPIPE_SCHED_CUSTOM;
-        s->shape.stages = s->nranks;
-        s->shape.chunks = stages > s->nranks ? (stages + s->nranks - 1) / s->nranks : 1;
-        s->shape.pipes = maxpipe + 1;
-        s->shape.rounds = maxround >= 0 ? maxround + 1 : 1;
-        s->shape.micro = (maxmicro + 1) / s->shape.rounds;
-        if (s->shape.micro < 1) s->shape.micro = 1;
+        avgpipe_result res =
+            avgpipe__shape_limits(ctx, &inferred, "the shape the actions imply (rank lines, highest stage, pipeline, micro-batch)");
+        if (res) return res;
+        s->shape = inferred;
     } else {
         if (s->shape.stages != s->nranks)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "header says stages=%d but the file has %d rank lines",
@@ -2124,46 +2622,84 @@ static avgpipe_result avgpipe__infer_shape(avgpipe_context *ctx, avgpipe_schedul
     return AVGPIPE_OK;
 }
 
+static const char avgpipe__header_tag[] = "# avgpipe ";
+
+/* Rank lines (not comments) in [p, end); a final newline does not start a line. */
+static int avgpipe__count_rank_lines(const char *p, const char *end) {
+    int n = 0;
+    while (p < end) {
+        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
+        if (!e) e = end;
+        if (*p != '#' && n < INT_MAX) n++;
+        p = e + 1;
+    }
+    return n;
+}
+
+/* The end of the text that holds ranks. Blank lines at the end are not ranks (editors add them; one
+   final newline is kept), except as many as a header's stage count still needs: an exported schedule
+   whose last ranks are empty ends in empty lines, and writes the header for them. */
+static const char *avgpipe__ranks_end(const char *text, size_t len, int have_header, int stages, int *nlines) {
+    const char *full = text + len, *end = full;
+    int open;
+    while (end > text && (end[-1] == '\n' || end[-1] == '\r') && (end - 1 == text || end[-2] == '\n' || end[-2] == '\r')) end--;
+    *nlines = avgpipe__count_rank_lines(text, end);
+    open = end > text && end[-1] != '\n'; /* the next newline only ends the last line */
+    while (have_header && *nlines < stages && end < full) {
+        const char *nl = (const char *)memchr(end, '\n', (size_t)(full - end));
+        if (!nl) break;
+        end = nl + 1;
+        if (open) open = 0;
+        else ++*nlines;
+    }
+    return end;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char *text, size_t len, avgpipe_schedule *out) {
     const char *p, *end;
     int nlines = 0, line = 0, r = 0, have_header = 0;
+    size_t taglen = sizeof avgpipe__header_tag - 1;
     avgpipe_sched_desc sh;
     avgpipe_result res;
+    int *map = NULL, nmap = 0, *line_of = NULL;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_import: NULL argument");
     memset(out, 0, sizeof *out);
     memset(&sh, 0, sizeof sh);
-    end = text + len;
-    while (end > text && (end[-1] == '\n' || end[-1] == '\r') && (end - 1 == text || end[-2] == '\n' || end[-2] == '\r'))
-        end--; /* blank lines at the end are not ranks (one final newline is kept) */
-    /* count rank lines (non-comment); a final newline does not start a line */
-    for (p = text; p < end;) {
-        const char *e = (const char *)memchr(p, '\n', (size_t)(end - p));
-        if (!e) e = end;
-        if (*p != '#') nlines++;
-        p = e + 1;
+    if (len >= taglen && memcmp(text, avgpipe__header_tag, taglen) == 0) { /* first: its stage count says which lines are ranks */
+        const char *e = (const char *)memchr(text, '\n', len);
+        if (!e) e = text + len;
+        if (e > text && e[-1] == '\r') e--;
+        res = avgpipe__parse_header(ctx, text + taglen, e, 1, &sh, &map, &nmap);
+        if (!res) res = avgpipe__shape_limits(ctx, &sh, "line 1: header");
+        if (res) {
+            avgpipe_free(ctx, map);
+            return res;
+        }
+        have_header = 1;
     }
-    if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
-    if (nlines > 65536) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most 65536)", nlines);
+    end = avgpipe__ranks_end(text, len, have_header, sh.stages, &nlines);
+    if (nlines == 0 || nlines > AVGPIPE__MAX_STAGES) { /* a rank holds at least one stage partition */
+        avgpipe_free(ctx, map);
+        if (nlines == 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has no rank lines");
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "schedule text has %d rank lines (at most %d)", nlines, AVGPIPE__MAX_STAGES);
+    }
     res = avgpipe_sched_init(ctx, out, nlines, NULL);
-    if (res) return res;
+    if (!res && !(line_of = (int *)avgpipe_alloc(ctx, (size_t)nlines * sizeof(int))))
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_import: out of memory");
+    if (res) goto fail;
     for (p = text; p < end;) {
         const char *e = (const char *)memchr(p, '\n', (size_t)(end - p)), *le;
         if (!e) e = end;
         line++;
         le = e;
         if (le > p && le[-1] == '\r') le--;
-        if (*p == '#') {
-            static const char tag[] = "# avgpipe ";
-            if ((size_t)(le - p) >= sizeof tag - 1 && memcmp(p, tag, sizeof tag - 1) == 0) {
-                if (line != 1) {
-                    res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
-                    goto fail;
-                }
-                res = avgpipe__parse_header(ctx, p + sizeof tag - 1, le, line, &sh);
-                if (res) goto fail;
-                have_header = 1;
+        if (*p == '#') { /* a comment, or the header (line 1: parsed above) */
+            if (line != 1 && (size_t)(le - p) >= taglen && memcmp(p, avgpipe__header_tag, taglen) == 0) {
+                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "line %d: the '# avgpipe' header must be the first line", line);
+                goto fail;
             }
         } else {
+            line_of[r] = line;
             res = avgpipe__parse_line(ctx, p, le, line, out, r++);
             if (res) goto fail;
         }
@@ -2173,27 +2709,56 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
         out->shape = sh;
         if (out->shape.chunks == 0) out->shape.chunks = 1;
     }
+    out->shape.placement = AVGPIPE_PLACE_LOOP; /* until inferred: the shape checks need a named one */
     res = avgpipe__infer_shape(ctx, out, have_header);
+    if (!res) res = avgpipe__infer_place(ctx, out, sh.placement, &map, nmap, line_of);
     if (res) goto fail;
+    avgpipe_free(ctx, line_of);
     return AVGPIPE_OK;
 fail:
+    avgpipe_free(ctx, map);
+    avgpipe_free(ctx, line_of);
     avgpipe_sched_free(ctx, out);
     return res;
 }
 
 #ifndef AVGPIPE_NO_STDIO
-/* Read a whole file (to EOF: pipes work too), at most 1 GiB. */
+#define AVGPIPE__MAX_FILE ((size_t)1 << 30) /* schedule and profile text: 1 GiB, far above any real file */
+
+/* Append n bytes to a file's text, growing the buffer by doubling but never past the cap (+1 for the
+   NUL). 0: over the cap, -1: out of memory. */
+static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n) {
+    if (n > AVGPIPE__MAX_FILE - text->len) return 0; /* checked before growing: the total would pass the cap */
+    if (text->len + n + 1 > text->cap) {
+        size_t cap = text->cap ? 2 * text->cap : n + 1;
+        char *q;
+        if (cap < text->len + n + 1) cap = text->len + n + 1;
+        if (cap > AVGPIPE__MAX_FILE + 1) cap = AVGPIPE__MAX_FILE + 1;
+        if (!(q = (char *)avgpipe__realloc(ctx, text->data, text->len, cap))) return -1;
+        text->data = q;
+        text->cap = cap;
+    }
+    memcpy(text->data + text->len, p, n);
+    text->len += n;
+    text->data[text->len] = 0;
+    return 1;
+}
+
+/* Read a whole file (to EOF: pipes work too), at most 1 GiB: refused as soon as the running total
+   passes the cap, before the buffer grows for it. */
 static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text) {
     FILE *f = fopen(path, "rb");
     char chunk[65536];
     size_t n;
-    int bad;
+    int bad, put;
     if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
     while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
-        if (text->len + n > ((size_t)1 << 30) || !avgpipe__buf_put(ctx, text, chunk, n)) {
+        if ((put = avgpipe__file_put(ctx, text, chunk, n)) <= 0) {
             fclose(f);
             avgpipe_buf_free(ctx, text);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "'%s' is too large (over 1 GiB) or memory ran out", path);
+            if (put < 0) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
+            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over 1 GiB (%zu bytes), the most a schedule or profile file may hold", path,
+                                 AVGPIPE__MAX_FILE);
         }
     bad = ferror(f);
     fclose(f);
@@ -2243,9 +2808,6 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 
 /* --- 3. Generators ----------------------------------------------------------------------------- */
 
-#define AVGPIPE__MAX_STAGES 32767
-#define AVGPIPE__MAX_OPS 400000000LL /* a schedule larger than this is surely a mistake */
-
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out) {
     avgpipe_sched_desc d;
@@ -2253,7 +2815,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
     if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_resolve: NULL argument");
     d = *desc;
     if (d.kind <= AVGPIPE_SCHED_CUSTOM || d.kind >= AVGPIPE_SCHED_KIND_COUNT)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kind: %d is not a generator (afab, 1f1b, advance, interleaved, zbh1)",
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kind: %d is not a generator (afab, 1f1b, advance, interleaved, zbh1, zbv, dualpipev)",
                              (int)d.kind);
     if (d.stages < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: must be >= 1 (got %d)", d.stages);
     if (d.micro < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: must be >= 1 (got %d)", d.micro);
@@ -2263,31 +2825,52 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
     if (d.advance < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "advance: must be >= 0 (got %d)", d.advance);
     if (d.continuous != 0 && d.continuous != 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "continuous: must be 0 or 1 (got %d)", d.continuous);
+    if ((int)d.placement < 0 || d.placement >= AVGPIPE_PLACE_COUNT)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: %d is not a placement (auto, loop, v)", (int)d.placement);
+    if (d.placement == AVGPIPE_PLACE_CUSTOM)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: generators place stages by a named placement (loop, v); "
+                                                       "set a custom map on the schedule (avgpipe_sched_set_place)");
     if (d.pipes == 0) d.pipes = 1;
     if (d.rounds == 0) d.rounds = 1;
-    if (d.chunks == 0) d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1;
-    if (d.kind != AVGPIPE_SCHED_ADVANCE) d.advance = 0;
-    if (d.chunks > 1 && d.kind != AVGPIPE_SCHED_INTERLEAVED)
+    if (d.chunks == 0) d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED || d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV ? 2 : 1;
+    d.placement = avgpipe__placement_of(d.kind, d.placement);
+    if (d.chunks == 1) d.placement = AVGPIPE_PLACE_LOOP; /* one stage per rank: the placements agree */
+    if (d.kind != AVGPIPE_SCHED_ADVANCE && d.kind != AVGPIPE_SCHED_ZBV) d.advance = 0;
+    if (d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV) {
+        if (d.chunks != 2)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %s holds two stages per rank (got %d)", avgpipe_sched_kind_name(d.kind), d.chunks);
+        if (d.placement != AVGPIPE_PLACE_V)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: %s places its stages in a V (got %s)", avgpipe_sched_kind_name(d.kind),
+                                 avgpipe_placement_name(d.placement));
+    } else if (d.chunks > 1 && d.kind != AVGPIPE_SCHED_INTERLEAVED)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %d chunks per rank need the interleaved schedule (%s takes 1)",
                              d.chunks, avgpipe_sched_kind_name(d.kind));
+    if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.placement != AVGPIPE_PLACE_LOOP)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: interleaved 1F1B runs the loop placement (zbv and dualpipev run the V)");
     if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.chunks > 1 && d.micro % d.stages != 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
                              d.stages);
-    if (d.pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most 32767 (got %d)", d.pipes);
+    if (d.pipes > AVGPIPE__MAX_PIPES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most %d (got %d)", AVGPIPE__MAX_PIPES, d.pipes);
     if ((long long)d.stages * d.chunks > AVGPIPE__MAX_STAGES)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: stages x chunks must be at most %d", AVGPIPE__MAX_STAGES);
     total = (double)d.stages * d.chunks * d.pipes * d.micro * d.rounds; /* in double: no overflow */
-    if (total * 3 > (double)AVGPIPE__MAX_OPS || (double)d.micro * d.rounds > 1e9)
+    if (total * 3 > (double)AVGPIPE__MAX_OPS || (double)d.micro * d.rounds > AVGPIPE__MAX_MICRO_ROUNDS)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: stages x chunks x pipes x micro x rounds = %.4g is too large", total);
     *out = d;
     return AVGPIPE_OK;
 }
 
+static long long avgpipe__advance_extra(const avgpipe_sched_desc *d, int r);
+
 static int avgpipe__warmup(const avgpipe_sched_desc *d, int r) {
     long long T = (long long)d->pipes * d->micro, w, S = d->stages, k = d->advance, dist = S - r - 1;
     switch (d->kind) {
     case AVGPIPE_SCHED_AFAB: return (int)T;
+    case AVGPIPE_SCHED_ZBV: /* chunk-0 forwards before the first I1 (K's share extra), and r + 1 chunk-1 ones */
+        w = 2 * S - r - 1 + avgpipe__advance_extra(d, r);
+        return (int)((w < T ? w : T) + (r + 1 < T ? r + 1 : T));
+    case AVGPIPE_SCHED_DUALPIPEV: return (int)(r == S - 1 ? 2 * S + 1 : 2 * S);
     case AVGPIPE_SCHED_INTERLEAVED:
         if (d->chunks > 1) {
             w = 2 * dist + (long long)(d->chunks - 1) * S;
@@ -2321,6 +2904,8 @@ AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int ran
     T = (long long)d.pipes * d.micro * d.chunks;
     if (d.kind == AVGPIPE_SCHED_AFAB) return (int)T;
     if (d.kind == AVGPIPE_SCHED_ZBH1) return (int)(d.stages < T ? d.stages : T);
+    if (d.kind == AVGPIPE_SCHED_ZBV) return avgpipe__warmup(&d, rank); /* no W before the first I */
+    if (d.kind == AVGPIPE_SCHED_DUALPIPEV) return 2 * d.stages + 1;
     w = avgpipe__warmup(&d, rank) + 1;
     return (int)(w < T ? w : T);
 }
@@ -2398,6 +2983,250 @@ static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sche
     return AVGPIPE_OK;
 }
 
+/* ---- V-placed schedules: ZB-V and DualPipeV ----
+   Rank r holds chunk 0 = stage r and chunk 1 = stage 2S-1-r. Each is written first as a template:
+   the published per-rank order over one batch stream of `count` micro-batches (with I/W split and
+   overlapped pairs), then settled into the rank's list: ops are taken in template order, except that
+   an op whose inputs this rank has not produced yet (a forward of a batch whose pipeline has not
+   stepped the previous round on this stage, in continuous rounds, and what hangs on it) waits while
+   later ops go on; STEP and AVG follow a batch's last backward work on a stage at once. */
+
+typedef struct avgpipe__vop {
+    long long item; /* stream position */
+    uint8_t kind, chunk, pair; /* pair: runs together with the next template op (OVERLAP_F_B) */
+} avgpipe__vop;
+
+typedef struct avgpipe__vgen {
+    avgpipe_context *ctx;
+    avgpipe__vop *t;
+    long long n, cap, base, count; /* template ops; the items of the template: base .. base+count-1 */
+    int oom;
+} avgpipe__vgen;
+
+/* Append one template op for item (relative to base); items past the stream's end are dropped
+   (ZB-V pads short streams to 2S-1 micro-batches and drops the padding, as PyTorch does). */
+static void avgpipe__vput(avgpipe__vgen *g, int kind, int chunk, long long item, int pair) {
+    avgpipe__vop *o;
+    if (item >= g->count || g->oom) return;
+    if (g->n == g->cap) {
+        long long cap = g->cap ? 2 * g->cap : 1024;
+        avgpipe__vop *p = (avgpipe__vop *)avgpipe__realloc(g->ctx, g->t, (size_t)g->n * sizeof *p, (size_t)cap * sizeof *p);
+        if (!p) {
+            g->oom = 1;
+            return;
+        }
+        g->t = p;
+        g->cap = cap;
+    }
+    o = &g->t[g->n++];
+    o->item = g->base + item;
+    o->kind = (uint8_t)kind;
+    o->chunk = (uint8_t)chunk;
+    o->pair = (uint8_t)pair;
+}
+
+/* Extra warm-up forwards of AvgPipe's advance forward on rank r: floor(K(S-1-r)/(S-1) + 1/2). */
+static long long avgpipe__advance_extra(const avgpipe_sched_desc *d, int r) {
+    long long S = d->stages, dist = S - 1 - r;
+    return S > 1 && dist > 0 ? (2 * (long long)d->advance * dist + (S - 1)) / (2 * (S - 1)) : 0;
+}
+
+/* ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", the V schedule; PyTorch's ScheduleZBVZeroBubble):
+   warm-up 2(S-r)-1 (+K's share) chunk-0 forwards, r x (F1, F0), (S-r) x (F1, I1, W1); steady state
+   F0, I0, W0, F1, I1, W1; cool-down r x (I0, I1), (S-r) x (I0, W0), then the held-back W1 and W0. */
+static void avgpipe__zbv_template(avgpipe__vgen *g, const avgpipe_sched_desc *d, int r) {
+    long long S = d->stages, k = avgpipe__advance_extra(d, r), nm = 2 * S - 1 + avgpipe__advance_extra(d, 0), i;
+    long long f0 = 0, f1 = 0, b0 = 0, b1 = 0, w0, w1;
+    if (nm < g->count) nm = g->count;
+    for (i = 0; i < 2 * (S - r) - 1 + k; i++) avgpipe__vput(g, AVGPIPE_OP_F, 0, f0++, 0);
+    for (i = 0; i < r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_F, 1, f1++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_F, 0, f0++, 0);
+    }
+    for (i = 0; i < S - r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_F, 1, f1++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 1, b1, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 1, b1++, 0);
+    }
+    while (f1 < f0 || f0 < nm) {
+        if (f0 < nm) avgpipe__vput(g, AVGPIPE_OP_F, 0, f0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 0, b0, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 0, b0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_F, 1, f1++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 1, b1, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 1, b1++, 0);
+    }
+    w0 = b0;
+    w1 = b1;
+    for (i = 0; i < r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_I, 0, b0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_I, 1, b1++, 0);
+    }
+    for (i = 0; i < S - r; i++) {
+        avgpipe__vput(g, AVGPIPE_OP_I, 0, b0++, 0);
+        avgpipe__vput(g, AVGPIPE_OP_W, 0, w0++, 0);
+    }
+    while (w1 < b1) avgpipe__vput(g, AVGPIPE_OP_W, 1, w1++, 0);
+    while (w0 < b0) avgpipe__vput(g, AVGPIPE_OP_W, 0, w0++, 0);
+}
+
+/* DualPipeV (DeepSeek's DualPipe folded into a V; PyTorch's ScheduleDualPipeV), count >= 2S:
+   1. 2(S-r-1) x F0;  2. (r+1) x (F0, F1);  3. (S-r-1) x (I1, W1, F1);
+   4. count-2S+r+1 x ((F0;B1), (F1;B0)) overlapped pairs, the first F0, B1 apart on the last rank;
+   5. (S-r-1) x (B1, (F1;B0));  6. (r+1) x (B1, B0), switching to I (W held back) half-way;
+   7. (S-r-1) x (W, I0);  8. (r+1) x W. W runs the oldest held-back weight gradient. */
+static void avgpipe__dualpipev_template(avgpipe__vgen *g, const avgpipe_sched_desc *d, int r, long long *wq) {
+    long long S = d->stages, n = g->count, i, f[2] = {0, 0}, b[2] = {0, 0}, wh = 0, wt = 0;
+    int zb = 0, c;
+#define AVGPIPE__VF_(ch, pr) avgpipe__vput(g, AVGPIPE_OP_F, ch, f[ch]++, pr)
+#define AVGPIPE__VB_(ch, split)                                                                                                    \
+    do {                                                                                                                           \
+        avgpipe__vput(g, (split) ? AVGPIPE_OP_I : AVGPIPE_OP_B, ch, b[ch], 0);                                                    \
+        if (split) wq[wt++] = b[ch] * 2 + (ch);                                                                                    \
+        b[ch]++;                                                                                                                   \
+    } while (0)
+#define AVGPIPE__VW_() (avgpipe__vput(g, AVGPIPE_OP_W, (int)(wq[wh] & 1), wq[wh] >> 1, 0), wh++)
+    for (i = 0; i < 2 * (S - r - 1); i++) AVGPIPE__VF_(0, 0);
+    for (i = 0; i < r + 1; i++) {
+        AVGPIPE__VF_(0, 0);
+        AVGPIPE__VF_(1, 0);
+    }
+    for (i = 0; i < S - r - 1; i++) {
+        AVGPIPE__VB_(1, 1);
+        AVGPIPE__VW_();
+        AVGPIPE__VF_(1, 0);
+    }
+    for (i = 0; i < n - 2 * S + r + 1; i++) {
+        int apart = i == 0 && r == S - 1;
+        AVGPIPE__VF_(0, !apart);
+        AVGPIPE__VB_(1, 0);
+        AVGPIPE__VF_(1, 1);
+        AVGPIPE__VB_(0, 0);
+    }
+    for (i = 0; i < S - r - 1; i++) {
+        AVGPIPE__VB_(1, 0);
+        AVGPIPE__VF_(1, 1);
+        AVGPIPE__VB_(0, 0);
+    }
+    for (i = 0; i < r + 1; i++)
+        for (c = 1; c >= 0; c--) {
+            if (i == (r + 1) / 2 && (r % 2 == 1) == (c == 1)) zb = 1; /* odd ranks switch before B1, even ones before B0 */
+            AVGPIPE__VB_(c, zb);
+        }
+    for (i = 0; i < S - r - 1; i++) {
+        AVGPIPE__VW_();
+        AVGPIPE__VB_(0, 1);
+    }
+    while (wh < wt) AVGPIPE__VW_();
+#undef AVGPIPE__VF_
+#undef AVGPIPE__VB_
+#undef AVGPIPE__VW_
+}
+
+/* Settle a rank's template into its op list (see above). st: [2 * items] zeroed, bdone: [2 * batches]
+   zeroed, done: [ntemplate] zeroed. */
+static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, const avgpipe__vgen *g, avgpipe_schedule *s,
+                                       unsigned char *st, int *bdone, unsigned char *done) {
+    long long items = (long long)d->rounds * d->pipes * d->micro, batches = (long long)d->rounds * d->pipes, head = 0, left = g->n, i;
+    int S = d->stages, stage[2], n = 0;
+    avgpipe_op *o = s->ops[r];
+    enum { VS_F = 1, VS_B = 2, VS_W = 4 };
+    stage[0] = r;
+    stage[1] = 2 * S - 1 - r;
+    while (left > 0) {
+        const avgpipe__vop *t = NULL;
+        for (i = head; i < g->n; i++) {
+            const avgpipe__vop *x = &g->t[i];
+            unsigned char *me;
+            if (done[i]) continue;
+            me = &st[x->chunk * items + x->item];
+            if (x->kind == AVGPIPE_OP_F) {
+                long long b = x->item / d->micro;
+                if (x->chunk == 1 && !(st[x->item] & VS_F)) continue; /* stage r's forward feeds stage 2S-1-r */
+                if (d->continuous && b >= d->pipes && bdone[x->chunk * batches + b - d->pipes] != d->micro) continue;
+            } else if (x->kind == AVGPIPE_OP_W) {
+                if (!(*me & VS_B)) continue;
+            } else {
+                if (!(*me & VS_F)) continue;
+                if (x->chunk == 0 && !(st[items + x->item] & VS_B)) continue; /* the gradient comes back through stage 2S-1-r */
+            }
+            t = x;
+            break;
+        }
+        if (!t) return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d of %s cannot continue (%lld ops left)", r,
+                                     avgpipe_sched_kind_name(d->kind), left);
+        for (;;) { /* the op, and the op it overlaps when that one can run with it */
+            int pipe, micro, c = t->chunk;
+            long long b, ti = t - g->t;
+            unsigned char *me = &st[c * items + t->item];
+            avgpipe__stream_item(d, t->item, &pipe, &micro, &b);
+            o[n] = avgpipe__op(t->kind, pipe, stage[c], micro);
+            done[ti] = 1;
+            left--;
+            *me |= t->kind == AVGPIPE_OP_F ? VS_F : t->kind == AVGPIPE_OP_W ? VS_W : VS_B;
+            if (t->kind == AVGPIPE_OP_B || t->kind == AVGPIPE_OP_W) {
+                if (++bdone[c * batches + b] == d->micro) {
+                    o[++n] = avgpipe__op(AVGPIPE_OP_STEP, pipe, stage[c], (int)(b / d->pipes));
+                    o[++n] = avgpipe__op(AVGPIPE_OP_AVG, pipe, stage[c], (int)(b / d->pipes));
+                }
+            }
+            n++;
+            if (!t->pair || ti + 1 >= g->n || done[ti + 1]) break;
+            { /* the partner: a backward whose inputs are here */
+                const avgpipe__vop *x = t + 1;
+                if (!(st[x->chunk * items + x->item] & VS_F) || (x->chunk == 0 && !(st[items + x->item] & VS_B))) break;
+                if (o[n - 1].kind != t->kind) break; /* a STEP came between (cannot after a forward) */
+                o[n - 1].flags |= AVGPIPE_OPF_OVERLAP_NEXT;
+                t = x;
+            }
+        }
+        while (head < g->n && done[head]) head++;
+    }
+    s->len[r] = n;
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
+    long long T = (long long)d->pipes * d->micro, items = T * d->rounds, batches = (long long)d->rounds * d->pipes, t;
+    avgpipe__vgen g;
+    unsigned char *st = NULL, *done = NULL;
+    int *bdone = NULL, r;
+    long long *wq = NULL;
+    avgpipe_result res = AVGPIPE_OK;
+    if (d->kind == AVGPIPE_SCHED_DUALPIPEV && T < 2LL * d->stages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: dualpipev needs micro x pipes >= 2 x stages (%lld < %d)", T, 2 * d->stages);
+    memset(&g, 0, sizeof g);
+    g.ctx = ctx;
+    st = (unsigned char *)avgpipe_alloc(ctx, (size_t)(2 * items));
+    bdone = (int *)avgpipe_alloc(ctx, (size_t)(2 * batches) * sizeof(int));
+    wq = (long long *)avgpipe_alloc(ctx, (size_t)(2 * items + 1) * sizeof(long long));
+    if (!st || !bdone || !wq) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    for (r = 0; r < d->stages && !res; r++) {
+        g.n = 0;
+        for (t = 0; t < (d->continuous ? 1 : d->rounds); t++) { /* continuous: one stream over every round */
+            g.base = t * T;
+            g.count = d->continuous ? items : T;
+            if (d->kind == AVGPIPE_SCHED_ZBV) avgpipe__zbv_template(&g, d, r);
+            else avgpipe__dualpipev_template(&g, d, r, wq);
+        }
+        avgpipe_free(ctx, done);
+        done = g.oom ? NULL : (unsigned char *)avgpipe__calloc(ctx, (size_t)g.n + 1, 1);
+        if (!done) {
+            res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+            break;
+        }
+        memset(st, 0, (size_t)(2 * items));
+        memset(bdone, 0, (size_t)(2 * batches) * sizeof(int));
+        res = avgpipe__vsettle(ctx, d, r, &g, out, st, bdone, done);
+    }
+    avgpipe_free(ctx, g.t);
+    avgpipe_free(ctx, st);
+    avgpipe_free(ctx, bdone);
+    avgpipe_free(ctx, wq);
+    avgpipe_free(ctx, done);
+    return res;
+}
+
 static avgpipe_result avgpipe__shape_sched(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
     return avgpipe_sched_init(ctx, out, d->stages, d);
 }
@@ -2420,13 +3249,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
         avgpipe_sched_free(ctx, out);
         return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
     }
-    for (r = 0; r < d.stages && !res; r++) {
-        res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
-        if (!res) {
+    for (r = 0; r < d.stages && !res; r++) res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
+    if (!res && (d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV)) res = avgpipe__gen_v(ctx, &d, out);
+    else
+        for (r = 0; r < d.stages && !res; r++) {
             memset(bdone, 0, sizeof(int) * (size_t)d.chunks * d.rounds * d.pipes);
             res = avgpipe__gen_rank(ctx, &d, r, out, bdone);
         }
-    }
     avgpipe_free(ctx, bdone);
     if (res) avgpipe_sched_free(ctx, out);
     return res;
@@ -2629,14 +3458,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgp
 
 
 
-/* The SEND a compute op needs under loop placement (its consumer is on another rank). */
-static int avgpipe__op_send(const avgpipe_schedule *s, const avgpipe_op *op, int r, avgpipe_op *send) {
-    int G = s->nstages, S = s->nranks;
-    if (op->kind == AVGPIPE_OP_F && op->stage < G - 1 && avgpipe__rank_of(op->stage + 1, S) != r) {
+/* The SEND a compute op needs (its consumer is on another rank). */
+static int avgpipe__op_send(const avgpipe__place *pl, const avgpipe_op *op, avgpipe_op *send) {
+    if (op->kind == AVGPIPE_OP_F && pl->up[op->stage] >= 0) {
         *send = avgpipe__op(AVGPIPE_OP_SEND_F, op->pipe, op->stage, op->micro);
         return 1;
     }
-    if (avgpipe__is_backward(op->kind) && op->stage > 0 && avgpipe__rank_of(op->stage - 1, S) != r) {
+    if (avgpipe__is_backward(op->kind) && pl->down[op->stage] >= 0) {
         *send = avgpipe__op(AVGPIPE_OP_SEND_B, op->pipe, op->stage, op->micro);
         return 1;
     }
@@ -2655,6 +3483,7 @@ static int avgpipe__op_send(const avgpipe_schedule *s, const avgpipe_op *op, int
    on another rank (one rank), the result has no SEND/RECV ops and has_comm stays 0. */
 typedef struct avgpipe__lower {
     const avgpipe_schedule *in;
+    avgpipe__place pl;
     int S, G, N;
     long long U;
     int *fpos, *bpos; /* [pipe][stage][micro] -> index of the unit holding F / B-or-I on its rank */
@@ -2675,7 +3504,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
+    memset(&L, 0, sizeof L);
     res = avgpipe__sched_scan(ctx, in, &L.N, &L.U);
+    if (!res) res = avgpipe__place_build(ctx, in, &L.pl);
     if (res) return res;
     L.in = in;
     L.S = in->nranks;
@@ -2726,9 +3557,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
             if (in->ops[r][j].kind == AVGPIPE_OP_F) last = u;
         }
     }
-    res = avgpipe_sched_init(ctx, out, in->nranks, &in->shape);
+    res = avgpipe__sched_init_like(ctx, out, in);
     if (res) goto fail;
-    out->nstages = in->nstages;
     out->has_comm = 1;
     /* every message, grouped by receiving rank, each group in (sender, sender's order) */
     moff = (long long *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(long long));
@@ -2736,7 +3566,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     for (r = 0; r < L.S; r++)
         for (i = 0; i < in->len[r]; i++) {
             avgpipe_op x;
-            if (avgpipe__op_send(in, &in->ops[r][i], r, &x)) moff[avgpipe__rank_of(x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1), L.S) + 1]++;
+            if (avgpipe__op_send(&L.pl, &in->ops[r][i], &x)) moff[L.pl.rank[x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1)] + 1]++;
         }
     for (r = 0; r < L.S; r++) moff[r + 1] += moff[r];
     maxmsg = (size_t)moff[L.S];
@@ -2750,9 +3580,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
         for (i = 0; i < in->len[r]; i++) {
             avgpipe_op x;
             int g2, dst;
-            if (!avgpipe__op_send(in, &in->ops[r][i], r, &x)) continue;
+            if (!avgpipe__op_send(&L.pl, &in->ops[r][i], &x)) continue;
             g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
-            dst = avgpipe__rank_of(g2, L.S);
+            dst = L.pl.rank[g2];
             msrc[mfill[dst]] = r;
             msgs[mfill[dst]++] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
         }
@@ -2802,7 +3632,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
                 for (b = bucket[q]; b < bucket[q + 1]; b++) o[w++] = msgs[a0 + ord[b]];
                 /* sends of the previous unit */
                 for (e = pend_from; e >= 0 && e < pend_to; e++)
-                    if (avgpipe__op_send(in, &so[e], r, &x)) o[w++] = x;
+                    if (avgpipe__op_send(&L.pl, &so[e], &x)) o[w++] = x;
                 pend_from = pend_to = -1;
                 if (q == nu) break;
                 while (j < n && units[ustart[r] + j] < q) j++;
@@ -2821,6 +3651,7 @@ oom:
 fail:
     avgpipe_sched_free(ctx, out);
 done:
+    avgpipe__place_free(ctx, &L.pl);
     avgpipe_free(ctx, L.fpos);
     avgpipe_free(ctx, L.bpos);
     avgpipe_free(ctx, units);
@@ -2854,7 +3685,8 @@ typedef struct avgpipe__sim {
     int S, G, N;
     long long U;
     double *f_end, *b_end, *act_in, *grad_in; /* [pipe][stage][micro], -1 = not yet */
-    avgpipe__chan *chan;                      /* [src * S + dst] */
+    avgpipe__place pl;
+    avgpipe__chan *chan;                      /* [pl.nchan] */
     int *pos, *waiting, *stack, nstack, *stash;
     double *t, *bytes;
     long long flows;
@@ -2919,9 +3751,10 @@ static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int t
     return 1;
 }
 
-/* A transfer on the src->dst link, ready at `ready`, not before `post` (blocking). Returns its end. */
-static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int src, int dst, double ready, int boundary, int *ok) {
-    avgpipe__chan *c = &m->chan[avgpipe__chan_of(src, dst, m->S)];
+/* A transfer on channel ch (src -> dst), ready at `ready`. Returns its end. */
+static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
+    avgpipe__chan *c = &m->chan[ch];
+    int src = m->pl.src[ch], dst = m->pl.dst[ch];
     double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
     int flow = (int)(m->flows++ & 0x7fffffff);
     c->link_free = xe;
@@ -2939,11 +3772,11 @@ static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, doubl
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
     double *slot;
     if (g2 < 0 || g2 >= m->G) return;
-    r2 = avgpipe__rank_of(g2, m->S);
+    r2 = m->pl.rank[g2];
     slot = fwd ? &m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] : &m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)];
     if (r2 == r) *slot = end;
     else if (!m->s->has_comm) {
-        *slot = avgpipe__transfer(m, op, r, r2, end, fwd ? op->stage : g2, ok);
+        *slot = avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
         avgpipe__wake(m, r2);
     }
 }
@@ -2979,12 +3812,13 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             return 1;
         }
         if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
-            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst;
+            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst, c;
             avgpipe__chan *ch;
             double ready = dep > t ? dep : t, xe;
-            if (g2 < 0 || g2 >= m->G) return 1; /* validator reports it; cannot happen after validation */
-            dst = avgpipe__rank_of(g2, m->S);
-            ch = &m->chan[avgpipe__chan_of(r, dst, m->S)];
+            c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
+            if (g2 < 0 || g2 >= m->G || c < 0) return 1; /* validator reports it; cannot happen after validation */
+            dst = m->pl.rank[g2];
+            ch = &m->chan[c];
             if (d->blocking_send) {
                 if (ch->nrecv <= ch->nsend) {
                     m->waiting[r] = 1;
@@ -2993,7 +3827,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
                 if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
             }
             ch->nsend++;
-            xe = avgpipe__transfer(m, op, r, dst, ready, fwd ? op->stage : g2, &ok);
+            xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, &ok);
             if (fwd) m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
             else m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
             avgpipe__wake(m, dst);
@@ -3005,11 +3839,13 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             continue;
         }
         if (k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) {
-            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src;
+            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src, c;
             avgpipe__chan *ch;
             if (g2 < 0 || g2 >= m->G) return 1;
-            src = avgpipe__rank_of(g2, m->S);
-            ch = &m->chan[avgpipe__chan_of(src, r, m->S)];
+            c = k == AVGPIPE_OP_RECV_F ? m->pl.up[g2] : m->pl.down[g2];
+            if (c < 0) return 1;
+            src = m->pl.rank[g2];
+            ch = &m->chan[c];
             if (ch->nrecv == ch->post_cap) {
                 int cap = ch->post_cap ? 2 * ch->post_cap : 64;
                 double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
@@ -3060,8 +3896,9 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
     avgpipe_context *ctx = m->ctx;
     int i;
     if (m->chan)
-        for (i = 0; i < 2 * m->S; i++) avgpipe_free(ctx, m->chan[i].post);
+        for (i = 0; i < m->pl.nchan; i++) avgpipe_free(ctx, m->chan[i].post);
     avgpipe_free(ctx, m->chan);
+    avgpipe__place_free(ctx, &m->pl);
     avgpipe_free(ctx, m->f_end);
     avgpipe_free(ctx, m->b_end);
     avgpipe_free(ctx, m->act_in);
@@ -3141,6 +3978,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     res = avgpipe__sched_scan(ctx, s, &N, &U);
     if (res) return res;
     memset(&m, 0, sizeof m);
+    res = avgpipe__place_build(ctx, s, &m.pl);
+    if (res) return res;
     m.ctx = ctx;
     m.s = s;
     m.d = desc;
@@ -3154,7 +3993,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.b_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
     m.act_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
     m.grad_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, 2 * (size_t)m.S, sizeof(avgpipe__chan));
+    m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, (size_t)m.pl.nchan + 1, sizeof(avgpipe__chan));
     m.pos = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.waiting = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.stack = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
@@ -3240,7 +4079,8 @@ typedef struct avgpipe__vstate {
     int S, G, N, M, R;
     uint8_t *st;   /* [pipe][stage][micro]: bits below */
     uint8_t *step; /* [pipe][stage][round]: 1 STEP, 2 AVG */
-    avgpipe__msgs *sendq, *recvq; /* [src * S + dst] */
+    avgpipe__place pl;
+    avgpipe__msgs *sendq, *recvq; /* [pl.nchan] */
     int any_step;
 } avgpipe__vstate;
 
@@ -3273,14 +4113,16 @@ static size_t avgpipe__vix(const avgpipe__vstate *v, int p, int g, int u) {
 /* One op of the static pass. */
 static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     const avgpipe_op *op = &v->s->ops[r][i];
-    int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, S = v->S, G = v->G, MR = v->M * v->R;
+    int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
     uint8_t *x;
     avgpipe__msg msg;
     if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD)
         return AVGPIPE_OK;
     if (k >= AVGPIPE_OP_KIND_COUNT) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "unknown op kind %d", k);
     if (g < 0 || g >= G) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d out of range 0..%d", g, G - 1);
-    if (avgpipe__rank_of(g, S) != r) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d", g, g % S, r);
+    if (v->pl.rank[g] != r)
+        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d lives on rank %d, not %d (%s placement)", g, v->pl.rank[g], r,
+                              avgpipe_placement_name(v->s->shape.placement));
     if (p < 0 || p >= v->N) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "pipeline %d out of range 0..%d", p, v->N - 1);
     if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) {
         uint8_t *sx;
@@ -3313,9 +4155,9 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     switch (k) {
     case AVGPIPE_OP_F:
         if (*x & AVGPIPE__VF) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate forward");
-        if (g > 0 && avgpipe__rank_of(g - 1, S) == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
+        if (g > 0 && v->pl.rank[g - 1] == r && !(v->st[avgpipe__vix(v, p, g - 1, u)] & AVGPIPE__VF))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward before the forward of stage %d it needs", g - 1);
-        if (v->s->has_comm && g > 0 && avgpipe__rank_of(g - 1, S) != r && !(*x & AVGPIPE__VRF))
+        if (v->s->has_comm && g > 0 && v->pl.rank[g - 1] != r && !(*x & AVGPIPE__VRF))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward without a RECV_F posted before it");
         if (v->any_step && u >= v->M && !(v->step[((size_t)p * G + g) * v->R + u / v->M - 1] & 1))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward of round %d before STEP of round %d", u / v->M,
@@ -3326,9 +4168,9 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_I:
         if (!(*x & AVGPIPE__VF)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before its forward");
         if (*x & (AVGPIPE__VB | AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate backward");
-        if (g < G - 1 && avgpipe__rank_of(g + 1, S) == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
+        if (g < G - 1 && v->pl.rank[g + 1] == r && !(v->st[avgpipe__vix(v, p, g + 1, u)] & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward before the backward of stage %d it needs", g + 1);
-        if (v->s->has_comm && g < G - 1 && avgpipe__rank_of(g + 1, S) != r && !(*x & AVGPIPE__VRB))
+        if (v->s->has_comm && g < G - 1 && v->pl.rank[g + 1] != r && !(*x & AVGPIPE__VRB))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward without a RECV_B posted before it");
         *x |= k == AVGPIPE_OP_B ? AVGPIPE__VB : AVGPIPE__VI;
         break;
@@ -3342,24 +4184,24 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
         int fwd = k == AVGPIPE_OP_SEND_F, g2 = g + (fwd ? 1 : -1);
         if (fwd ? !(*x & AVGPIPE__VF) : !(*x & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
-        if (g2 < 0 || g2 >= G || avgpipe__rank_of(g2, S) == r)
+        if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send with no consumer on another rank");
         msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
         msg.stage = g2;
-        if (!avgpipe__msgs_push(v->ctx, &v->sendq[avgpipe__chan_of(r, avgpipe__rank_of(g2, S), S)], msg))
+        if (!avgpipe__msgs_push(v->ctx, &v->sendq[fwd ? v->pl.up[g] : v->pl.down[g]], msg))
             return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         break;
     }
     case AVGPIPE_OP_RECV_F:
     case AVGPIPE_OP_RECV_B: {
         int fwd = k == AVGPIPE_OP_RECV_F, g2 = g + (fwd ? -1 : 1);
-        if (g2 < 0 || g2 >= G || avgpipe__rank_of(g2, S) == r)
+        if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
         if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
         *x |= fwd ? AVGPIPE__VRF : AVGPIPE__VRB;
         msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
         msg.stage = g;
-        if (!avgpipe__msgs_push(v->ctx, &v->recvq[avgpipe__chan_of(avgpipe__rank_of(g2, S), r, S)], msg))
+        if (!avgpipe__msgs_push(v->ctx, &v->recvq[fwd ? v->pl.up[g2] : v->pl.down[g2]], msg))
             return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         break;
     }
@@ -3376,21 +4218,21 @@ static avgpipe_result avgpipe__check_complete(avgpipe__vstate *v) {
             for (u = 0; u < v->M * v->R; u++) {
                 uint8_t b = v->st[avgpipe__vix(v, p, g, u)];
                 if (!(b & AVGPIPE__VF))
-                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                          "rank %d: pipeline %d stage %d micro-batch %d has no forward (missing forward)", g % v->S, p,
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has no forward (missing forward)", v->pl.rank[g], p,
                                           g, u);
                 if (!(b & (AVGPIPE__VB | AVGPIPE__VI)))
-                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                          "rank %d: pipeline %d stage %d micro-batch %d has no backward", g % v->S, p, g, u);
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has no backward", v->pl.rank[g], p, g, u);
                 if ((b & AVGPIPE__VI) && !(b & AVGPIPE__VW))
-                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                          "rank %d: pipeline %d stage %d micro-batch %d has I but no W", g % v->S, p, g, u);
+                    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                          "rank %d: pipeline %d stage %d micro-batch %d has I but no W", v->pl.rank[g], p, g, u);
             }
             if (v->any_step)
                 for (t = 0; t < v->R; t++)
                     if (!(v->step[((size_t)p * v->G + g) * v->R + t] & 1))
-                        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, g % v->S, -1,
-                                              "rank %d: pipeline %d stage %d has no STEP for round %d", g % v->S, p, g, t);
+                        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, v->pl.rank[g], -1,
+                                              "rank %d: pipeline %d stage %d has no STEP for round %d", v->pl.rank[g], p, g, t);
         }
     return AVGPIPE_OK;
 }
@@ -3399,9 +4241,9 @@ static avgpipe_result avgpipe__check_complete(avgpipe__vstate *v) {
    backends match per peer without tags. */
 static avgpipe_result avgpipe__check_channels(avgpipe__vstate *v) {
     int c, j;
-    for (c = 0; c < 2 * v->S; c++) {
+    for (c = 0; c < v->pl.nchan; c++) {
         avgpipe__msgs *a = &v->sendq[c], *b = &v->recvq[c];
-        int n = a->n < b->n ? a->n : b->n, src = c / 2, dst = c % 2 ? (src + v->S - 1) % v->S : (src + 1) % v->S;
+        int n = a->n < b->n ? a->n : b->n, src = v->pl.src[c], dst = v->pl.dst[c];
         for (j = 0; j < n; j++) {
             avgpipe__msg *x = &a->v[j], *y = &b->v[j];
             if (x->kind != y->kind || x->pipe != y->pipe || x->stage != y->stage || x->micro != y->micro) {
@@ -3454,10 +4296,11 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     for (r = 0; r < v->S && r < 256; r++) {
         int model = avgpipe_sched_peak_stash(sh, r), got = v->rep->peak_stash[r];
         if (model < 0) continue;
-        if (got != model)
+        int bound = sh->kind == AVGPIPE_SCHED_ZBV && sh->continuous; /* forwards may wait for a STEP: fewer in flight */
+        if (bound ? got > model : got != model)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, -1,
-                                  "rank %d stashes %d activations at its peak but the memory model of %s says %d", r, got,
-                                  avgpipe_sched_kind_name(sh->kind), model);
+                                  "rank %d stashes %d activations at its peak but the memory model of %s says %s%d", r, got,
+                                  avgpipe_sched_kind_name(sh->kind), bound ? "at most " : "", model);
     }
     return AVGPIPE_OK;
 }
@@ -3526,7 +4369,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__vstate v;
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
-    int c;
+    long long nops = 0;
+    int c, i;
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -3547,21 +4391,35 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     cells = (size_t)v.N * v.G * v.M * v.R;
     if ((double)v.N * v.G * v.M * v.R > 4e8)
         return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
+    for (c = 0; c < v.S; c++)
+        for (i = 0; i < s->len[c]; i++) nops += s->ops[c][i].kind != AVGPIPE_OP_IDLE;
+    if (!avgpipe__cells_ok((double)v.N * v.G * v.M * v.R, nops)) /* not allocated for: some cell surely has no forward */
+        return avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
+                              "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
+                              "ops (missing forwards)",
+                              v.N, v.G, v.M, v.R, (double)v.N * v.G * v.M * v.R, nops);
     v.st = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     v.step = (uint8_t *)avgpipe__calloc(ctx, (size_t)v.N * v.G * v.R, 1);
-    v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, 2 * (size_t)v.S, sizeof(avgpipe__msgs));
-    v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, 2 * (size_t)v.S, sizeof(avgpipe__msgs));
+    if (v.st && v.step && avgpipe__place_build(ctx, s, &v.pl) == AVGPIPE_OK) {
+        v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
+        v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
+    }
     if (!v.st || !v.step || !v.sendq || !v.recvq) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    for (c = 0; c < v.G && !res; c++)
+        if (v.pl.rank[c] < 0)
+            res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
+                                 s->nplace);
     if (!res) res = avgpipe__check_static(&v);
     avgpipe__static_peaks(s, report->peak_stash, 256);
     if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
     if (!res && !(desc && desc->skip_replay)) res = avgpipe__replay(&v);
     if (v.sendq)
-        for (c = 0; c < 2 * v.S; c++) avgpipe_free(ctx, v.sendq[c].v);
+        for (c = 0; c < v.pl.nchan; c++) avgpipe_free(ctx, v.sendq[c].v);
     if (v.recvq)
-        for (c = 0; c < 2 * v.S; c++) avgpipe_free(ctx, v.recvq[c].v);
+        for (c = 0; c < v.pl.nchan; c++) avgpipe_free(ctx, v.recvq[c].v);
     avgpipe_free(ctx, v.sendq);
     avgpipe_free(ctx, v.recvq);
+    avgpipe__place_free(ctx, &v.pl);
     avgpipe_free(ctx, v.st);
     avgpipe_free(ctx, v.step);
     report->result = res;
@@ -3945,6 +4803,11 @@ static avgpipe_result avgpipe__cpu_sync(void *user) {
     (void)user;
     return AVGPIPE_OK;
 }
+static avgpipe_result avgpipe__cpu_event_query(void *user, avgpipe_device_event e, int *done) {
+    (void)user, (void)e;
+    *done = 1; /* the work before a record finished before the record returned */
+    return AVGPIPE_OK;
+}
 static const char *avgpipe__cpu_error_string(void *user) {
     (void)user;
     return "";
@@ -4182,6 +5045,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cpu_create(avgpipe_context *ctx, const
     out->ea_pass = avgpipe__cpu_ea_pass;
     out->find_nonfinite = avgpipe__cpu_find_nonfinite;
     out->scale = avgpipe__cpu_scale;
+    out->event_query = avgpipe__cpu_event_query; /* no event_elapsed: profiles use the host clock */
     out->error_string = avgpipe__cpu_error_string;
     out->destroy = avgpipe__cpu_destroy;
     out->user = st;
@@ -5224,10 +6088,10 @@ AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *p
 /* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
    a forward hands its output to it on the same rank, the previous stage's when a backward does. */
 static int avgpipe__plan_keys(const avgpipe_schedule *s, int r, const avgpipe_op *op, int *keys) {
-    int n = 0, g = op->stage, S = s->nranks;
+    int n = 0, g = op->stage;
     keys[n++] = g;
-    if (op->kind == AVGPIPE_OP_F && g + 1 < s->nstages && avgpipe__rank_of(g + 1, S) == r) keys[n++] = g + 1;
-    if (avgpipe__is_backward(op->kind) && g > 0 && avgpipe__rank_of(g - 1, S) == r) keys[n++] = g - 1;
+    if (op->kind == AVGPIPE_OP_F && g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) == r) keys[n++] = g + 1;
+    if (avgpipe__is_backward(op->kind) && g > 0 && avgpipe_stage_rank(s, g - 1) == r) keys[n++] = g - 1;
     return n;
 }
 
@@ -5305,10 +6169,10 @@ AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const 
         return avgpipe__fail(ctx, res, "runtime: out of memory planning the buffers");
     }
     for (g = 0; g < s->nstages; g++) {
-        int rk = avgpipe__rank_of(g, s->nranks);
+        int rk = avgpipe_stage_rank(s, g);
         size_t in = g > 0 ? act_bytes[g - 1] : 0, o = g + 1 < s->nstages ? act_bytes[g] : 0;
-        int remote_next = g + 1 < s->nstages && avgpipe__rank_of(g + 1, s->nranks) != rk;
-        int remote_prev = g > 0 && avgpipe__rank_of(g - 1, s->nranks) != rk;
+        int remote_next = g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) != rk;
+        int remote_prev = g > 0 && avgpipe_stage_rank(s, g - 1) != rk;
         out->slot_bytes[g] = in + (remote_next ? o : 0) + o + (remote_prev ? in : 0);
     }
     res = avgpipe__plan_slots(ctx, s, N, (int)U, out);
@@ -5371,6 +6235,8 @@ struct avgpipe_run {
     avgpipe_schedule base, low;
     avgpipe_run_plan plan;
     int S, G, N, M, R, U, K;
+    int *place, *chunk;   /* [G]: the rank of each stage; its index among that rank's stages */
+    int *rst, *roff;      /* [G], [S + 1]: the stages of each stage-rank (AVGPIPE__RANK_STAGES) */
     int D, H, P;          /* replica groups, rounds between their averagings, ranks in all (D·S) */
     int nlocal, all_local;
     size_t *act;          /* [G]: act[g] = bytes at boundary g|g+1 (0 for the last stage) */
@@ -5401,7 +6267,9 @@ struct avgpipe_run {
     size_t mcap;
 };
 
-static int avgpipe__run_rank(const avgpipe_run *run, int g) { return avgpipe__rank_of(g, run->S); }
+static int avgpipe__run_rank(const avgpipe_run *run, int g) { return run->place[g]; }
+/* The stages of stage-rank r: rst[roff[r]] .. rst[roff[r + 1] - 1], ascending. */
+#define AVGPIPE__RANK_STAGES(run, r, j, g) for ((j) = (run)->roff[r]; (j) < (run)->roff[(r) + 1] && ((g) = (run)->rst[j]) >= 0; (j)++)
 static avgpipe__stage *avgpipe__run_stage(avgpipe_run *run, int replica, int g) { return &run->st[replica * run->G + g]; }
 static int avgpipe__run_aborted(const avgpipe_run *run) { return AVGPIPE__LOAD(&run->aborted); }
 static float *avgpipe__run_params(const avgpipe_run *run, int replica, int pipe, int g) {
@@ -5589,6 +6457,7 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int replica, int g)
 static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     avgpipe_context *ctx = run->ctx;
     avgpipe_result res;
+    int j;
     int k, g;
     avgpipe__free_plan(run);
     res = avgpipe__run_schedules(ctx, run->d.schedule, &run->sd, run->K, 1, &run->base, &run->low);
@@ -5600,7 +6469,7 @@ static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     run->slot_of = (int *)avgpipe_alloc(ctx, (size_t)run->D * run->G * run->N * run->U * sizeof(int));
     if (!run->slot_of) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
     for (k = 0; k < run->nlocal && !res; k++)
-        for (g = run->w[k].srank; g < run->G && !res; g += run->S) res = avgpipe__alloc_stage(run, run->w[k].replica, g);
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g) if (!res) res = avgpipe__alloc_stage(run, run->w[k].replica, g);
     return res;
 }
 
@@ -5804,6 +6673,7 @@ static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpi
     memset(oc, 0, sizeof *oc);
     oc->rank = w->rank;
     oc->replica = w->replica;
+    oc->kind = op->kind;
     oc->pipe = op->pipe;
     oc->stage = op->stage;
     oc->micro = op->micro % run->M;
@@ -5831,52 +6701,89 @@ static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, 
     return AVGPIPE_OK;
 }
 
-/* F, B, I, W: wait for the inputs, call the user, hand results to local neighbours. */
-static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op *op) {
+/* F, B, I, W before the user's call: wait for the inputs and point the context at its buffers (the
+   next stage's input slot, or the previous stage's gradient slot, when that stage is on this rank). */
+static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe_op *op, avgpipe_op_ctx *oc) {
     avgpipe_run *run = w->run;
     int g = op->stage, k = op->kind, s = w->srank;
     avgpipe__slot *sl, *nb;
-    avgpipe_op_ctx oc;
     avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
-    double t, e;
     if (res) return res;
-    avgpipe__op_ctx_init(w, op, &oc);
-    oc.input = g > 0 ? sl->in_act : NULL;
+    avgpipe__op_ctx_init(w, op, oc);
+    oc->input = g > 0 ? sl->in_act : NULL;
     if (k == AVGPIPE_OP_F) {
         if ((res = avgpipe__recv_wait(w, sl, op, 1)) != AVGPIPE_OK) return res;
-        if (oc.round > 0 && (res = avgpipe__wait_avg(w, g, op->pipe, oc.round, op)) != AVGPIPE_OK) return res;
+        if (oc->round > 0 && (res = avgpipe__wait_avg(w, g, op->pipe, oc->round, op)) != AVGPIPE_OK) return res;
         if (g + 1 < run->G) {
             if (avgpipe__run_rank(run, g + 1) == s) {
                 if ((res = avgpipe__slot_get(w, g + 1, op, &nb)) != AVGPIPE_OK) return res;
-                oc.output = nb->in_act;
+                oc->output = nb->in_act;
             } else {
-                oc.output = sl->out_act;
+                oc->output = sl->out_act;
             }
         }
-        t = avgpipe__now();
-        res = avgpipe__callback(w, run->d.cb.forward, &oc, op);
-        if (g == run->G - 1) {
-            w->loss += oc.loss;
-            w->nloss++;
-        }
-    } else {
-        if (avgpipe__is_backward(k) && (res = avgpipe__recv_wait(w, sl, op, 0)) != AVGPIPE_OK) return res;
-        oc.grad_output = g + 1 < run->G ? sl->grad_out : NULL;
-        if (g > 0 && k != AVGPIPE_OP_W) {
-            if (avgpipe__run_rank(run, g - 1) == s) {
-                if ((res = avgpipe__slot_get(w, g - 1, op, &nb)) != AVGPIPE_OK) return res;
-                oc.grad_input = nb->grad_out;
-            } else {
-                oc.grad_input = sl->grad_in;
-            }
-        }
-        t = avgpipe__now();
-        res = avgpipe__backward(w, &oc, op);
+        return AVGPIPE_OK;
     }
+    if (avgpipe__is_backward(k) && (res = avgpipe__recv_wait(w, sl, op, 0)) != AVGPIPE_OK) return res;
+    oc->grad_output = g + 1 < run->G ? sl->grad_out : NULL;
+    if (g > 0 && k != AVGPIPE_OP_W) {
+        if (avgpipe__run_rank(run, g - 1) == s) {
+            if ((res = avgpipe__slot_get(w, g - 1, op, &nb)) != AVGPIPE_OK) return res;
+            oc->grad_input = nb->grad_out;
+        } else {
+            oc->grad_input = sl->grad_in;
+        }
+    }
+    return AVGPIPE_OK;
+}
+
+/* After the user's call: the loss of a last-stage forward, the event. */
+static avgpipe_result avgpipe__compute_finish(avgpipe__worker *w, const avgpipe_op *op, const avgpipe_op_ctx *oc, double t, double e) {
+    if (op->kind == AVGPIPE_OP_F && op->stage == w->run->G - 1) {
+        w->loss += oc->loss;
+        w->nloss++;
+    }
+    if (!avgpipe__record(w, op, 0, -1, -1, t, e, 0)) return avgpipe__profile_oom(w);
+    return AVGPIPE_OK;
+}
+
+/* F, B, I, W: wait for the inputs, call the user, hand results to local neighbours. */
+static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_op_ctx oc;
+    avgpipe_result res = avgpipe__compute_prepare(w, op, &oc);
+    double t, e;
+    if (res) return res;
+    t = avgpipe__now();
+    res = op->kind == AVGPIPE_OP_F ? avgpipe__callback(w, w->run->d.cb.forward, &oc, op) : avgpipe__backward(w, &oc, op);
     e = avgpipe__now();
     w->busy += e - t;
-    if (!res && !avgpipe__record(w, op, 0, -1, -1, t, e, 0)) return avgpipe__profile_oom(w);
-    return res;
+    return res ? res : avgpipe__compute_finish(w, op, &oc, t, e);
+}
+
+/* An overlapped pair (f a forward, b a B or I) through the user's overlap callback: both prepared,
+   one call, both finished (each recorded over the call's span). */
+static avgpipe_result avgpipe__exec_overlap(avgpipe__worker *w, const avgpipe_op *f, const avgpipe_op *b) {
+    avgpipe_op_ctx of, ob;
+    avgpipe_result res = avgpipe__compute_prepare(w, f, &of);
+    double t, e;
+    int rc;
+    char tf[64], tb[64];
+    if (!res) res = avgpipe__compute_prepare(w, b, &ob);
+    if (res) return res;
+    t = avgpipe__now();
+    avgpipe__in_callback(w, f->kind, f);
+    rc = w->run->d.cb.overlap(&of, &ob);
+    avgpipe__in_callback(w, 0, NULL);
+    e = avgpipe__now();
+    w->busy += e - t;
+    if (avgpipe__run_aborted(w->run)) return AVGPIPE_ABORTED;
+    if (rc != 0) {
+        avgpipe_op_format(f, 1, tf, sizeof tf);
+        avgpipe_op_format(b, 1, tb, sizeof tb);
+        return avgpipe__run_fail(w->run, AVGPIPE_CALLBACK_ERROR, "rank %d, ops (%s;%s): the overlap callback returned %d", w->rank, tf, tb, rc);
+    }
+    res = avgpipe__compute_finish(w, f, &of, t, e);
+    return res ? res : avgpipe__compute_finish(w, b, &ob, t, e);
 }
 
 /* SEND/RECV: post on the comm backend, tagged with what the message is; waits happen where the data
@@ -5960,19 +6867,30 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
 static void avgpipe__worker_iteration(avgpipe__worker *w) {
     avgpipe_run *run = w->run;
     const avgpipe_schedule *s = &run->low;
+    int j;
     int r = w->srank, i, g, q;
     avgpipe_result res = AVGPIPE_OK;
     for (i = 0; i < s->len[r] && !res; i++) {
         const avgpipe_op *op = &s->ops[r][i];
         const int *rel = &run->plan.release[r][2 * i];
-        int k = op->kind;
-        if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
+        int k = op->kind, pair = 0;
+        if (k == AVGPIPE_OP_F && (op->flags & AVGPIPE_OPF_OVERLAP_NEXT) && run->d.cb.overlap && i + 1 < s->len[r] &&
+            avgpipe__is_backward(s->ops[r][i + 1].kind)) { /* lowering keeps a pair adjacent */
+            pair = 1;
+            res = avgpipe__exec_overlap(w, op, &s->ops[r][i + 1]);
+        } else if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
         else if (avgpipe__is_comm(k)) res = avgpipe__exec_comm(w, op);
         else if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) res = avgpipe__exec_step(w, op);
         else continue;
-        w->ops++;
+        w->ops += 1 + pair;
         if (!res && rel[0] >= 0) avgpipe__slot_put(w, rel[0], op);
         if (!res && rel[1] >= 0) avgpipe__slot_put(w, rel[1], op);
+        if (pair && !res) { /* then the backward's releases */
+            op = &s->ops[r][++i];
+            rel = &run->plan.release[r][2 * i];
+            if (rel[0] >= 0) avgpipe__slot_put(w, rel[0], op);
+            if (rel[1] >= 0) avgpipe__slot_put(w, rel[1], op);
+        }
         if (res && !avgpipe__run_aborted(run)) { /* e.g. ABORTED from a comm backend stopped from outside */
             char txt[64];
             avgpipe_op_format(op, 1, txt, sizeof txt);
@@ -5980,8 +6898,8 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
                               run->comm.last_error ? ": " : "", run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
         }
     }
-    for (g = r; g < run->G && !res; g += run->S) { /* sends still in flight must finish inside the iteration */
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+    for (j = run->roff[r]; j < run->roff[r + 1] && !res; j++) { /* sends still in flight must finish inside the iteration */
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
         for (q = 0; q < st->nslots && !res; q++) res = avgpipe__slot_sends(w, &st->slot[q], &none, "a send to");
         if (res && !avgpipe__run_aborted(run)) avgpipe__run_fail(run, res, "rank %d: finishing its sends: %s", w->rank, avgpipe_result_string(res));
@@ -5990,10 +6908,22 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
 
 static void avgpipe__run_free(avgpipe_run *run);
 
+/* desc.bind_thread, first thing on a thread the run started. */
+static void avgpipe__bind(avgpipe__worker *w, int role) {
+    avgpipe_run *run = w->run;
+    int rc;
+    if (!run->d.bind_thread) return;
+    rc = run->d.bind_thread(w->rank, role, run->d.bind_user);
+    if (rc != 0)
+        avgpipe__log(run->ctx, AVGPIPE_LOG_WARN, "rank %d: binding its %s thread failed (%d); it runs unbound", w->rank,
+                     role == AVGPIPE_THREAD_WORKER ? "worker" : "averaging", rc);
+}
+
 static void *avgpipe__worker_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
     avgpipe_run *run = w->run;
     long seen = 0;
+    avgpipe__bind(w, AVGPIPE_THREAD_WORKER);
     for (;;) {
         pthread_mutex_lock(&run->mu);
         while (run->go == seen && !run->quit) pthread_cond_wait(&run->cv, &run->mu);
@@ -6039,6 +6969,7 @@ static avgpipe_result avgpipe__replica_average(avgpipe__worker *w, avgpipe__stag
 static void *avgpipe__avg_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
     avgpipe_run *run = w->run;
+    avgpipe__bind(w, AVGPIPE_THREAD_AVERAGING);
     for (;;) {
         avgpipe__job j;
         avgpipe_result res = AVGPIPE_OK;
@@ -6076,10 +7007,10 @@ static void *avgpipe__avg_main(void *arg) {
 
 /* After a failure: give back every request the local ranks still have (the backend's cancel). */
 static void avgpipe__run_cancel_pending(avgpipe_run *run) {
-    int k, g, q, j;
+    int k, g, q, j, i;
     for (k = 0; k < run->nlocal; k++) {
         avgpipe__worker *w = &run->w[k];
-        for (g = w->srank; g < run->G; g += run->S) {
+        AVGPIPE__RANK_STAGES(run, w->srank, i, g) {
             avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
             for (q = 0; st->slot && q < st->nslots; q++) {
                 avgpipe__slot *sl = &st->slot[q];
@@ -6178,12 +7109,12 @@ static avgpipe_result avgpipe__ctl_allgather(avgpipe_run *run, const unsigned ch
 
 /* The agreement check: a fingerprint of the description and the lowered schedule, compared field by
    field between every rank and rank 0 (every process finds the same first difference). */
-#define AVGPIPE__FP_FIELDS 24
+#define AVGPIPE__FP_FIELDS 25
 static const char *const avgpipe__fp_names[AVGPIPE__FP_FIELDS] = {
     "protocol", "comm.size", "replicas", "average_every", "schedule (given or generated)", "sched.kind", "sched.stages",
     "sched.chunks", "sched.micro", "sched.pipes", "sched.rounds", "sched.advance (K)", "sched.continuous", "adaptive", "window",
     "mem_limit", "ea_mode", "alpha", "momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
-    "the lowered schedule (its ops)", "stage partitions (G)"};
+    "the lowered schedule (its ops)", "stage partitions (G)", "placement (the rank of each stage)"};
 
 static uint64_t avgpipe__fnv(uint64_t h, const void *p, size_t n) {
     const unsigned char *b = (const unsigned char *)p;
@@ -6226,6 +7157,7 @@ static void avgpipe__fingerprint(const avgpipe_run *run, int64_t *f) {
     for (r = 0; r < run->low.nranks; r++) h = avgpipe__fnv(h, run->low.ops[r], (size_t)run->low.len[r] * sizeof(avgpipe_op));
     f[i++] = (int64_t)h;
     f[i++] = run->G;
+    f[i++] = (int64_t)avgpipe__fnv(14695981039346656037ull, run->place, (size_t)run->G * sizeof(int));
 }
 
 static avgpipe_result avgpipe__run_agree(avgpipe_run *run) {
@@ -6383,6 +7315,7 @@ static int avgpipe__ckpt_record(avgpipe_context *ctx, avgpipe_buf *b, uint32_t t
 /* The bytes of local worker w's rank file: header, the run's state, each stage's averaging state and
    models, the user's state. */
 static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, avgpipe_buf *b) {
+    int j;
     avgpipe_context *ctx = run->ctx;
     unsigned char head[AVGPIPE__CKPT_HEADER];
     avgpipe_buf user = {NULL, 0, 0};
@@ -6408,8 +7341,8 @@ static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, 
         ok = ok && avgpipe__ckpt_record(ctx, b, AVGPIPE__CK_RUN, (uint32_t)(run->win_n | run->adapt_done << 8 | n << 16), rs,
                                         (size_t)(4 + n) * sizeof(double));
     }
-    for (g = w->srank; g < run->G && ok && !res; g += run->S) { /* each stage: rounds, z (z_prev), the N models */
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+    for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && ok && !res; j++) { /* each stage: rounds, z (z_prev), the N models */
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         size_t count = run->d.param_count[g], n = count * sizeof(float);
         int momentum = run->d.momentum != 0.0f;
         uint64_t rounds = 0;
@@ -6577,6 +7510,7 @@ static avgpipe_result avgpipe__ckpt_manifest_read(avgpipe_run *run, const char *
 
 /* Read and verify local worker w's file; find its records. Nothing of the run is changed. */
 static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgpipe__worker *w, long long *iter, avgpipe__ckpt_file *out) {
+    int j;
     avgpipe_context *ctx = run->ctx;
     avgpipe_buf man = {NULL, 0, 0};
     char name[256], path[4400];
@@ -6611,17 +7545,17 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
         tag = avgpipe__get_u32(q), id = avgpipe__get_u32(q + 4);
         if (tag == AVGPIPE__CK_RUN) out->run_rec = q + 16, out->run_len = (size_t)n, out->run_id = id;
         else if (tag == AVGPIPE__CK_USER) out->user = q + 16, out->user_len = (size_t)n;
-        else if (tag == AVGPIPE__CK_STAGE && (int)id < run->G && (int)id % run->S == w->srank && (int)id / run->S < 64) {
+        else if (tag == AVGPIPE__CK_STAGE && (int)id < run->G && run->place[id] == w->srank && run->chunk[id] < 64) {
             size_t count = run->d.param_count[id], want = 16 + count * sizeof(float) * (size_t)(1 + (run->d.momentum != 0.0f) + run->N);
             if (n != want || avgpipe__get_u64(q + 24) != count)
                 return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s': stage %u holds another number of parameters", path, id);
-            out->stage[id / run->S] = q + 16;
+            out->stage[run->chunk[id]] = q + 16;
         } else
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': unknown record %u/%u", path, tag, id);
         q += 16 + n;
     }
-    for (g = w->srank; g < run->G; g += run->S)
-        if (!out->stage[g / run->S]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no state for stage %d", path, g);
+    AVGPIPE__RANK_STAGES(run, w->srank, j, g)
+        if (!out->stage[run->chunk[g]]) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no state for stage %d", path, g);
     if (!out->run_rec || out->run_len < 4 * sizeof(double)) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': no run state", path);
     return AVGPIPE_OK;
 }
@@ -6630,10 +7564,10 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
 static avgpipe_result avgpipe__ckpt_apply(avgpipe_run *run, avgpipe__worker *w, const avgpipe__ckpt_file *f) {
     avgpipe_context *ctx = run->ctx;
     avgpipe_result res = AVGPIPE_OK;
-    int g, p, momentum = run->d.momentum != 0.0f;
-    for (g = w->srank; g < run->G && !res; g += run->S) {
-        const unsigned char *q = f->stage[g / run->S];
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+    int g, p, j, momentum = run->d.momentum != 0.0f;
+    for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && !res; j++) {
+        const unsigned char *q = f->stage[j - run->roff[w->srank]];
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         size_t n = run->d.param_count[g] * sizeof(float);
         uint64_t rounds = avgpipe__get_u64(q);
         res = avgpipe_ea_load_state(ctx, st->ea, rounds, (const float *)(const void *)(q + 16),
@@ -6708,7 +7642,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
 
 static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
-    int k, g, p;
+    int k, g, p, j;
     if (!d->cb.forward) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.forward: required");
     if (!d->cb.backward && !(d->cb.backward_input && d->cb.backward_weight))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward: required (or both backward_input and backward_weight)");
@@ -6719,7 +7653,7 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
     for (g = 0; g < run->G; g++)
         if (d->param_count[g] < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "param_count[%d]: must be >= 1", g);
     for (k = 0; k < run->nlocal; k++) /* the local ranks' partitions of every model */
-        for (g = run->w[k].srank; g < run->G; g += run->S)
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g)
             for (p = 0; p < run->N; p++)
                 if (!avgpipe__run_params(run, run->w[k].replica, p, g))
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (replica %d, pipeline %d, stage %d, run by local rank %d)",
@@ -6805,10 +7739,10 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
 }
 
 static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
-    int k, g;
+    int k, g, j;
     avgpipe_result res;
     for (k = 0; k < run->nlocal; k++) /* averaging: one module per local stage partition */
-        for (g = run->w[k].srank; g < run->G; g += run->S) {
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g) {
             avgpipe__stage *st = avgpipe__run_stage(run, run->w[k].replica, g);
             avgpipe_ea_desc ed;
             memset(&ed, 0, sizeof ed);
@@ -6850,6 +7784,7 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
 static avgpipe_result avgpipe__run_shape(avgpipe_context *ctx, avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
     avgpipe_result res;
+    int g, r;
     if (d->schedule) {
         if (!d->schedule->len || d->schedule->nranks < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "schedule: empty");
         run->sd = d->schedule->shape;
@@ -6870,7 +7805,20 @@ static avgpipe_result avgpipe__run_shape(avgpipe_context *ctx, avgpipe_run *run)
     if ((long long)run->D * run->S > 1 << 20) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "replicas x stages: too many ranks");
     run->P = run->D * run->S;
     run->act = (size_t *)avgpipe__calloc(ctx, (size_t)run->G, sizeof(size_t));
-    if (!run->act) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    run->place = (int *)avgpipe_alloc(ctx, (3 * (size_t)run->G + (size_t)run->S + 1) * sizeof(int));
+    if (!run->act || !run->place) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    run->chunk = run->place + run->G;
+    run->rst = run->chunk + run->G;
+    run->roff = run->rst + run->G;
+    memset(run->roff, 0, ((size_t)run->S + 1) * sizeof(int));
+    for (g = 0; g < run->G; g++) {
+        int r = d->schedule ? avgpipe_stage_rank(d->schedule, g) : avgpipe__place_formula(run->sd.placement, g, run->S);
+        if (r < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "schedule: stage %d is not placed on any rank", g);
+        run->place[g] = r;
+        run->chunk[g] = run->roff[r + 1]++; /* counts for now */
+    }
+    for (r = 0; r < run->S; r++) run->roff[r + 1] += run->roff[r];
+    for (g = 0; g < run->G; g++) run->rst[run->roff[run->place[g]] + run->chunk[g]] = g;
     if (run->G > 1 && !d->act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "act_bytes: required for %d stages (one entry per boundary)", run->G);
     if (run->G > 1) memcpy(run->act, d->act_bytes, (size_t)(run->G - 1) * sizeof(size_t));
     return AVGPIPE_OK;
@@ -6941,6 +7889,7 @@ static void avgpipe__run_free(avgpipe_run *run) {
     avgpipe_free(ctx, run->st);
     avgpipe_free(ctx, run->w);
     avgpipe_free(ctx, run->act);
+    avgpipe_free(ctx, run->place);
     avgpipe_free(ctx, run->win);
     avgpipe_free(ctx, run->mev);
     avgpipe_free(ctx, run->mbytes);
@@ -6993,9 +7942,10 @@ static int avgpipe__cmp_double(const void *a, const void *b) {
 static double avgpipe__predicted_stash(const avgpipe_run *run, int K, int rank) {
     avgpipe_sched_desc d = run->sd;
     double bytes = 0;
+    int j;
     int g;
     d.advance = K;
-    for (g = rank; g < run->G; g += run->S)
+    AVGPIPE__RANK_STAGES(run, rank, j, g)
         bytes += (double)avgpipe_sched_peak_stash(&d, rank) * (double)((g > 0 ? run->act[g - 1] : 0) + run->act[g]);
     return bytes;
 }
@@ -7165,11 +8115,12 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
 
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
     double bytes = 0;
+    int j;
     avgpipe_context quiet;
     int g;
     if (!run || !avgpipe_run_is_local(run, rank)) return -1;
     avgpipe_context_init(&quiet, NULL);
-    for (g = rank % run->S; g < run->G; g += run->S)
+    AVGPIPE__RANK_STAGES(run, rank % run->S, j, g)
         bytes += (double)run->plan.slot_bytes[g] * run->plan.slots[g] + avgpipe__ea_bytes(&quiet, &run->d, run->N, run->d.param_count[g]);
     return bytes;
 }
@@ -7196,11 +8147,12 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
         for (g = 0; g < run.G && !res; g++) {
             double ea = avgpipe__ea_bytes(ctx, desc, run.N, desc->param_count[g]);
             if (ea < 0) res = avgpipe_last_result(avgpipe__ctx(ctx));
-            per_rank[avgpipe__rank_of(g, run.S)] += (double)plan.slot_bytes[g] * plan.slots[g] + ea;
+            per_rank[run.place[g]] += (double)plan.slot_bytes[g] * plan.slots[g] + ea;
         }
         avgpipe_run_plan_free(ctx, &plan);
     }
     avgpipe_free(ctx, run.act);
+    avgpipe_free(ctx, run.place);
     return res;
 }
 
@@ -7355,8 +8307,16 @@ static const char *avgpipe__kv_get(const avgpipe__kv *kv, int n, const char *key
     return NULL;
 }
 
-/* A finite number >= 0 from field `key`; 0 = missing or bad (the message says which). */
-static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double *out) {
+/* Bounds of a profile's values: generous for any real run, small enough that the tuner's sums stay
+   exact in double and its conversions to size_t and int are in range. */
+#define AVGPIPE__PROFILE_MAX_BYTES 1125899906842624.0 /* 2^50 */
+#define AVGPIPE__PROFILE_MAX_FLOATS 281474976710656.0 /* 2^48: 2^50 bytes as fp32 */
+#define AVGPIPE__PROFILE_MAX_SECONDS 1e6
+#define AVGPIPE__PROFILE_MAX_SAMPLES 2147483647.0     /* INT_MAX */
+
+/* A number in [0, hi] from field `key`; 0 = missing or bad (the message says which). kv values are
+   the parser's own NUL-terminated copies, so strtod stays inside them. */
+static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double hi, double *out) {
     const char *v = avgpipe__kv_get(kv, n, key);
     char *e;
     double x;
@@ -7365,8 +8325,8 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
         return 0;
     }
     x = strtod(v, &e);
-    if (e == v || *e || !(x >= 0) || x > 1e300) {
-        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number >= 0, got '%s'", line, key, v);
+    if (e == v || *e || !(x >= 0 && x <= hi)) {
+        avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a number from 0 to %.16g, got '%s'", line, key, hi, v);
         return 0;
     }
     *out = x;
@@ -7375,7 +8335,7 @@ static int avgpipe__kv_num(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
 
 /* An integer field in [lo, hi]. */
 static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, const char *key, int line, double lo, double hi, double *out) {
-    if (!avgpipe__kv_num(ctx, kv, n, key, line, out)) return 0;
+    if (!avgpipe__kv_num(ctx, kv, n, key, line, 1e300, out)) return 0;
     if (*out != floor(*out) || *out < lo || *out > hi) {
         avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field '%s' needs a whole number in %.0f..%.0f, got '%s'", line, key,
                       lo, hi, avgpipe__kv_get(kv, n, key));
@@ -7384,24 +8344,46 @@ static int avgpipe__kv_int(avgpipe_context *ctx, const avgpipe__kv *kv, int n, c
     return 1;
 }
 
-static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
+/* Every stage of section i has its line. Checked when the next section starts and at the end, so that
+   only the last section's stage tables (up to 512 KiB for 32767 stages) can wait for lines that never
+   come: the parser's memory follows the lines it has read. */
+static avgpipe_result avgpipe__profile_complete(avgpipe_context *ctx, const avgpipe_profile *p, int i, int line) {
+    int g;
+    for (g = 0; g < p->sections[i].nstages; g++)
+        if (p->sections[i].param_floats[g] < 0) {
+            if (line > 0)
+                return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: section %d has no 'stage %d' line", line, i + 1, g);
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+        }
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const avgpipe__kv *kv, int n,
+                                             int line) {
     avgpipe_profile_section *sec, *ns;
     double v[9];
-    static const char *const keys[9] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous", "samples", "seconds"};
+    static const char *const keys[7] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous"};
     const char *kind = avgpipe__kv_get(kv, n, "kind");
     int i;
     static const double lo[7] = {1, 1, 1, 1, 1, 0, 0}, hi[7] = {AVGPIPE__MAX_STAGES, 64, 1e6, 32767, 1e6, 1e9, 1};
     for (i = 0; i < 7; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, lo[i], hi[i], &v[i])) return AVGPIPE_PARSE_ERROR;
-    for (i = 7; i < 9; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+    if (!avgpipe__kv_num(ctx, kv, n, "samples", line, AVGPIPE__PROFILE_MAX_SAMPLES, &v[7]) ||
+        !avgpipe__kv_num(ctx, kv, n, "seconds", line, AVGPIPE__PROFILE_MAX_SECONDS, &v[8]))
+        return AVGPIPE_PARSE_ERROR;
     if (v[7] <= 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'samples' must be > 0", line);
     if (v[0] * v[1] > AVGPIPE__MAX_STAGES || v[0] * v[1] * v[2] * v[3] * v[4] > 5e7)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR,
                              "profile line %d: stages x chunks x micro x pipes x rounds is too large for a profile (at most 5e7)", line);
-    ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, ((size_t)p->nsections + 1) * sizeof *ns);
-    if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
-    p->sections = ns;
+    if (p->nsections > 0 && avgpipe__profile_complete(ctx, p, p->nsections - 1, line)) return AVGPIPE_PARSE_ERROR;
+    if (p->nsections == INT_MAX) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: too many sections", line);
+    if ((size_t)p->nsections == *cap) { /* doubling: one at a time would copy them all for each */
+        size_t nc = *cap ? 2 * *cap : 4;
+        ns = (avgpipe_profile_section *)avgpipe__realloc(ctx, p->sections, (size_t)p->nsections * sizeof *ns, nc * sizeof *ns);
+        if (!ns) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+        p->sections = ns;
+        *cap = nc;
+    }
     sec = &p->sections[p->nsections++];
     memset(sec, 0, sizeof *sec);
     if (!kind || avgpipe_sched_kind_parse(kind, &sec->shape.kind))
@@ -7423,16 +8405,22 @@ static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profi
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const avgpipe__kv *kv, int n,
-                                             int line) {
+/* "stage <g> key=value ...": the index is the word [idx, idx_end), parsed within it (the text need not
+   be NUL-terminated, and a missing index must not be taken from the next line). */
+static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line) {
     avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
     double pf, ab;
-    char *e;
-    long g = strtol(idx, &e, 10);
+    const char *e = idx;
+    int g = -1;
+    char q[48];
     if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' before any 'shape' line", line);
-    if (e == idx || (*e && !avgpipe__is_space(*e)) || g < 0 || g >= sec->nstages)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index out of range 0..%d", line, sec->nstages - 1);
-    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, &pf) || !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, &ab))
+    if (idx == idx_end) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'stage' needs a stage index", line);
+    if (!avgpipe__parse_int(&e, idx_end, &g) || e != idx_end || g >= sec->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: stage index '%s' is not a number in 0..%d", line,
+                             avgpipe__quote(idx, (size_t)(idx_end - idx), q, sizeof q), sec->nstages - 1);
+    if (!avgpipe__kv_num(ctx, kv, n, "param_floats", line, AVGPIPE__PROFILE_MAX_FLOATS, &pf) ||
+        !avgpipe__kv_num(ctx, kv, n, "act_bytes", line, AVGPIPE__PROFILE_MAX_BYTES, &ab))
         return AVGPIPE_PARSE_ERROR;
     sec->param_floats[g] = pf;
     sec->act_bytes[g] = ab;
@@ -7450,7 +8438,8 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
     for (i = 0; i < 4; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, 0, 2e9, &v[i])) return AVGPIPE_PARSE_ERROR;
     for (i = 4; i < 7; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, i < 6 ? AVGPIPE__PROFILE_MAX_SECONDS : AVGPIPE__PROFILE_MAX_BYTES, &v[i]))
+            return AVGPIPE_PARSE_ERROR;
     for (i = 1; kind && i < AVGPIPE_OP_KIND_COUNT; i++)
         if (strcmp(kind, avgpipe__op_names[i]) == 0) k = i;
     if (k < 0) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'kind' missing or unknown", line);
@@ -7479,30 +8468,38 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
 }
 
 /* "layer L stage=G f_a= f_b= b_a= b_b= param_floats= act_bytes=": layer L's costs (kept in order; the
-   checks that need every line come after the parse, avgpipe__profile_layers_check). */
-static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const avgpipe__kv *kv, int n,
-                                             int line) {
+   checks that need every line come after the parse, avgpipe__profile_layers_check). The index is the
+   word [idx, idx_end), parsed within it, as a stage's; the table grows by doubling (*cap entries). */
+static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line) {
     static const char *const keys[7] = {"stage", "f_a", "f_b", "b_a", "b_b", "param_floats", "act_bytes"};
+    static const double hi[7] = {0, AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_SECONDS,
+                                 AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_FLOATS, AVGPIPE__PROFILE_MAX_BYTES};
     avgpipe_layer_cost *nl, *c;
     double v[7];
-    char *e;
-    long l = strtol(idx, &e, 10);
-    int i;
-    if (e == idx || (*e && !avgpipe__is_space(*e)) || l < 0 || l >= AVGPIPE__MAX_STAGES)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: layer index must be a whole number in 0..%d", line,
-                             AVGPIPE__MAX_STAGES - 1);
+    const char *e = idx;
+    int i, l = -1;
+    char q[48];
+    if (idx == idx_end) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'layer' needs a layer index", line);
+    if (!avgpipe__parse_int(&e, idx_end, &l) || e != idx_end || l >= AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: layer index '%s' is not a whole number in 0..%d", line,
+                             avgpipe__quote(idx, (size_t)(idx_end - idx), q, sizeof q), AVGPIPE__MAX_STAGES - 1);
     if (l != p->nlayers)
-        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: layer %ld where layer %d comes next (layers in order, each once)",
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: layer %d where layer %d comes next (layers in order, each once)",
                              line, l, p->nlayers);
     if (!avgpipe__kv_int(ctx, kv, n, keys[0], line, 0, AVGPIPE__MAX_STAGES - 1, &v[0])) return AVGPIPE_PARSE_ERROR;
     for (i = 1; i < 7; i++)
-        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, &v[i])) return AVGPIPE_PARSE_ERROR;
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, hi[i], &v[i])) return AVGPIPE_PARSE_ERROR;
     if (p->nlayers && v[0] < p->layers[p->nlayers - 1].stage)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'stage' is %.0f, below the previous layer's %d "
                              "(stage partitions are contiguous runs of layers)", line, v[0], p->layers[p->nlayers - 1].stage);
-    nl = (avgpipe_layer_cost *)avgpipe__realloc(ctx, p->layers, (size_t)p->nlayers * sizeof *nl, ((size_t)p->nlayers + 1) * sizeof *nl);
-    if (!nl) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
-    p->layers = nl;
+    if ((size_t)p->nlayers == *cap) { /* doubling: one at a time would copy them all for each */
+        size_t nc = *cap ? 2 * *cap : 8;
+        nl = (avgpipe_layer_cost *)avgpipe__realloc(ctx, p->layers, (size_t)p->nlayers * sizeof *nl, nc * sizeof *nl);
+        if (!nl) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+        p->layers = nl;
+        *cap = nc;
+    }
     c = &p->layers[p->nlayers++];
     c->stage = (int)v[0];
     c->f_a = v[1], c->f_b = v[2], c->b_a = v[3], c->b_b = v[4], c->param_floats = v[5], c->act_bytes = v[6];
@@ -7512,7 +8509,9 @@ static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe_profi
 /* "averaging floats=P seconds=T": one contribution's measured time. */
 static avgpipe_result avgpipe__profile_averaging(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
     double f, t;
-    if (!avgpipe__kv_num(ctx, kv, n, "floats", line, &f) || !avgpipe__kv_num(ctx, kv, n, "seconds", line, &t)) return AVGPIPE_PARSE_ERROR;
+    if (!avgpipe__kv_num(ctx, kv, n, "floats", line, AVGPIPE__PROFILE_MAX_FLOATS, &f) ||
+        !avgpipe__kv_num(ctx, kv, n, "seconds", line, AVGPIPE__PROFILE_MAX_SECONDS, &t))
+        return AVGPIPE_PARSE_ERROR;
     if (f < 1) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'floats' must be >= 1", line);
     p->averaging_floats += f;
     p->averaging_seconds += t;
@@ -7535,8 +8534,8 @@ static avgpipe_result avgpipe__profile_layers_check(avgpipe_context *ctx, const 
 
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
     const char *p, *end;
-    int line = 0, i, g, have_header = 0;
-    size_t cap = 0;
+    int line = 0, have_header = 0;
+    size_t cap = 0, scap = 0, lcap = 0;
     avgpipe_result res = AVGPIPE_OK;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_parse: NULL argument");
     memset(out, 0, sizeof *out);
@@ -7556,7 +8555,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
         } else if ((size_t)(w - p) == 5 && memcmp(p, "shape", 5) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_shape(ctx, out, kv, n, line);
+                      : avgpipe__profile_shape(ctx, out, &scap, kv, n, line);
         } else if ((size_t)(w - p) == 5 && memcmp(p, "stage", 5) == 0) {
             const char *idx = w;
             while (idx < e && avgpipe__is_space(*idx)) idx++;
@@ -7564,7 +8563,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             while (w < e && !avgpipe__is_space(*w)) w++;
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_stage(ctx, out, idx, kv, n, line);
+                      : avgpipe__profile_stage(ctx, out, idx, w, kv, n, line);
         } else if ((size_t)(w - p) == 2 && memcmp(p, "op", 2) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
@@ -7576,7 +8575,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             while (w < e && !avgpipe__is_space(*w)) w++;
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_layer(ctx, out, idx, kv, n, line);
+                      : avgpipe__profile_layer(ctx, out, &lcap, idx, w, kv, n, line);
         } else if ((size_t)(w - p) == 9 && memcmp(p, "averaging", 9) == 0) {
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
@@ -7586,13 +8585,11 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
         }
         if (line == 1 && !have_header && !res)
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line 1: expected '# avgpipe profile v1'");
-        p = (e < end && *e == '\r') ? e + 2 : e + 1;
+        p = (e < end && *e == '\r') ? e + 1 : e; /* past the line's end: its '\r', then its '\n' */
+        if (p < end) p++;
     }
     if (!res && out->nsections == 0) res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: no 'shape' line");
-    for (i = 0; i < out->nsections && !res; i++)
-        for (g = 0; g < out->sections[i].nstages && !res; g++)
-            if (out->sections[i].param_floats[g] < 0)
-                res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: section %d has no 'stage %d' line", i + 1, g);
+    if (!res) res = avgpipe__profile_complete(ctx, out, out->nsections - 1, 0); /* the others: at the next shape line */
     if (!res) res = avgpipe__profile_layers_check(ctx, out);
     if (res) avgpipe_profile_free(ctx, out);
     return res;
@@ -7646,47 +8643,77 @@ static int avgpipe__cmp_dbl(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+/* A producer's end time, found by (section's pipeline, stage, micro-batch, forward or backward):
+   sorted keys, so the fit's memory follows the ops a profile holds, not the cells its shape names. */
+typedef struct avgpipe__prod {
+    long long key;
+    size_t ix; /* position in the profile: of equal keys the last one counts */
+    double end;
+} avgpipe__prod;
+
+static int avgpipe__cmp_prod(const void *x, const void *y) {
+    const avgpipe__prod *a = (const avgpipe__prod *)x, *b = (const avgpipe__prod *)y;
+    if (a->key != b->key) return a->key < b->key ? -1 : 1;
+    return (a->ix > b->ix) - (a->ix < b->ix);
+}
+
+/* The parser keeps pipe, stage and micro inside the section's shape (at most 5e7 cells): no overflow. */
+static long long avgpipe__prod_key(const avgpipe_profile_section *sec, int pipe, int stage, int micro, int backward) {
+    long long U = (long long)sec->shape.micro * sec->shape.rounds;
+    return ((((long long)pipe * sec->nstages + stage) * U + micro) << 1) | backward;
+}
+
+/* End of the last producer with `key` in sorted v[0..n-1], or -1. */
+static double avgpipe__prod_end(const avgpipe__prod *v, size_t n, long long key) {
+    size_t lo = 0, hi = n; /* first element with a larger key */
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (v[mid].key <= key) lo = mid + 1;
+        else hi = mid;
+    }
+    return lo > 0 && v[lo - 1].key == key ? v[lo - 1].end : -1;
+}
+
 /* Transfer latency: median over the receive waits that blocked of (wait end - producer end). */
 static avgpipe_result avgpipe__fit_latency(avgpipe_context *ctx, const avgpipe_profile *p, double *latency) {
     int s;
-    double *d = NULL;
+    double *d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
+    avgpipe__prod *v = (avgpipe__prod *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(avgpipe__prod));
     size_t nd = 0, i;
     *latency = 0;
-    d = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof(double));
-    if (!d) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    if (!d || !v) {
+        avgpipe_free(ctx, d);
+        avgpipe_free(ctx, v);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    }
     for (s = 0; s < p->nsections; s++) {
         const avgpipe_profile_section *sec = &p->sections[s];
-        size_t U = (size_t)sec->shape.micro * sec->shape.rounds, cells = (size_t)sec->shape.pipes * sec->nstages * U, c;
-        double *fend = (double *)avgpipe_alloc(ctx, 2 * cells * sizeof(double)), *bend;
-        if (!fend) {
-            avgpipe_free(ctx, d);
-            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
-        }
-        bend = fend + cells;
-        for (c = 0; c < 2 * cells; c++) fend[c] = -1;
+        size_t nv = 0;
         for (i = 0; i < p->nops; i++) {
             const avgpipe_profile_op *o = &p->ops[i];
-            size_t ix = ((size_t)o->pipe * sec->nstages + (size_t)o->stage) * U + (size_t)o->micro;
-            if (o->section != s || (size_t)o->micro >= U) continue;
-            if (o->kind == AVGPIPE_OP_F) fend[ix] = o->end;
-            if (o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I) bend[ix] = o->end;
+            int back = o->kind == AVGPIPE_OP_B || o->kind == AVGPIPE_OP_I;
+            if (o->section != s || (o->kind != AVGPIPE_OP_F && !back)) continue;
+            v[nv].key = avgpipe__prod_key(sec, o->pipe, o->stage, o->micro, back);
+            v[nv].ix = i;
+            v[nv++].end = o->end;
         }
+        qsort(v, nv, sizeof *v, avgpipe__cmp_prod);
         for (i = 0; i < p->nops; i++) {
             const avgpipe_profile_op *o = &p->ops[i];
-            int g2 = o->stage + (o->kind == AVGPIPE_OP_RECV_F ? -1 : 1);
+            int fwd = o->kind == AVGPIPE_OP_RECV_F, g2 = o->stage + (fwd ? -1 : 1);
             double prod;
-            if (o->section != s || (o->kind != AVGPIPE_OP_RECV_F && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
-            if (g2 < 0 || g2 >= sec->nstages || (size_t)o->micro >= U) continue;
-            prod = (o->kind == AVGPIPE_OP_RECV_F ? fend : bend)[((size_t)o->pipe * sec->nstages + (size_t)g2) * U + (size_t)o->micro];
+            if (o->section != s || (!fwd && o->kind != AVGPIPE_OP_RECV_B) || o->end - o->start < 2e-6) continue;
+            if (g2 < 0 || g2 >= sec->nstages) continue;
+            prod = avgpipe__prod_end(v, nv, avgpipe__prod_key(sec, o->pipe, g2, o->micro, !fwd));
             if (prod >= 0 && o->end >= prod) d[nd++] = o->end - prod;
         }
-        avgpipe_free(ctx, fend);
     }
     if (nd) {
         qsort(d, nd, sizeof *d, avgpipe__cmp_dbl);
         *latency = d[nd / 2];
     }
     avgpipe_free(ctx, d);
+    avgpipe_free(ctx, v);
     return AVGPIPE_OK;
 }
 
@@ -8052,19 +9079,43 @@ static int avgpipe__cmp_candidate(const void *x, const void *y) {
     return a->sched.advance - b->sched.advance;
 }
 
+/* The sizes the memory model converts to size_t must be in range first (a model is plain data the
+   caller may have filled in): parameters and activation bytes per sample finite, within the
+   profile's bounds. */
+static avgpipe_result avgpipe__model_check(avgpipe_context *ctx, const avgpipe_cost_model *m) {
+    int g;
+    if (m->nstages < 1 || m->nstages > AVGPIPE__MAX_STAGES || !m->a || !m->b || !m->param_floats || !m->act_bytes_per_sample)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: %d stages (1..%d) or a table missing", m->nstages, AVGPIPE__MAX_STAGES);
+    for (g = 0; g < m->nstages; g++) {
+        if (!(m->param_floats[g] >= 0 && m->param_floats[g] <= AVGPIPE__PROFILE_MAX_FLOATS))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: stage %d: param_floats %g is not a number from 0 to 2^48", g,
+                                 m->param_floats[g]);
+        if (!(m->act_bytes_per_sample[g] >= 0 && m->act_bytes_per_sample[g] <= AVGPIPE__PROFILE_MAX_BYTES))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost model: stage %d: act_bytes_per_sample %g is not a number from 0 to 2^50",
+                                 g, m->act_bytes_per_sample[g]);
+    }
+    return AVGPIPE_OK;
+}
+
 /* Predict one candidate: time by simulation, memory by the runtime's planner. */
 static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
                                          avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem) {
     avgpipe_run_desc rd;
     avgpipe_result res;
     int g, r, S = c->sched.stages;
+    for (g = 0; g < m->nstages; g++) { /* checked before the conversion: an out-of-range double -> size_t is undefined */
+        double ab = m->act_bytes_per_sample[g] * c->samples + 0.5;
+        if (!(ab <= AVGPIPE__PROFILE_MAX_BYTES))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                                 "tune: stage %d: %.4g activation bytes per micro-batch of %g samples (act_bytes_per_sample %g) is over "
+                                 "2^50 bytes",
+                                 g, ab, c->samples, m->act_bytes_per_sample[g]);
+        act[g] = (size_t)ab;
+        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1; /* in range: avgpipe__model_check */
+    }
     res = avgpipe_tune_predict(ctx, m, &c->sched, c->samples, &c->seconds);
     if (res) return res;
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
-    for (g = 0; g < m->nstages; g++) {
-        act[g] = (size_t)(m->act_bytes_per_sample[g] * c->samples + 0.5);
-        pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1;
-    }
     memset(&rd, 0, sizeof rd);
     rd.sched = c->sched;
     rd.act_bytes = act;
@@ -8107,6 +9158,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     if (!td.min_micro) td.min_micro = 1;
     kinds = td.kinds ? td.kinds
                      : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
+    if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
     if (V > 1) kinds = 1u << AVGPIPE_SCHED_INTERLEAVED; /* the one schedule with several partitions per rank */
     S = m->nstages / V;
     act = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t)); /* per partition */
@@ -8120,7 +9172,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
             for (M = 1; M <= td.batch && !res; M++) {
                 if (td.batch % M || td.batch / M < td.min_micro || (V > 1 && M % S)) continue;
                 for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
-                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : (N * M - 1) * (S > 1 ? S - 1 : 1);
+                    long long kfull = ((long long)N * M - 1) * (S > 1 ? S - 1 : 1); /* in long long: N, M, S are the caller's */
+                    int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : kfull < INT_MAX ? (int)kfull : INT_MAX - 1;
                     int r, same;
                     for (K = kind == AVGPIPE_SCHED_ADVANCE ? 1 : 0; K <= kmax && !res; K++) {
                         avgpipe_tune_candidate c;

@@ -195,10 +195,22 @@ usage_error "validate binary garbage" "garbage.bin" validate "$TMP/garbage.bin"
 usage_error "validate missing file" "nonexistent" validate "$TMP/nonexistent.csv"
 usage_error "validate directory" "directory" validate "$TMP"
 usage_error "validate no file" "FILE" validate
-awk 'BEGIN { for (i = 0; i < 5000; i++) print "0F0" }' >"$TMP/ranks.csv"
+awk 'BEGIN { for (i = 0; i < 5000; i++) print i "F0" }' >"$TMP/ranks.csv"
 usage_error "validate 5000 ranks" "5000 ranks" validate "$TMP/ranks.csv"
 printf '0F99999999999\n' >"$TMP/huge.csv"
 usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"
+# Standard input is read up to 1 GiB like files (it had no cap: '</dev/zero' grew without end).
+if head -c 1 /dev/zero >/dev/null 2>&1; then
+    head -c 1073741825 /dev/zero | "$BIN" validate - >"$OUT" 2>"$ERR"
+    if [ $? -eq 2 ] && grep -q "standard input.*1 GiB" "$ERR"; then ok; else bad "validate - over 1 GiB: expected exit 2 naming the 1 GiB cap"; fi
+fi
+# Sparse numbering: two ops naming 100 pipelines x 10^5 micro-batches; the validator allocated a table
+# for them (one op of pipeline 5999 on stage 32766 asked the simulator for 6 GB); refused at once.
+printf '99:0F0,0F99999\n' >"$TMP/sparse.csv"
+t "validate sparse numbering" 1 validate "$TMP/sparse.csv"
+has "validate sparse numbering" "$OUT" "missing forwards"
+printf '5:13333333F0\n' >"$TMP/farstage.csv"
+usage_error "validate stage over the limit" "stage number too large" validate "$TMP/farstage.csv"
 
 # ---- tune ------------------------------------------------------------------------------------------
 # A synthetic profile of S = 2 stages at two micro-batch sizes (4 and 8 samples): F takes 1000 + 1 x samples
@@ -311,6 +323,7 @@ broken "no header" "line 1" '1d'
 broken "op before shape" "line 2: 'op' before any 'shape' line" '2,4d'
 broken "nan" "line 5" '5s/start=[^ ]*/start=nan/'
 broken "huge shape" "whole number in 1..1000000" '2s/micro=8/micro=1000000000/'
+broken "activations beyond 2^50 bytes" "line 3: field 'act_bytes' needs a number from 0 to 1125899906842624" '3s/act_bytes=[^ ]*/act_bytes=1e30/'
 printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.prof"
 usage_error "tune binary garbage" "line 1" tune --profile "$TMP/garbage.prof" --batch 32 --mem-limit 1M
 : >"$TMP/empty.prof"

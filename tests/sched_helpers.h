@@ -12,7 +12,7 @@ static inline avgpipe_sched_desc desc_of(avgpipe_sched_kind kind, int S, int M, 
     d.stages = S;
     d.micro = M;
     d.pipes = N;
-    d.chunks = V;
+    d.chunks = (kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV) && V == 1 ? 0 : V; /* V kinds: two chunks, their own */
     d.rounds = R;
     d.advance = K;
     d.continuous = cont;
@@ -25,6 +25,11 @@ static inline const char *shape_str(const avgpipe_sched_desc *d) {
     snprintf(buf, sizeof buf, "%s S=%d M=%d N=%d V=%d R=%d K=%d continuous=%d", avgpipe_sched_kind_name(d->kind), d->stages,
              d->micro, d->pipes, d->chunks, d->rounds, d->advance, d->continuous);
     return buf;
+}
+
+/* Shapes a generator refuses by design: DualPipeV needs N·M >= 2S micro-batches per round. */
+static inline int gen_skips(const avgpipe_sched_desc *d) {
+    return d->kind == AVGPIPE_SCHED_DUALPIPEV && (long long)(d->pipes > 0 ? d->pipes : 1) * d->micro < 2LL * d->stages;
 }
 
 static inline void gen(const avgpipe_sched_desc *d, avgpipe_schedule *s) {

@@ -592,11 +592,12 @@ Test(rounds, step_avg_order_every_model) {
                                     if (kind == AVGPIPE_SCHED_INTERLEAVED) {
                                         if (M % S) continue;
                                         d.chunks = 2 + variant;
-                                    } else if (kind == AVGPIPE_SCHED_ADVANCE) {
+                                    } else if (kind == AVGPIPE_SCHED_ADVANCE || kind == AVGPIPE_SCHED_ZBV) {
                                         d.advance = variant ? M : 1;
                                     } else if (variant) {
                                         continue;
                                     }
+                                    if (gen_skips(&d)) continue;
                                     gen(&d, &s);
                                     snprintf(what, sizeof what, "%s", shape_str(&d));
                                 }

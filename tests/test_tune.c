@@ -20,6 +20,7 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include "tests/guard.h"
 
 static int has(const char *msg, const char *part) { return strstr(msg, part) != NULL; }
 
@@ -656,6 +657,82 @@ Test(search, bad_descriptions) {
     avgpipe_cost_model_free(&ctx, &m);
 }
 
+/* A model no profile can produce: the search used to convert act_bytes_per_sample x samples (1e30 bytes)
+   to size_t, undefined behaviour that on x86-64 came out as a few KiB, and ranked the setting as fitting
+   a 1 MiB limit. Out-of-range values are refused before any conversion, naming the field. */
+Test(search, out_of_range_models_are_refused) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL;
+    int n = -1;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 32;
+    td.max_pipes = 1;
+    td.mem_limit = 1 << 20;
+    m.act_bytes_per_sample[0] = 1e30 / 8;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "act_bytes 1e30: %s (%d candidates, the best fits: %d)",
+                 avgpipe_last_error(&ctx), n, n > 0 ? c[0].fits : -1);
+    cr_expect(has(avgpipe_last_error(&ctx), "act_bytes_per_sample") && has(avgpipe_last_error(&ctx), "stage 0"), "%s",
+              avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    c = NULL;
+    m.act_bytes_per_sample[0] = 64;
+    m.param_floats[1] = 1e30;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "param_floats 1e30: %s", avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), "param_floats") && has(avgpipe_last_error(&ctx), "stage 1"), "%s", avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    c = NULL;
+    m.param_floats[1] = NAN;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "param_floats NaN: %s", avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    c = NULL;
+    /* in range, but over 2^50 bytes once a micro-batch holds the whole batch of 32 samples */
+    m.param_floats[1] = 1000;
+    m.act_bytes_per_sample[0] = 1125899906842624.0 / 4;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "2^48 bytes per sample: %s", avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), "stage 0"), "%s", avgpipe_last_error(&ctx));
+    if (c) avgpipe_free(&ctx, c);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+/* An allocator that refuses any block over 16 MiB. */
+static void *capped_alloc(size_t n, void *user) {
+    (void)user;
+    return n > ((size_t)16 << 20) ? NULL : malloc(n);
+}
+static void capped_free(void *p, void *user) {
+    (void)user;
+    free(p);
+}
+
+/* The fit's memory follows the ops a profile holds, not the cells its shape line names: a shape of 50
+   pipelines x 10^6 micro-batches (in bounds) with one op made the latency fit allocate 800 MB. */
+Test(search, fit_memory_follows_the_ops) {
+    static const char text[] = "# avgpipe profile v1\n"
+                               "shape kind=1f1b stages=2 chunks=1 micro=500000 pipes=50 rounds=1 advance=0 continuous=0 samples=1 seconds=1\n"
+                               "stage 0 param_floats=1 act_bytes=1 slots=1\n"
+                               "stage 1 param_floats=1 act_bytes=0 slots=1\n"
+                               "op rank=0 kind=F pipe=49 stage=0 micro=499999 start=0 end=0.5 bytes=0\n"
+                               "op rank=1 kind=RECV_F pipe=49 stage=1 micro=499999 start=0 end=0.75 bytes=1\n";
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = capped_alloc;
+    cd.allocator.free = capped_free;
+    cr_assert_eq(avgpipe_context_init(&ctx, &cd), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, text, sizeof text - 1, &p), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(m.latency, 0.25), "latency %g: the RECV_F waited 0.25 s after its forward", m.latency);
+    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_profile_free(&ctx, &p);
+}
+
 /* ---- the parser --------------------------------------------------------------------------------- */
 
 static const char *GOOD =
@@ -768,6 +845,101 @@ Test(parse, structural_errors) {
     free(t);
     cr_expect_eq(avgpipe_profile_parse(&ctx, NULL, 0, &p), AVGPIPE_INVALID_ARG);
     cr_expect_eq(avgpipe_profile_load(&ctx, "/nonexistent/avgpipe.prof", &p), AVGPIPE_IO_ERROR);
+}
+
+/* An allocator that refuses to hold more than 16 MiB at once (a size header in front of each block). */
+static size_t LIVE;
+static void *live_capped_alloc(size_t n, void *user) {
+    hdr *h;
+    (void)user;
+    if (LIVE + n > ((size_t)16 << 20) || !(h = (hdr *)malloc(sizeof(hdr) + n))) return NULL;
+    h->size = n;
+    LIVE += n;
+    return h + 1;
+}
+static void live_capped_free(void *p, void *user) {
+    hdr *h;
+    (void)user;
+    if (!p) return;
+    h = (hdr *)p - 1;
+    LIVE -= h->size;
+    free(h);
+}
+
+/* The parser's memory follows the lines it reads: each shape line allocated its stage tables (512 KiB
+   for 32767 stages) before any stage line came, so 100 shape lines in 11 KB of text held 52 MB; a
+   section must now have all its stage lines before the next one starts. Sections are added by doubling
+   (one at a time copied all of them for each). */
+Test(parse, memory_follows_the_lines) {
+    static const char shape[] = "shape kind=1f1b stages=32767 chunks=1 micro=1 pipes=1 rounds=1 advance=0 continuous=0 samples=1 seconds=1\n";
+    sbuf b = {NULL, 0, 0};
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    avgpipe_profile p;
+    avgpipe_result r;
+    int i;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = live_capped_alloc;
+    cd.allocator.free = live_capped_free;
+    cr_assert_eq(avgpipe_context_init(&ctx, &cd), AVGPIPE_OK);
+    sb_printf(&b, "# avgpipe profile v1\n");
+    for (i = 0; i < 100; i++) sb_printf(&b, "%s", shape);
+    r = avgpipe_profile_parse(&ctx, b.p, b.len, &p);
+    cr_expect_eq(r, AVGPIPE_PARSE_ERROR, "%s: %s", avgpipe_result_string(r), avgpipe_last_error(&ctx));
+    cr_expect(has(avgpipe_last_error(&ctx), "line 3") && has(avgpipe_last_error(&ctx), "section 1 has no 'stage 0' line"), "%s",
+              avgpipe_last_error(&ctx));
+    cr_expect_eq(LIVE, 0, "%zu bytes left allocated", LIVE);
+    free(b.p);
+}
+
+/* The parser keeps to (text, len). The probe's 26 bytes "# avgpipe profile v1\nstage", with no NUL after
+   them, made strtol read past the end (ASan: heap-buffer-overflow): here every prefix of a good profile
+   ends at an unreadable page, so such a read crashes the test. A 'stage' line without its index took
+   the index from the next line. */
+Test(parse, keeps_to_its_length) {
+    static const char probe[] = "# avgpipe profile v1\nstage";
+    size_t n, len = strlen(GOOD);
+    for (n = 0; n <= len; n++) {
+        guarded g = guarded_copy(GOOD, n);
+        avgpipe_context ctx;
+        avgpipe_profile p;
+        avgpipe_result r;
+        avgpipe_context_init(&ctx, NULL);
+        r = avgpipe_profile_parse(&ctx, g.text, n, &p);
+        cr_expect(r == AVGPIPE_OK || r == AVGPIPE_PARSE_ERROR, "prefix of %zu bytes: %s", n, avgpipe_result_string(r));
+        if (r == AVGPIPE_OK) avgpipe_profile_free(&ctx, &p);
+        guarded_free(&g);
+    }
+    {
+        guarded g = guarded_copy(probe, sizeof probe - 1);
+        expect_parse_error(g.text, sizeof probe - 1, "line 2", "shape", "the probe's 26 bytes");
+        guarded_free(&g);
+    }
+    expect_line_error(3, "stage", "stage index", "a bare stage line");
+    expect_line_error(3, "stage x0 param_floats=16 act_bytes=256", "stage index", "a stage index that is no number");
+    expect_line_error(3, "stage 0x param_floats=16 act_bytes=256", "stage index", "trailing characters after the index");
+}
+
+/* Values no real profile holds are refused at parse time (documented at avgpipe_profile_parse): bytes up
+   to 2^50, parameters up to 2^48, times up to 1e6 s, samples up to INT_MAX. The probe's act_bytes=1e30
+   was accepted (anything up to 1e300 was). */
+Test(parse, values_beyond_a_real_profile_are_refused) {
+    expect_line_error(3, "stage 0 param_floats=16 act_bytes=1e30 slots=2", "act_bytes", "act_bytes 1e30");
+    expect_line_error(3, "stage 0 param_floats=16 act_bytes=1125899906842625 slots=2", "act_bytes", "act_bytes 2^50 + 1");
+    expect_line_error(3, "stage 0 param_floats=1e15 act_bytes=256 slots=2", "param_floats", "param_floats 1e15");
+    expect_line_error(6, "op rank=1 kind=RECV_F pipe=0 stage=1 micro=0 start=0 end=0.001 bytes=1e300", "bytes", "bytes 1e300");
+    expect_line_error(5, "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0.1 end=2e6 bytes=0", "end", "end 2e6 s");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=8 seconds=1e7",
+                      "seconds", "seconds 1e7");
+    expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1 continuous=0 samples=3e9 seconds=0.01",
+                      "samples", "samples 3e9");
+    {   /* the bounds themselves are accepted */
+        char *t = edit_line(3, "stage 0 param_floats=281474976710656 act_bytes=1125899906842624 slots=2");
+        avgpipe_profile p;
+        cr_expect_eq(avgpipe_profile_parse(NULL, t, strlen(t), &p), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        avgpipe_profile_free(NULL, &p);
+        free(t);
+    }
 }
 
 /* The shape's counts are bounded ("and sane"), so that a few bytes of text cannot make the fit allocate

@@ -220,10 +220,12 @@ Test(shapes, interleaved_needs_micro_multiple_of_stages) {
             }
 }
 
+/* Chunks: any V for interleaved, exactly two for the V-placed kinds, one for the others. */
 Test(shapes, chunks_only_for_interleaved) {
     int kind;
     for (kind = AVGPIPE_SCHED_AFAB; kind < AVGPIPE_SCHED_KIND_COUNT; kind++) {
-        avgpipe_sched_desc d = desc_of((avgpipe_sched_kind)kind, 4, 8, 1, 2, 1, 1, 0);
+        int vkind = kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV;
+        avgpipe_sched_desc d = desc_of((avgpipe_sched_kind)kind, 4, 8, 1, vkind ? 3 : 2, 1, 1, 0);
         avgpipe_schedule s;
         avgpipe_result r = avgpipe_sched_generate(NULL, &d, &s);
         if (kind == AVGPIPE_SCHED_INTERLEAVED) {
@@ -231,7 +233,7 @@ Test(shapes, chunks_only_for_interleaved) {
             cr_assert_eq(s.nstages, 8);
             avgpipe_sched_free(NULL, &s);
         } else {
-            cr_assert_eq(r, AVGPIPE_INVALID_ARG, "%s accepted V=2", avgpipe_sched_kind_name((avgpipe_sched_kind)kind));
+            cr_assert_eq(r, AVGPIPE_INVALID_ARG, "%s accepted V=%d", avgpipe_sched_kind_name((avgpipe_sched_kind)kind), d.chunks);
             cr_assert_not_null(strstr(avgpipe_last_error(NULL), "chunks"), "message '%s'", avgpipe_last_error(NULL));
         }
     }
@@ -563,6 +565,72 @@ Test(golden, missing_file_is_an_io_error) {
 
 /* One rank (or all stages on one rank): nothing to send, so blocking and asynchronous sends give the
    same run: S = 1 with F = 1, B = 2 takes 3M; lowering it adds no op. */
+/* An allocator that refuses any block over 16 MiB. */
+static void *capped_alloc(size_t n, void *user) {
+    (void)user;
+    return n > ((size_t)16 << 20) ? NULL : malloc(n);
+}
+static void capped_free(void *p, void *user) {
+    (void)user;
+    free(p);
+}
+
+/* The simulator's, the lowering's and the validator's tables are sized by the schedule's numbers
+   (pipelines x stages x micro-batches): one op of pipeline 5999 on stage 32766 (within the limits)
+   made the simulator allocate 6 GB. The tables may not outgrow the ops a schedule holds: a schedule
+   numbered that sparsely is refused (AVGPIPE_INVALID_SCHEDULE, naming the counts), not allocated for. */
+Test(sim, tables_follow_the_ops) {
+    static const char *texts[] = {
+        "", /* built below: one op of pipeline 5999 on stage 32766 (import refuses the shape it implies) */
+        "0F0,0F9999999\n",
+        "99:0F0,0F99999\n",
+        "# avgpipe version=1 kind=custom stages=1 chunks=1 micro=100000000 pipes=1 rounds=1 advance=0 continuous=0\n0F0,0B0\n",
+    };
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    size_t i;
+    memset(&cd, 0, sizeof cd);
+    cd.allocator.alloc = capped_alloc;
+    cd.allocator.free = capped_free;
+    cr_assert_eq(avgpipe_context_init(&ctx, &cd), AVGPIPE_OK);
+    for (i = 0; i < sizeof texts / sizeof texts[0]; i++) {
+        avgpipe_schedule s, low;
+        avgpipe_sim_result r;
+        avgpipe_validate_report rep;
+        avgpipe_result res;
+        if (i == 0) {
+            avgpipe_sched_desc sh = {AVGPIPE_SCHED_CUSTOM, 1, 1, 6000, 32767, 1, 0, 0, AVGPIPE_PLACE_AUTO};
+            avgpipe_op op = {32766, 0, 5999, AVGPIPE_OP_F, 0, 0};
+            cr_assert_eq(avgpipe_sched_init(&ctx, &s, 1, &sh), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+            cr_assert_eq(avgpipe_sched_push(&ctx, &s, 0, op), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+            cr_assert_eq(s.nstages, 32767);
+        } else {
+            cr_assert_eq(avgpipe_sched_import(&ctx, texts[i], strlen(texts[i]), &s), AVGPIPE_OK, "text %zu: %s", i, avgpipe_last_error(&ctx));
+        }
+        res = avgpipe_sim_run(&ctx, &s, NULL, &r);
+        cr_expect_eq(res, i < 3 ? AVGPIPE_INVALID_SCHEDULE : AVGPIPE_OK, "text %zu: simulate: %s (%s)", i, avgpipe_result_string(res),
+                     avgpipe_last_error(&ctx));
+        if (res == AVGPIPE_OK) avgpipe_sim_result_free(&ctx, &r);
+        else cr_expect(strstr(avgpipe_last_error(&ctx), "ops") != NULL, "text %zu: %s", i, avgpipe_last_error(&ctx));
+        res = avgpipe_sched_lower(&ctx, &s, &low);
+        cr_expect_eq(res, i < 3 ? AVGPIPE_INVALID_SCHEDULE : AVGPIPE_OK, "text %zu: lower: %s (%s)", i, avgpipe_result_string(res),
+                     avgpipe_last_error(&ctx));
+        if (res == AVGPIPE_OK) avgpipe_sched_free(&ctx, &low);
+        res = avgpipe_sched_validate(&ctx, &s, NULL, &rep);
+        cr_expect_eq(res, AVGPIPE_INVALID_SCHEDULE, "text %zu: validate: %s (%s)", i, avgpipe_result_string(res), rep.message);
+        avgpipe_sched_free(&ctx, &s);
+    }
+    {   /* a generated schedule of 2^20 cells simulates and validates within the same allocator */
+        avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_1F1B, 4, 1024, 16, 1, 16, 0, 0);
+        avgpipe_schedule s;
+        avgpipe_sim_result r;
+        cr_assert_eq(avgpipe_sched_generate(&ctx, &d, &s), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_expect_eq(avgpipe_sim_run(&ctx, &s, NULL, &r), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        avgpipe_sim_result_free(&ctx, &r);
+        avgpipe_sched_free(&ctx, &s);
+    }
+}
+
 Test(sim, single_rank_blocking_and_async) {
     int M, blocking, kind;
     for (kind = AVGPIPE_SCHED_AFAB; kind <= AVGPIPE_SCHED_ADVANCE; kind++)

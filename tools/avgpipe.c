@@ -30,6 +30,7 @@
    (32767 stages, 1.3e8 ops) would exhaust memory before they fail cleanly. */
 #define CLI_MAX_STAGES 4096
 #define CLI_MAX_ITEMS 10000000LL
+#define CLI_MAX_INPUT ((size_t)1 << 30) /* bytes of a schedule on standard input: the library's cap for files */
 #define CLI_EXIT_INVALID 1
 #define CLI_EXIT_USAGE 2
 /* tune: every candidate is a simulation of up to stages x pipes x batch x rounds ops. */
@@ -197,11 +198,11 @@ static int set_schedule(cli_opts *o, const cli_flag *f, const char *val) {
         size_t n = strcspn(p, ",");
         avgpipe_sched_kind k;
         if (n == 0 || n >= sizeof name)
-            return cli_error("%s: expected a comma list of afab, 1f1b, advance, interleaved, zbh1, got '%s'", f->name, val);
+            return cli_error("%s: expected a comma list of afab, 1f1b, advance, interleaved, zbh1, zbv, dualpipev, got '%s'", f->name, val);
         memcpy(name, p, n);
         name[n] = '\0';
         if (avgpipe_sched_kind_parse(name, &k) != AVGPIPE_OK || k == AVGPIPE_SCHED_CUSTOM)
-            return cli_error("%s: unknown schedule '%s' (expected afab, 1f1b, advance, interleaved or zbh1)", f->name, name);
+            return cli_error("%s: unknown schedule '%s' (expected afab, 1f1b, advance, interleaved, zbh1, zbv or dualpipev)", f->name, name);
         if (o->nkinds == CLI_MAX_KINDS) return cli_error("%s: at most %d schedules", f->name, CLI_MAX_KINDS);
         o->kinds[o->nkinds++] = k;
         if (!p[n]) return 0;
@@ -246,12 +247,12 @@ static const cli_flag cli_flags[] = {
     {"--max-advance", set_int, OFF(max_advance), 0, INT_MAX, T, "K", "largest K of advance tried (default 0: up to all forwards first)"},
     {"--cores", set_num, OFF(cores), 0, 1e6, T, "C", "cores the ranks' stage threads share (CPU); 0 = one per rank (default)"},
     {"--min-micro", set_int, OFF(min_micro), 1, CLI_MAX_BATCH, T, "SAMPLES", "smallest micro-batch tried, in samples (default 1)"},
-    {"--schedule", set_schedule, 0, 0, 0, SC | T, "NAME", "afab|1f1b|advance|interleaved|zbh1; compare and tune take a comma list"},
+    {"--schedule", set_schedule, 0, 0, 0, SC | T, "NAME", "afab|1f1b|advance|interleaved|zbh1|zbv|dualpipev; compare and tune take a comma list"},
     {"--stages", set_int, OFF(stages), 1, INT_MAX, SC | T, "S", "pipeline stages = ranks (default 4; tune: the profile's, and with\n"
      "                           'layer' lines in the profile the partitioner splits the layers into S)"},
     {"--micro", set_int, OFF(micro), 1, INT_MAX, SC, "M", "micro-batches per batch (default 8)"},
     {"--pipes", set_int, OFF(pipes), 1, 32767, SC, "N", "parallel pipelines (default 1)"},
-    {"--chunks", set_int, OFF(chunks), 1, INT_MAX, SC, "V", "model chunks per rank, interleaved only (default 2)"},
+    {"--chunks", set_int, OFF(chunks), 1, INT_MAX, SC, "V", "model chunks per rank, interleaved only (default 2; zbv and dualpipev hold 2 in a V)"},
     {"--advance", set_advance, 0, 0, 0, SC, "K", "extra warm-up forwards of advance; compare: K or a range A..B"},
     {"--rounds", set_int, OFF(rounds), 1, INT_MAX, SC | T, "R", "rounds (per iteration for tune; default 1)"},
     {"--continuous", set_switch, OFF(continuous), 0, 0, SC, NULL, "continuous rounds (default synchronous)"},
@@ -424,7 +425,8 @@ static avgpipe_sched_desc make_sched_desc(const cli_opts *o, avgpipe_sched_kind 
     d.rounds = o->rounds;
     d.advance = k;
     d.continuous = o->continuous;
-    if (o->cmd == CMD_COMPARE && kind != AVGPIPE_SCHED_INTERLEAVED) d.chunks = 0; /* --chunks is interleaved's */
+    if (kind != AVGPIPE_SCHED_INTERLEAVED && (o->cmd == CMD_COMPARE || kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV))
+        d.chunks = 0; /* --chunks is interleaved's; the V kinds hold two */
     return d;
 }
 
@@ -647,18 +649,28 @@ static int cmd_compare(avgpipe_context *ctx, const cli_opts *o) {
     return rc ? rc : invalid ? CLI_EXIT_INVALID : 0;
 }
 
-/* Read all of a stream (for '-'); NULL on a read error or when out of memory. */
+/* Read all of a stream (for '-'), at most CLI_MAX_INPUT bytes: the running total is checked before
+   the buffer grows, so '</dev/zero' stops at the cap. NULL (and the reason printed) on a read error,
+   input over the cap, or out of memory. */
 static char *read_stream(FILE *f, size_t *len) {
     size_t cap = (size_t)1 << 16, n = 0;
     char *buf = (char *)malloc(cap), *p;
     while (buf) {
         n += fread(buf + n, 1, cap - n, f);
         if (n < cap) break; /* end of input or an error */
-        if ((p = (char *)realloc(buf, cap * 2)) == NULL) break;
+        if (cap > CLI_MAX_INPUT) { /* holds more than the cap: refuse before growing */
+            cli_error("the standard input is over 1 GiB (%zu bytes), the most a schedule file may hold", CLI_MAX_INPUT);
+            free(buf);
+            return NULL;
+        }
+        /* double, but to at most one byte over the cap (enough to see that the input passes it) */
+        p = (char *)realloc(buf, 2 * cap <= CLI_MAX_INPUT ? 2 * cap : CLI_MAX_INPUT + 1);
+        if (p == NULL) break;
         buf = p;
-        cap *= 2;
+        cap = 2 * cap <= CLI_MAX_INPUT ? 2 * cap : CLI_MAX_INPUT + 1;
     }
     if (!buf || n == cap || ferror(f)) {
+        cli_error(buf ? "cannot read the standard input: %s" : "cannot read the standard input: out of memory", strerror(errno));
         free(buf);
         return NULL;
     }
@@ -679,7 +691,7 @@ static int load_schedule(avgpipe_context *ctx, const char *path, avgpipe_schedul
         if (bad) return rc;
         return avgpipe_sched_load(ctx, path, s) == AVGPIPE_OK ? 0 : lib_error(ctx);
     }
-    if ((text = read_stream(stdin, &len)) == NULL) return cli_error("cannot read the standard input");
+    if ((text = read_stream(stdin, &len)) == NULL) return CLI_EXIT_USAGE;
     res = avgpipe_sched_import(ctx, text, len, s);
     free(text);
     return res == AVGPIPE_OK ? 0 : cli_error("<stdin>: %s", avgpipe_last_error(ctx));
@@ -804,8 +816,9 @@ static int make_tune_desc(const cli_opts *o, avgpipe_tune_desc *td) {
     td->max_advance = o->max_advance;
     td->min_micro = o->min_micro;
     for (i = 0; i < o->nkinds; i++) {
-        if (o->kinds[i] == AVGPIPE_SCHED_INTERLEAVED)
-            return cli_error("--schedule: tune does not search interleaved (the profile fixes one stage partition per rank)");
+        if (o->kinds[i] == AVGPIPE_SCHED_INTERLEAVED || o->kinds[i] == AVGPIPE_SCHED_ZBV || o->kinds[i] == AVGPIPE_SCHED_DUALPIPEV)
+            return cli_error("--schedule: tune does not search %s (the profile fixes one stage partition per rank)",
+                             avgpipe_sched_kind_name(o->kinds[i]));
         td->kinds |= 1u << o->kinds[i];
     }
     return 0;

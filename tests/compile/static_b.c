@@ -5,7 +5,7 @@
 
 int avgpipe_static_b(void);
 int avgpipe_static_b(void) {
-    avgpipe_sched_desc d = {AVGPIPE_SCHED_AFAB, 2, 2, 0, 0, 0, 0, 0};
+    avgpipe_sched_desc d = {AVGPIPE_SCHED_AFAB, 2, 2, 0, 0, 0, 0, 0, AVGPIPE_PLACE_AUTO};
     avgpipe_schedule s;
     int n;
     if (avgpipe_sched_generate(NULL, &d, &s) != AVGPIPE_OK) return -1;
