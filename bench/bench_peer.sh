@@ -5,7 +5,7 @@
 # over the fastest), and the main job's samples/s over PyTorch's best. PyTorch gets OPENBLAS_CORETYPE set
 # to the kernel the main job ran (examples/blas_kernel.h may have restarted it with a better one than
 # OpenBLAS picks), unless it is set already.
-# Needs Debian's PyTorch (apt-get install python3-torch), run by /usr/bin/python3 (PYTHON overrides).
+# Needs Debian's PyTorch (sh scripts/install-deps.sh --peer), run by /usr/bin/python3 (PYTHON overrides).
 # Runs during which other programs used >= BENCH_MAX_OTHERS cores (default 0.15) are waited out and redone.
 # Usage: sh bench/bench_peer.sh [BUILD_DIR] [REPS]
 set -eu
@@ -15,7 +15,7 @@ PY=${PYTHON:-/usr/bin/python3}
 HERE=$(cd "$(dirname "$0")" && pwd)
 . "$HERE/bench_lib.sh"
 [ -x "$B/fashion_mnist" ] || { echo "bench_peer: build first (sh scripts/build.sh)" >&2; exit 2; }
-"$PY" -c 'import torch' 2>/dev/null || { echo "bench_peer: $PY cannot import torch (apt-get install python3-torch)" >&2; exit 2; }
+"$PY" -c 'import torch' 2>/dev/null || { echo "bench_peer: $PY cannot import torch (sh scripts/install-deps.sh --peer: Debian's python3-torch)" >&2; exit 2; }
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/bench_peer.XXXXXX")
 trap 'rm -rf "$TMP"' EXIT
 
