@@ -1310,7 +1310,31 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
    (M, N, K, schedule, round mode) by running the timed simulator on those costs, predict its memory
    per rank with the runtime's own buffer planner, and rank by time per sample under a memory limit.
    On CPU stage threads the N pipelines share each rank's core (the simulator's one compute resource
-   per rank); a device that runs pipelines concurrently would need a utilisation factor (not yet). */
+   per rank); a device that runs pipelines concurrently would need a utilisation factor (not yet).
+
+   What the callbacks' times leave out, also fitted from the profile, because on CPU threads it made
+   predictions 5-10% low: the runtime's own time per op (between the callbacks: posting and copying
+   transfers, waking a waiting thread) and the averaging, which runs on one more thread per rank and
+   takes cores from the stage threads (its time per parameter, from 'averaging' lines the trainer
+   measures with avgpipe_tune_measure_averaging).
+
+   The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
+   backward time as a + b x samples, its parameters and output bytes, the stage that held it),
+   avgpipe_tune_plan chooses the contiguous split of the L layers into S (or S·V) partitions jointly
+   with M, N, K and the schedule: each split is a cost model (avgpipe_tune_split) searched by
+   avgpipe_tune_search, the splits taken in order of a lower bound on their time per sample (the busiest
+   rank's work, or all work over the cores), stopping when the bound passes the best time found: exact
+   with respect to the predictions, and a handful of searches instead of one per split.
+
+   Profile records read here besides the runtime's (all optional, any order after the header line):
+     layer L stage=G f_a=<s> f_b=<s> b_a=<s> b_b=<s> param_floats=P act_bytes=<per sample>
+         layer L (0-based, every layer once) of the profiled model: forward f_a + f_b x samples seconds,
+         full backward b_a + b_b x samples (I and W are taken as half each), P parameters, and the
+         bytes per sample of its output (what crosses a stage boundary after it). G: the stage
+         partition that held it in the profiled runs (non-decreasing in L, covering 0..G-1). Times are
+         what the layer took inside the profiled ops, so that a stage's op is the sum of its layers.
+     averaging floats=P seconds=<s>
+         one contribution (avgpipe_ea_contribute) of P floats took that long on this machine. */
 
 typedef struct avgpipe_profile_op {
     int section, rank, kind, pipe, stage, micro; /* kind: avgpipe_op_kind; RECV_* are waits at use */
@@ -1325,11 +1349,23 @@ typedef struct avgpipe_profile_section {
     double *param_floats, *act_bytes; /* [nstages] */
 } avgpipe_profile_section;
 
+/* One layer's costs (a 'layer' line; what the stage partitioner adds up). */
+typedef struct avgpipe_layer_cost {
+    int stage;          /* the stage partition that holds it (in a profile: in the profiled runs) */
+    double f_a, f_b;    /* forward: f_a + f_b x samples per micro-batch, seconds */
+    double b_a, b_b;    /* full backward (inputs and weights); I and W are half each */
+    double param_floats;
+    double act_bytes;   /* bytes per sample of its output activation */
+} avgpipe_layer_cost;
+
 typedef struct avgpipe_profile {
     int nsections;
     avgpipe_profile_section *sections;
     size_t nops;
     avgpipe_profile_op *ops;
+    int nlayers;                  /* 'layer' lines; 0 when the profile has none */
+    avgpipe_layer_cost *layers;   /* [nlayers] */
+    double averaging_floats, averaging_seconds; /* sums over the 'averaging' lines (0: none) */
 } avgpipe_profile;
 
 /* Parse a profile (the text avgpipe_run_write_profile / avgpipe_run_append_profile write; len bytes,
@@ -1353,18 +1389,48 @@ typedef struct avgpipe_cost_model {
     double *param_floats;       /* [nstages] */
     double *act_bytes_per_sample; /* [nstages]: activation bytes at boundary g|g+1 per sample */
     double samples_lo, samples_hi; /* micro-batch sizes seen in the profile */
-    /* Cores the ranks share (CPU stage threads); 0 = a core (or device) per rank. With fewer cores
-       than ranks an iteration takes at least (all ranks' compute) / cores. Set it after the fit. */
+    /* Cores the ranks share (CPU stage threads); 0 = a core (or device) per rank. With cores set an
+       iteration takes at least (all ranks' compute + all averaging) / cores. Set it after the fit. */
     double cores;
+    /* Fitted from the profile (0 where it has nothing to fit them from): */
+    double op_overhead;         /* runtime time per compute or STEP op outside the callback (trimmed mean) */
+    double avg_per_float;       /* one averaging contribution per parameter float ('averaging' lines) */
+    double step_a, step_b;      /* STEP = step_a + step_b x parameters of the partition, over the stages */
+    int nlayers;                /* per-layer costs ('layer' lines), for avgpipe_tune_split / _plan */
+    avgpipe_layer_cost *layers; /* [nlayers]; .stage = the partition that holds the layer in this model */
 } avgpipe_cost_model;
 
+/* Fit a cost model to a profile (every section must have the same stage partitions). Errors:
+   AVGPIPE_INVALID_ARG (empty profile, sections that disagree), AVGPIPE_OUT_OF_MEMORY. Free with
+   avgpipe_cost_model_free. */
 AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out);
 AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m);
 
-/* Predicted seconds of one iteration (sched->rounds rounds) with micro-batches of `samples`. */
+/* Predicted seconds of one iteration (sched->rounds rounds) with micro-batches of `samples`: the timed
+   simulator on the fitted op costs plus op_overhead per op; averaging costs a rank's core when N = 1
+   (the next round's forward waits for it) and, with cores set, counts in the cores bound. */
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
                                                 double samples, double *seconds);
 
+/* The cost model of another split of m's layers (m must have layer costs): partition g holds the next
+   split[g] layers (nparts partitions, each >= 1 layer, L in all); its op costs are the sums of its
+   layers', STEP is step_a + step_b x its parameters, its boundary bytes those of its last layer; the
+   rest (latency, overheads, averaging, cores) is m's. Errors name the field. Free with
+   avgpipe_cost_model_free. */
+AVGPIPE_API avgpipe_result avgpipe_tune_split(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, int nparts,
+                                              avgpipe_cost_model *out);
+
+/* The busiest rank's share of the work per sample (forward, backward and STEP: what one thread would do)
+   when m's partitions run on `stages` ranks (partition g on rank g % stages) with micro-batches of
+   `samples` and batches of `batch`: 1 / share is the most any schedule can gain over one thread. -1 on a
+   bad argument. */
+AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int stages, double samples, int batch);
+
+/* Time one averaging contribution of `floats` parameters on this machine (what the runtime runs: MEAN on
+   the CPU device, non-finite guard on; the median of 16 after 4 warm-up ones), for the profile's
+   'averaging' line. Errors: AVGPIPE_INVALID_ARG, AVGPIPE_OUT_OF_MEMORY, those of avgpipe_ea_create.
+   Thread-safety: touches only ctx and *seconds. */
+AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds);
 
 typedef struct avgpipe_tune_desc {
     int batch;                  /* B: samples per batch of one pipeline (required) */
@@ -1376,6 +1442,8 @@ typedef struct avgpipe_tune_desc {
     int min_micro;              /* smallest micro-batch size in samples; 0 -> 1 */
     int no_continuous;          /* 1: synchronous rounds only */
     unsigned kinds;             /* bit (1u << avgpipe_sched_kind); 0 -> AFAB, 1F1B, advance, ZB-H1 */
+    int chunks;                 /* V: the model's partitions per rank; 0 -> 1. V > 1: interleaved only,
+                                   on nstages / V ranks, M a multiple of the ranks */
 } avgpipe_tune_desc;
 
 typedef struct avgpipe_tune_candidate {
@@ -1391,6 +1459,34 @@ typedef struct avgpipe_tune_candidate {
    the context's allocator (avgpipe_free it). */
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count);
+
+/* The stage partitioner: what to split and what to keep. */
+typedef struct avgpipe_plan_desc {
+    int stages;   /* S: ranks (required) */
+    int chunks;   /* V: partitions per rank; 0 -> 1 (V > 1: interleaved, S·V partitions) */
+    /* optional: keep only the candidates this returns 1 for (e.g. the M and N a user fixed) */
+    int (*keep)(const avgpipe_tune_candidate *c, void *user);
+    void *keep_user;
+} avgpipe_plan_desc;
+
+typedef struct avgpipe_plan {
+    int nparts;                  /* S·V */
+    int *split;                  /* [nparts] layers per partition, in layer order */
+    avgpipe_tune_candidate best; /* the fastest kept candidate of that split that fits */
+    int found;                   /* 0: no kept candidate of any split fits the memory limit */
+    double slowest_share;        /* avgpipe_tune_slowest_share of the split at best's micro-batch size */
+    double bound;                /* 1 / slowest_share, capped at the cores when m->cores is set */
+    long long splits, searched;  /* contiguous splits, and how many were searched (the rest were bounded out) */
+} avgpipe_plan;
+
+/* Choose the split of m's layers into S·V contiguous partitions and the setting that minimise the
+   predicted time per sample under desc->mem_limit (ties: the split that comes first in layer order).
+   Exact: the same as searching every split with avgpipe_tune_search. m needs layer costs (a profile
+   with 'layer' lines). Errors: AVGPIPE_INVALID_ARG naming the field (no layer costs, fewer layers than
+   partitions, more than 2e6 splits), those of avgpipe_tune_search. Free with avgpipe_plan_free. */
+AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                             const avgpipe_plan_desc *plan, avgpipe_plan *out);
+AVGPIPE_API void avgpipe_plan_free(avgpipe_context *ctx, avgpipe_plan *p);
 
 
 #ifdef __cplusplus
@@ -8606,6 +8702,7 @@ AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p) 
     }
     avgpipe_free(ctx, p->sections);
     avgpipe_free(ctx, p->ops);
+    avgpipe_free(ctx, p->layers);
     memset(p, 0, sizeof *p);
 }
 
@@ -8812,10 +8909,75 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
     return AVGPIPE_OK;
 }
 
+/* "layer L stage=G f_a= f_b= b_a= b_b= param_floats= act_bytes=": layer L's costs (kept in order; the
+   checks that need every line come after the parse, avgpipe__profile_layers_check). The index is the
+   word [idx, idx_end), parsed within it, as a stage's; the table grows by doubling (*cap entries). */
+static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line) {
+    static const char *const keys[7] = {"stage", "f_a", "f_b", "b_a", "b_b", "param_floats", "act_bytes"};
+    static const double hi[7] = {0, AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_SECONDS,
+                                 AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_FLOATS, AVGPIPE__PROFILE_MAX_BYTES};
+    avgpipe_layer_cost *nl, *c;
+    double v[7];
+    const char *e = idx;
+    int i, l = -1;
+    char q[48];
+    if (idx == idx_end) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'layer' needs a layer index", line);
+    if (!avgpipe__parse_int(&e, idx_end, &l) || e != idx_end || l >= AVGPIPE__MAX_STAGES)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: layer index '%s' is not a whole number in 0..%d", line,
+                             avgpipe__quote(idx, (size_t)(idx_end - idx), q, sizeof q), AVGPIPE__MAX_STAGES - 1);
+    if (l != p->nlayers)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: layer %d where layer %d comes next (layers in order, each once)",
+                             line, l, p->nlayers);
+    if (!avgpipe__kv_int(ctx, kv, n, keys[0], line, 0, AVGPIPE__MAX_STAGES - 1, &v[0])) return AVGPIPE_PARSE_ERROR;
+    for (i = 1; i < 7; i++)
+        if (!avgpipe__kv_num(ctx, kv, n, keys[i], line, hi[i], &v[i])) return AVGPIPE_PARSE_ERROR;
+    if (p->nlayers && v[0] < p->layers[p->nlayers - 1].stage)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'stage' is %.0f, below the previous layer's %d "
+                             "(stage partitions are contiguous runs of layers)", line, v[0], p->layers[p->nlayers - 1].stage);
+    if ((size_t)p->nlayers == *cap) { /* doubling: one at a time would copy them all for each */
+        size_t nc = *cap ? 2 * *cap : 8;
+        nl = (avgpipe_layer_cost *)avgpipe__realloc(ctx, p->layers, (size_t)p->nlayers * sizeof *nl, nc * sizeof *nl);
+        if (!nl) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "profile: out of memory");
+        p->layers = nl;
+        *cap = nc;
+    }
+    c = &p->layers[p->nlayers++];
+    c->stage = (int)v[0];
+    c->f_a = v[1], c->f_b = v[2], c->b_a = v[3], c->b_b = v[4], c->param_floats = v[5], c->act_bytes = v[6];
+    return AVGPIPE_OK;
+}
+
+/* "averaging floats=P seconds=T": one contribution's measured time. */
+static avgpipe_result avgpipe__profile_averaging(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
+    double f, t;
+    if (!avgpipe__kv_num(ctx, kv, n, "floats", line, AVGPIPE__PROFILE_MAX_FLOATS, &f) ||
+        !avgpipe__kv_num(ctx, kv, n, "seconds", line, AVGPIPE__PROFILE_MAX_SECONDS, &t))
+        return AVGPIPE_PARSE_ERROR;
+    if (f < 1) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: field 'floats' must be >= 1", line);
+    p->averaging_floats += f;
+    p->averaging_seconds += t;
+    return AVGPIPE_OK;
+}
+
+/* After the parse: the layers cover the sections' stage partitions 0..G-1, each with at least one layer. */
+static avgpipe_result avgpipe__profile_layers_check(avgpipe_context *ctx, const avgpipe_profile *p) {
+    int l, G = p->nsections ? p->sections[0].nstages : 0;
+    if (!p->nlayers) return AVGPIPE_OK;
+    if (p->layers[0].stage != 0 || p->layers[p->nlayers - 1].stage != G - 1)
+        return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: the 'layer' lines' field 'stage' must run from 0 to %d (the "
+                             "sections' stage partitions), got %d to %d", G - 1, p->layers[0].stage, p->layers[p->nlayers - 1].stage);
+    for (l = 1; l < p->nlayers; l++)
+        if (p->layers[l].stage > p->layers[l - 1].stage + 1)
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: no 'layer' line has stage=%d (layer %d has stage=%d, layer %d "
+                                 "stage=%d)", p->layers[l - 1].stage + 1, l - 1, p->layers[l - 1].stage, l, p->layers[l].stage);
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
     const char *p, *end;
     int line = 0, have_header = 0;
-    size_t cap = 0, scap = 0;
+    size_t cap = 0, scap = 0, lcap = 0;
     avgpipe_result res = AVGPIPE_OK;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_parse: NULL argument");
     memset(out, 0, sizeof *out);
@@ -8848,6 +9010,18 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
             n = avgpipe__split_kv(w, e, kv, 16, &bad);
             res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
                       : avgpipe__profile_op(ctx, out, &cap, kv, n, line);
+        } else if ((size_t)(w - p) == 5 && memcmp(p, "layer", 5) == 0) {
+            const char *idx = w;
+            while (idx < e && avgpipe__is_space(*idx)) idx++;
+            w = idx;
+            while (w < e && !avgpipe__is_space(*w)) w++;
+            n = avgpipe__split_kv(w, e, kv, 16, &bad);
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
+                      : avgpipe__profile_layer(ctx, out, &lcap, idx, w, kv, n, line);
+        } else if ((size_t)(w - p) == 9 && memcmp(p, "averaging", 9) == 0) {
+            n = avgpipe__split_kv(w, e, kv, 16, &bad);
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
+                      : avgpipe__profile_averaging(ctx, out, kv, n, line);
         } else {
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: unknown record '%s'", line, avgpipe__quote(p, (size_t)(w - p), q, sizeof q));
         }
@@ -8858,6 +9032,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
     }
     if (!res && out->nsections == 0) res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile: no 'shape' line");
     if (!res) res = avgpipe__profile_complete(ctx, out, out->nsections - 1, 0); /* the others: at the next shape line */
+    if (!res) res = avgpipe__profile_layers_check(ctx, out);
     if (res) avgpipe_profile_free(ctx, out);
     return res;
 }
@@ -8882,6 +9057,7 @@ AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_mode
     avgpipe_free(ctx, m->b);
     avgpipe_free(ctx, m->param_floats);
     avgpipe_free(ctx, m->act_bytes_per_sample);
+    avgpipe_free(ctx, m->layers);
     memset(m, 0, sizeof *m);
 }
 
@@ -8983,10 +9159,135 @@ static avgpipe_result avgpipe__fit_latency(avgpipe_context *ctx, const avgpipe_p
     return AVGPIPE_OK;
 }
 
+/* Mean of the middle 60% of x[0 .. n-1] (sorted in place): robust to the few ops a busy machine
+   stretches, unlike the mean, and unlike the median it keeps the mix of ops with and without sends. */
+static double avgpipe__trimmed_mean(double *x, size_t n) {
+    size_t i, lo, hi;
+    double s = 0;
+    if (!n) return 0;
+    qsort(x, n, sizeof *x, avgpipe__cmp_dbl);
+    lo = n / 5, hi = n - n / 5;
+    for (i = lo; i < hi; i++) s += x[i];
+    return s / (double)(hi - lo);
+}
+
+typedef struct avgpipe__ev {
+    double start, end;
+    int kind;
+} avgpipe__ev;
+
+static int avgpipe__cmp_ev(const void *x, const void *y) {
+    const avgpipe__ev *a = (const avgpipe__ev *)x, *b = (const avgpipe__ev *)y;
+    return (a->start > b->start) - (a->start < b->start);
+}
+
+/* The runtime's own time per op: on each rank, what passes from the end of a compute or STEP op to the
+   start of the next one that is not a blocked receive (posting and copying transfers, bookkeeping);
+   the trimmed mean over every such op of every section. */
+static avgpipe_result avgpipe__fit_overhead(avgpipe_context *ctx, const avgpipe_profile *p, double *overhead) {
+    avgpipe__ev *ev = (avgpipe__ev *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof *ev);
+    double *gap = (double *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof *gap);
+    size_t i, ng = 0;
+    int s, r;
+    *overhead = 0;
+    if (!ev || !gap) {
+        avgpipe_free(ctx, ev);
+        avgpipe_free(ctx, gap);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    }
+    for (s = 0; s < p->nsections; s++)
+        for (r = 0; r < p->sections[s].shape.stages; r++) {
+            size_t n = 0, j;
+            for (i = 0; i < p->nops; i++)
+                if (p->ops[i].section == s && p->ops[i].rank == r)
+                    ev[n].start = p->ops[i].start, ev[n].end = p->ops[i].end, ev[n++].kind = p->ops[i].kind;
+            qsort(ev, n, sizeof *ev, avgpipe__cmp_ev);
+            for (j = 0; j < n; j++) {
+                double t = 0, at;
+                size_t k;
+                if (!avgpipe__is_compute(ev[j].kind) && ev[j].kind != AVGPIPE_OP_STEP) continue;
+                for (k = j + 1, at = ev[j].end; k < n && !avgpipe__is_compute(ev[k].kind) && ev[k].kind != AVGPIPE_OP_STEP; k++) {
+                    int wait = ev[k].kind == AVGPIPE_OP_RECV_F || ev[k].kind == AVGPIPE_OP_RECV_B;
+                    if (ev[k].start > at) t += ev[k].start - at;       /* a gap */
+                    if (!wait && ev[k].end > ev[k].start) t += ev[k].end - ev[k].start; /* a send being posted */
+                    if (ev[k].end > at) at = ev[k].end;
+                }
+                if (k < n) gap[ng++] = t + (ev[k].start > at ? ev[k].start - at : 0);
+            }
+        }
+    *overhead = avgpipe__trimmed_mean(gap, ng);
+    avgpipe_free(ctx, ev);
+    avgpipe_free(ctx, gap);
+    return AVGPIPE_OK;
+}
+
+/* STEP as a function of the partition's parameters: a line through (param_floats, time) of every STEP
+   op (the optimizer is one pass over them); proportional when the stages give one size. */
+static void avgpipe__fit_step(const avgpipe_profile *p, avgpipe_cost_model *m) {
+    double q[5] = {0, 0, 0, 0, 0};
+    size_t i;
+    for (i = 0; i < p->nops; i++) {
+        const avgpipe_profile_op *o = &p->ops[i];
+        double x, y = o->end - o->start;
+        if (o->kind != AVGPIPE_OP_STEP || o->stage >= m->nstages) continue;
+        x = m->param_floats[o->stage];
+        q[0] += 1, q[1] += x, q[2] += y, q[3] += x * x, q[4] += x * y;
+    }
+    avgpipe__fit_line(q, &m->step_a, &m->step_b, 0);
+}
+
+/* The layer costs, and the averaging time per parameter. */
+static avgpipe_result avgpipe__fit_extras(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *m) {
+    if (p->averaging_floats > 0) m->avg_per_float = p->averaging_seconds / p->averaging_floats;
+    avgpipe__fit_step(p, m);
+    if (p->nlayers) {
+        m->layers = (avgpipe_layer_cost *)avgpipe_alloc(ctx, (size_t)p->nlayers * sizeof *m->layers);
+        if (!m->layers) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
+        memcpy(m->layers, p->layers, (size_t)p->nlayers * sizeof *m->layers);
+        m->nlayers = p->nlayers;
+    }
+    return avgpipe__fit_overhead(ctx, p, &m->op_overhead);
+}
+
+typedef struct avgpipe__obs {
+    int g, k;
+    double x, y;
+} avgpipe__obs;
+
+static int avgpipe__cmp_obs(const void *x, const void *y) {
+    const avgpipe__obs *a = (const avgpipe__obs *)x, *b = (const avgpipe__obs *)y;
+    if (a->g != b->g) return a->g - b->g;
+    if (a->k != b->k) return a->k - b->k;
+    if (a->x != b->x) return a->x < b->x ? -1 : 1;
+    return (a->y > b->y) - (a->y < b->y);
+}
+
+/* The points the lines are fitted through: per (stage, kind), the median op time at each micro-batch size
+   (sums[(g K + k) 5 ..]: n, sum x, sum y, sum x^2, sum x y over the sizes). Medians, not every op: a few
+   ops stretched by another program on a shared machine would pull a least-squares line. */
+static avgpipe_result avgpipe__fit_medians(avgpipe_context *ctx, const avgpipe_profile *p, int G, double *sums) {
+    avgpipe__obs *o = (avgpipe__obs *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof *o);
+    size_t n = 0, i, j;
+    if (!o) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
+    for (i = 0; i < p->nops; i++) {
+        const avgpipe_profile_op *op = &p->ops[i];
+        if ((!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) || op->stage >= G) continue;
+        o[n].g = op->stage, o[n].k = op->kind, o[n].x = p->sections[op->section].samples, o[n++].y = op->end - op->start;
+    }
+    qsort(o, n, sizeof *o, avgpipe__cmp_obs);
+    for (i = 0; i < n; i = j) {
+        double *q = &sums[((size_t)o[i].g * AVGPIPE_OP_KIND_COUNT + (size_t)o[i].k) * 5], x = o[i].x, y;
+        for (j = i; j < n && o[j].g == o[i].g && o[j].k == o[i].k && o[j].x == x; j++) continue;
+        y = (j - i) % 2 ? o[i + (j - i) / 2].y : (o[i + (j - i) / 2 - 1].y + o[i + (j - i) / 2].y) / 2;
+        q[0] += 1, q[1] += x, q[2] += y, q[3] += x * x, q[4] += x * y;
+    }
+    avgpipe_free(ctx, o);
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out) {
     int G, s, g, k, K = AVGPIPE_OP_KIND_COUNT;
     double *sums;
-    size_t i;
     avgpipe_result res;
     if (!p || !out || p->nsections < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_fit: NULL or empty profile");
     memset(out, 0, sizeof *out);
@@ -9015,12 +9316,11 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
         out->param_floats[g] = p->sections[0].param_floats[g];
         out->act_bytes_per_sample[g] = p->sections[0].act_bytes[g] / p->sections[0].samples;
     }
-    for (i = 0; i < p->nops; i++) {
-        const avgpipe_profile_op *o = &p->ops[i];
-        double x = p->sections[o->section].samples, y = o->end - o->start, *q;
-        if (!avgpipe__is_compute(o->kind) && o->kind != AVGPIPE_OP_STEP) continue;
-        q = &sums[((size_t)o->stage * K + (size_t)o->kind) * 5];
-        q[0] += 1, q[1] += x, q[2] += y, q[3] += x * x, q[4] += x * y;
+    res = avgpipe__fit_medians(ctx, p, G, sums);
+    if (res) {
+        avgpipe_free(ctx, sums);
+        avgpipe_cost_model_free(ctx, out);
+        return res;
     }
     for (g = 0; g < G; g++)
         for (k = 0; k < K; k++)
@@ -9038,6 +9338,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
     }
     avgpipe_free(ctx, sums);
     res = avgpipe__fit_latency(ctx, p, &out->latency);
+    if (!res) res = avgpipe__fit_extras(ctx, p, out);
     if (res) avgpipe_cost_model_free(ctx, out);
     return res;
 }
@@ -9045,13 +9346,19 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
 typedef struct avgpipe__pred {
     const avgpipe_cost_model *m;
     double samples;
+    int avg_on_rank; /* N = 1: the next round's forward waits for the averaging, on the rank's timeline */
 } avgpipe__pred;
+
+/* One averaging contribution of stage g. */
+static double avgpipe__avg_cost(const avgpipe_cost_model *m, int g) { return m->avg_per_float * m->param_floats[g]; }
 
 static double avgpipe__pred_cost(const avgpipe_op *op, void *user) {
     const avgpipe__pred *p = (const avgpipe__pred *)user;
     size_t ix = (size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind;
     if (op->stage < 0 || op->stage >= p->m->nstages) return 0;
-    return p->m->a[ix] + p->m->b[ix] * p->samples;
+    if (op->kind == AVGPIPE_OP_AVG) return p->avg_on_rank ? avgpipe__avg_cost(p->m, op->stage) : 0;
+    if (!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) return 0;
+    return p->m->a[ix] + p->m->b[ix] * p->samples + p->m->op_overhead;
 }
 
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
@@ -9072,6 +9379,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     memset(&sd, 0, sizeof sd);
     pr.m = m;
     pr.samples = samples;
+    pr.avg_on_rank = s.shape.pipes == 1;
     sd.cost_fn = avgpipe__pred_cost;
     sd.cost_user = &pr;
     sd.latency = m->latency;
@@ -9081,15 +9389,123 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
         return res;
     }
     *seconds = r.makespan;
-    if (m->cores > 0 && m->cores < s.nranks) { /* the ranks time-share the cores */
+    if (m->cores > 0) { /* the ranks, and their averaging threads, time-share the cores */
         double busy = 0;
-        int k;
+        int k, g;
         for (k = 0; k < r.nranks; k++) busy += r.rank[k].busy;
+        for (g = 0; g < m->nstages && !pr.avg_on_rank; g++)
+            busy += (double)s.shape.pipes * s.shape.rounds * avgpipe__avg_cost(m, g);
         if (busy / m->cores > *seconds) *seconds = busy / m->cores;
     }
     avgpipe_sched_free(ctx, &s);
     avgpipe_sim_result_free(ctx, &r);
     return AVGPIPE_OK;
+}
+
+/* An empty model of G partitions with m's shared terms. */
+static avgpipe_result avgpipe__model_like(avgpipe_context *ctx, const avgpipe_cost_model *m, int G, avgpipe_cost_model *out) {
+    int K = AVGPIPE_OP_KIND_COUNT;
+    memset(out, 0, sizeof *out);
+    out->nstages = G;
+    out->a = (double *)avgpipe__calloc(ctx, (size_t)G * K, sizeof(double));
+    out->b = (double *)avgpipe__calloc(ctx, (size_t)G * K, sizeof(double));
+    out->param_floats = (double *)avgpipe__calloc(ctx, (size_t)G, sizeof(double));
+    out->act_bytes_per_sample = (double *)avgpipe__calloc(ctx, (size_t)G, sizeof(double));
+    out->layers = (avgpipe_layer_cost *)avgpipe_alloc(ctx, (size_t)m->nlayers * sizeof *out->layers);
+    if (!out->a || !out->b || !out->param_floats || !out->act_bytes_per_sample || !out->layers) {
+        avgpipe_cost_model_free(ctx, out);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_split: out of memory");
+    }
+    memcpy(out->layers, m->layers, (size_t)m->nlayers * sizeof *out->layers);
+    out->nlayers = m->nlayers;
+    out->latency = m->latency;
+    out->samples_lo = m->samples_lo, out->samples_hi = m->samples_hi;
+    out->cores = m->cores;
+    out->op_overhead = m->op_overhead;
+    out->avg_per_float = m->avg_per_float;
+    out->step_a = m->step_a, out->step_b = m->step_b;
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_split(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, int nparts,
+                                              avgpipe_cost_model *out) {
+    int g, l = 0, i, K = AVGPIPE_OP_KIND_COUNT;
+    avgpipe_result res;
+    if (!m || !split || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_split: NULL argument");
+    if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_split: the model has no layer costs ('layer' lines)");
+    if (nparts < 1 || nparts > m->nlayers)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "nparts: %d partitions for %d layers (1..%d)", nparts, m->nlayers, m->nlayers);
+    for (g = 0; g < nparts; g++) {
+        if (split[g] < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "split[%d]: %d layers (each partition needs >= 1)", g, split[g]);
+        l += split[g];
+        if (l > m->nlayers) break;
+    }
+    if (l != m->nlayers) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "split: the partitions hold %s%d layers, the model has %d",
+                                              l > m->nlayers ? "more than " : "", l, m->nlayers);
+    if ((res = avgpipe__model_like(ctx, m, nparts, out)) != AVGPIPE_OK) return res;
+    for (g = 0, l = 0; g < nparts; g++)
+        for (i = 0; i < split[g]; i++, l++) {
+            const avgpipe_layer_cost *c = &m->layers[l];
+            double *a = &out->a[g * K], *b = &out->b[g * K];
+            out->layers[l].stage = g;
+            a[AVGPIPE_OP_F] += c->f_a, b[AVGPIPE_OP_F] += c->f_b;
+            a[AVGPIPE_OP_B] += c->b_a, b[AVGPIPE_OP_B] += c->b_b;
+            a[AVGPIPE_OP_I] += c->b_a / 2, b[AVGPIPE_OP_I] += c->b_b / 2;
+            a[AVGPIPE_OP_W] += c->b_a / 2, b[AVGPIPE_OP_W] += c->b_b / 2;
+            out->param_floats[g] += c->param_floats;
+            if (i + 1 == split[g]) out->act_bytes_per_sample[g] = g + 1 < nparts ? c->act_bytes : 0;
+        }
+    for (g = 0; g < nparts; g++) out->a[g * K + AVGPIPE_OP_STEP] = m->step_a + m->step_b * out->param_floats[g];
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds) {
+    enum { WARM = 4, TIMED = 16 };
+    avgpipe_ea_desc d;
+    avgpipe_ea *ea = NULL;
+    float *w = NULL;
+    double t[TIMED];
+    int k;
+    avgpipe_result res;
+    if (!seconds || floats < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_measure_averaging: floats must be >= 1");
+    *seconds = 0;
+    w = (float *)avgpipe__calloc(ctx, 2 * floats, sizeof *w); /* two pipelines' models, zero: finite */
+    if (!w) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_measure_averaging: out of memory");
+    memset(&d, 0, sizeof d);
+    d.count = floats;
+    d.pipes = 2;
+    d.initial = w;
+    res = avgpipe_ea_create(ctx, &d, &ea);
+    for (k = 0; !res && k < WARM + TIMED; k++) { /* round k / 2 of pipeline k % 2, in order */
+        double t0 = avgpipe__now();
+        res = avgpipe_ea_contribute(ctx, ea, k % 2, (uint64_t)(k / 2), w + (size_t)(k % 2) * floats, NULL);
+        if (k >= WARM) t[k - WARM] = avgpipe__now() - t0;
+    }
+    if (!res) {
+        qsort(t, TIMED, sizeof *t, avgpipe__cmp_dbl);
+        *seconds = (t[TIMED / 2 - 1] + t[TIMED / 2]) / 2;
+    }
+    avgpipe_ea_destroy(ea);
+    avgpipe_free(ctx, w);
+    return res;
+}
+
+/* Work per sample of partition g (forward, backward, STEP), micro-batches of x samples, batches of B. */
+static double avgpipe__part_work(const avgpipe_cost_model *m, int g, double x, double B) {
+    const double *a = &m->a[g * AVGPIPE_OP_KIND_COUNT], *b = &m->b[g * AVGPIPE_OP_KIND_COUNT];
+    return (a[AVGPIPE_OP_F] + b[AVGPIPE_OP_F] * x + a[AVGPIPE_OP_B] + b[AVGPIPE_OP_B] * x) / x + a[AVGPIPE_OP_STEP] / B;
+}
+
+AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int stages, double samples, int batch) {
+    double total = 0, worst = 0, w;
+    int r, g;
+    if (!m || stages < 1 || m->nstages < 1 || m->nstages % stages || !(samples > 0) || batch < 1) return -1;
+    for (r = 0; r < stages; r++) {
+        for (g = r, w = 0; g < m->nstages; g += stages) w += avgpipe__part_work(m, g, samples, (double)batch);
+        total += w;
+        if (w > worst) worst = w;
+    }
+    return total > 0 ? worst / total : -1;
 }
 
 static int avgpipe__cmp_candidate(const void *x, const void *y) {
@@ -9164,7 +9580,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     avgpipe_tune_candidate *list = NULL;
     size_t *act = NULL, *pcount = NULL;
     double *mem = NULL;
-    int n = 0, cap = 0, kind, N, M, cont, K, S, *warm = NULL;
+    int n = 0, cap = 0, kind, N, M, cont, K, S, V, *warm = NULL;
     unsigned kinds;
     avgpipe_result res = AVGPIPE_OK;
     if (!m || !desc || !out || !count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_search: NULL argument");
@@ -9172,25 +9588,31 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     *count = 0;
     td = *desc;
     if (td.batch < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "batch: must be >= 1 (got %d)", td.batch);
-    if (td.max_pipes < 0 || td.rounds < 0 || td.max_advance < 0 || td.min_micro < 0 || td.mem_limit < 0 || td.opt_bytes_per_param < 0)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "max_pipes, rounds, max_advance, min_micro, mem_limit, opt_bytes_per_param: must be >= 0");
+    if (td.max_pipes < 0 || td.rounds < 0 || td.max_advance < 0 || td.min_micro < 0 || td.mem_limit < 0 || td.opt_bytes_per_param < 0 ||
+        td.chunks < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                             "max_pipes, rounds, max_advance, min_micro, mem_limit, opt_bytes_per_param, chunks: must be >= 0");
+    V = td.chunks ? td.chunks : 1;
+    if (m->nstages % V)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: the model's %d partitions are not a multiple of %d chunks", m->nstages, V);
     if (!td.max_pipes) td.max_pipes = 4;
     if (!td.rounds) td.rounds = 1;
     if (!td.min_micro) td.min_micro = 1;
     kinds = td.kinds ? td.kinds
                      : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
     if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
-    S = m->nstages; /* one stage partition per rank */
-    act = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
-    pcount = (size_t *)avgpipe__calloc(ctx, (size_t)S, sizeof(size_t));
-    mem = (double *)avgpipe__calloc(ctx, (size_t)S, sizeof(double));
+    if (V > 1) kinds = 1u << AVGPIPE_SCHED_INTERLEAVED; /* the one schedule with several partitions per rank */
+    S = m->nstages / V;
+    act = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t)); /* per partition */
+    pcount = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t));
+    mem = (double *)avgpipe__calloc(ctx, (size_t)S, sizeof(double)); /* per rank */
     warm = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
     if (!act || !pcount || !mem || !warm) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
     for (kind = AVGPIPE_SCHED_AFAB; kind <= AVGPIPE_SCHED_ZBH1 && !res; kind++) {
-        if (!(kinds & (1u << kind)) || kind == AVGPIPE_SCHED_INTERLEAVED) continue; /* the profile fixes V = 1 */
+        if (!(kinds & (1u << kind)) || (kind == AVGPIPE_SCHED_INTERLEAVED) != (V > 1)) continue; /* V fixes interleaved or not */
         for (N = 1; N <= td.max_pipes && !res; N++)
             for (M = 1; M <= td.batch && !res; M++) {
-                if (td.batch % M || td.batch / M < td.min_micro) continue;
+                if (td.batch % M || td.batch / M < td.min_micro || (V > 1 && M % S)) continue;
                 for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
                     long long kfull = ((long long)N * M - 1) * (S > 1 ? S - 1 : 1); /* in long long: N, M, S are the caller's */
                     int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : kfull < INT_MAX ? (int)kfull : INT_MAX - 1;
@@ -9200,6 +9622,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                         memset(&c, 0, sizeof c);
                         c.sched.kind = (avgpipe_sched_kind)kind;
                         c.sched.stages = S;
+                        c.sched.chunks = V > 1 ? V : 0; /* V = 1: left 0 (the generators' default), as always */
                         c.sched.micro = M;
                         c.sched.pipes = N;
                         c.sched.rounds = td.rounds;
@@ -9244,6 +9667,198 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     return AVGPIPE_OK;
 }
 
+
+/* ---- the stage partitioner ---- */
+
+#define AVGPIPE__PLAN_MAX_SPLITS 100000 /* contiguous splits the partitioner enumerates (C(L-1, P-1)) */
+
+AVGPIPE_API void avgpipe_plan_free(avgpipe_context *ctx, avgpipe_plan *p) {
+    if (!p) return;
+    avgpipe_free(ctx, p->split);
+    memset(p, 0, sizeof *p);
+}
+
+/* The next split of L layers into P parts in lexicographic order of split[]; 0 after the last. */
+static int avgpipe__next_split(int *split, int P, int L) {
+    int i, j, used = 0;
+    for (i = 0; i < P - 1; i++) used += split[i];
+    for (i = P - 2; i >= 0; i--) {
+        used -= split[i]; /* layers in parts 0 .. i-1 */
+        if (L - used - split[i] - 1 >= P - 1 - i) { /* part i can take one more, the rest keep one each */
+            split[i]++;
+            used += split[i];
+            for (j = i + 1; j < P - 1; j++) split[j] = 1, used++;
+            split[P - 1] = L - used;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* Lower bound on the predicted time per sample of every setting of split model sm on S ranks: at M = 1
+   (each term of a prediction grows with M) the busiest rank's work for one batch (F, B, STEP and their
+   op overheads), and with cores set all ranks' work plus the averaging over the cores. A hair under, so
+   that rounding never lets it pass an equal prediction. */
+static double avgpipe__plan_bound(const avgpipe_cost_model *sm, int S, double B) {
+    int K = AVGPIPE_OP_KIND_COUNT, r, g;
+    double worst = 0, total = 0, w, bound;
+    for (r = 0; r < S; r++) {
+        for (g = r, w = 0; g < sm->nstages; g += S) {
+            const double *a = &sm->a[g * K], *b = &sm->b[g * K];
+            w += a[AVGPIPE_OP_F] + b[AVGPIPE_OP_F] * B + a[AVGPIPE_OP_B] + b[AVGPIPE_OP_B] * B + a[AVGPIPE_OP_STEP] + 3 * sm->op_overhead;
+        }
+        total += w;
+        if (w > worst) worst = w;
+    }
+    for (g = 0; g < sm->nstages; g++) total += avgpipe__avg_cost(sm, g);
+    bound = sm->cores > 0 && total / sm->cores > worst ? total / sm->cores : worst;
+    return bound / B * (1 - 1e-9);
+}
+
+typedef struct avgpipe__plan_item {
+    double bound;
+    long long index; /* position in layer (lexicographic) order */
+} avgpipe__plan_item;
+
+static int avgpipe__cmp_plan_item(const void *x, const void *y) {
+    const avgpipe__plan_item *a = (const avgpipe__plan_item *)x, *b = (const avgpipe__plan_item *)y;
+    if (a->bound != b->bound) return a->bound < b->bound ? -1 : 1;
+    return (a->index > b->index) - (a->index < b->index);
+}
+
+/* Every split (in layer order, into splits[count * P]) with its bound. */
+static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpipe_cost_model *m, int S, int P, double B, int *splits,
+                                              avgpipe__plan_item *items, long long count) {
+    avgpipe_cost_model sm;
+    avgpipe_result res = AVGPIPE_OK;
+    long long k;
+    int g, *cur = splits;
+    for (g = 0; g < P; g++) cur[g] = g + 1 < P ? 1 : m->nlayers - (P - 1);
+    for (k = 0; k < count && !res; k++) {
+        int *sp = splits + k * P;
+        if (k > 0) {
+            memcpy(sp, sp - P, (size_t)P * sizeof *sp);
+            avgpipe__next_split(sp, P, m->nlayers);
+        }
+        res = avgpipe_tune_split(ctx, m, sp, P, &sm);
+        if (res) break;
+        items[k].bound = avgpipe__plan_bound(&sm, S, B);
+        items[k].index = k;
+        avgpipe_cost_model_free(ctx, &sm);
+    }
+    return res;
+}
+
+/* Search one split; *best gets its fastest kept fitting candidate (*found = 1), or when none fits its
+   kept candidate with the least memory (*found = 0, *any = 1 if there was one). */
+static avgpipe_result avgpipe__plan_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, const avgpipe_tune_desc *td,
+                                           const avgpipe_plan_desc *pd, avgpipe_tune_candidate *best, int *found, int *any) {
+    avgpipe_cost_model sm;
+    avgpipe_tune_candidate *c = NULL;
+    int n = 0, i;
+    avgpipe_result res = avgpipe_tune_split(ctx, m, split, pd->stages * (pd->chunks ? pd->chunks : 1), &sm);
+    *found = *any = 0;
+    if (res) return res;
+    res = avgpipe_tune_search(ctx, &sm, td, &c, &n);
+    for (i = 0; !res && i < n; i++) {
+        if (pd->keep && !pd->keep(&c[i], pd->keep_user)) continue;
+        if (c[i].fits) {
+            *best = c[i], *found = 1;
+            break;
+        }
+        if (!*any || c[i].peak_bytes < best->peak_bytes) *best = c[i], *any = 1;
+    }
+    avgpipe_free(ctx, c);
+    avgpipe_cost_model_free(ctx, &sm);
+    return res;
+}
+
+/* C(n, k) as a double (splits of L layers into P parts: C(L-1, P-1)). */
+static double avgpipe__choose(int n, int k) {
+    double c = 1;
+    int i;
+    for (i = 1; i <= k; i++) c = c * (n - k + i) / i;
+    return c;
+}
+
+/* Check the arguments; *P partitions, *count splits. */
+static avgpipe_result avgpipe__plan_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                          const avgpipe_plan_desc *pd, int *P, long long *count) {
+    double c;
+    if (!m || !desc || !pd) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: NULL argument");
+    if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: the model has no layer costs ('layer' lines)");
+    if (pd->stages < 1 || pd->chunks < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages, chunks: stages >= 1, chunks >= 0");
+    if (desc->batch < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "batch: must be >= 1 (got %d)", desc->batch);
+    *P = pd->stages * (pd->chunks ? pd->chunks : 1);
+    if (*P > m->nlayers)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: %d partitions (stages x chunks) for a model of %d layers", *P, m->nlayers);
+    c = avgpipe__choose(m->nlayers - 1, *P - 1);
+    if (c > AVGPIPE__PLAN_MAX_SPLITS)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: %.0f ways to split %d layers into %d partitions (at most %d are tried)", c,
+                             m->nlayers, *P, AVGPIPE__PLAN_MAX_SPLITS);
+    *count = (long long)(c + 0.5);
+    return AVGPIPE_OK;
+}
+
+/* The chosen split into out, with its slowest share and the bound it sets. */
+static avgpipe_result avgpipe__plan_finish(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                           const avgpipe_plan_desc *pd, const int *split, int P, avgpipe_plan *out) {
+    avgpipe_cost_model sm;
+    avgpipe_result res = avgpipe_tune_split(ctx, m, split, P, &sm);
+    if (res) return res;
+    out->nparts = P;
+    memcpy(out->split, split, (size_t)P * sizeof *split);
+    out->slowest_share = avgpipe_tune_slowest_share(&sm, pd->stages, out->best.samples, desc->batch);
+    out->bound = out->slowest_share > 0 ? 1 / out->slowest_share : 0;
+    if (m->cores > 0 && out->bound > m->cores) out->bound = m->cores;
+    avgpipe_cost_model_free(ctx, &sm);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                             const avgpipe_plan_desc *pd, avgpipe_plan *out) {
+    avgpipe_tune_desc td;
+    avgpipe__plan_item *items = NULL;
+    int *splits = NULL, P = 0, found, any, have_any = 0;
+    long long count = 0, k, best = -1;
+    avgpipe_result res;
+    avgpipe_tune_candidate c, fallback;
+    long long fallback_index = -1;
+    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: NULL argument");
+    memset(out, 0, sizeof *out);
+    if ((res = avgpipe__plan_check(ctx, m, desc, pd, &P, &count)) != AVGPIPE_OK) return res;
+    td = *desc;
+    td.chunks = pd->chunks;
+    splits = (int *)avgpipe_alloc(ctx, (size_t)count * (size_t)P * sizeof *splits);
+    items = (avgpipe__plan_item *)avgpipe_alloc(ctx, (size_t)count * sizeof *items);
+    out->split = (int *)avgpipe_alloc(ctx, (size_t)P * sizeof *out->split);
+    if (!splits || !items || !out->split) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_plan: out of memory");
+    if (!res) res = avgpipe__plan_enumerate(ctx, m, pd->stages, P, (double)desc->batch, splits, items, count);
+    if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_plan_item);
+    for (k = 0; !res && k < count; k++) {
+        /* bounded out: no setting of this split (nor of any later one) can beat the best found */
+        if (best >= 0 && items[k].bound > out->best.time_per_sample) break;
+        res = avgpipe__plan_search(ctx, m, splits + items[k].index * P, &td, pd, &c, &found, &any);
+        out->searched++;
+        if (!res && found &&
+            (best < 0 || c.time_per_sample < out->best.time_per_sample ||
+             (c.time_per_sample == out->best.time_per_sample && items[k].index < best)))
+            out->best = c, best = items[k].index;
+        if (!res && !found && any && (!have_any || c.peak_bytes < fallback.peak_bytes)) fallback = c, fallback_index = items[k].index, have_any = 1;
+    }
+    if (!res && best < 0 && !have_any)
+        res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: no candidate to choose from (the search found none, or keep refused all)");
+    if (!res) {
+        out->found = best >= 0;
+        if (!out->found) out->best = fallback, best = fallback_index;
+        res = avgpipe__plan_finish(ctx, m, desc, pd, splits + best * P, P, out);
+    }
+    out->splits = count;
+    avgpipe_free(ctx, splits);
+    avgpipe_free(ctx, items);
+    if (res) avgpipe_plan_free(ctx, out);
+    return res;
+}
 
 #ifdef __cplusplus
 } /* extern "C" */

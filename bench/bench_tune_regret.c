@@ -1,34 +1,42 @@
-/* bench_tune_regret — how good are the tuner's predictions on a real model?
+/* bench_tune_regret — how good are the tuner's predictions on a real model, on a shared, noisy machine?
 
    The Fashion-MNIST MLP of examples/mlp.h trains on CPU stage threads (the runtime's workers, OpenBLAS
    single-threaded inside each). ONE setting (advance K = 1, N = 2) is profiled at two micro-batch sizes
-   (M = 4 and M = 8) into one profile; the tuner fits its cost model to it. Then every setting of a grid
-   (schedules 1f1b, advance K = 1, afab, zbh1; M in {2, 4, 8, 16}; N in {1, 2, 3}) is measured (median
-   iteration time over a few iterations) and compared with the tuner's prediction:
-     - per setting: measured and predicted time per sample, relative error, and the predicted peak
-       memory per rank against what the runtime allocated plus parameters and Adam state;
-     - mean absolute relative error, Spearman rank correlation of predicted vs measured;
+   (M = 4 and M = 8) into one profile, with an 'averaging' line per stage (avgpipe_tune_measure_averaging);
+   the tuner fits its cost model to it (op times as lines through the medians, the runtime's time per op,
+   the averaging per parameter; the stage threads and their averaging threads share the machine's cores).
+   Then every setting of a grid (schedules 1f1b, advance K = 1, afab, zbh1; M in {2, 4, 8, 16}; N in
+   {1, 2, 3}) is measured and compared with the tuner's prediction:
+     - per setting: the median time per sample over every timed iteration of every pass, the trimmed mean
+       (middle 60%), their spread (90th percentile over the median, and the slowest pass median over the
+       fastest), the prediction and its error, predicted memory against what the runtime allocated;
+     - mean absolute relative error, Spearman rank correlation of predicted vs measured (medians, and
+       again on trimmed means);
      - regret: measured time of the tuner's choice within the grid over the best measured, minus 1;
-     - the tuner's overall choice (all divisors M of the batch, N <= 3), measured too;
+     - the tuner's overall choice (all divisors M of the batch down to B/16 samples, N <= 3), measured too;
      - tuning time (fit + search) as a fraction of the time the grid took to measure.
    Targets: regret <= 5%, rank correlation >= 0.9, tuning time < 1% of the grid's; the last lines say
    whether each was met.
 
-   The grid is measured in two passes (every setting once per pass, WARMUP + --iters iterations each);
-   a setting's time is the median of its timed iterations of both passes, so that a slow spell of the
-   machine does not land on one setting only. The search covers the grid's micro-batch sizes and larger
-   (at least B/16 samples per micro-batch), N = 1..3, every K that changes a warm-up and both round
-   modes; the default full search (down to 1 sample per micro-batch) is timed too.
+   Noise. The grid is measured in --passes passes, each visiting every setting once in its own random
+   order (so a slow spell of the machine spreads over many settings instead of landing on a few), each
+   visit --warmup + --iters iterations. Other programs' use of the machine is watched (bench/quiet.h:
+   /proc/stat minus this process): before a visit the bench waits (up to 10 s) for them to use under
+   --max-others cores, and a visit during which they used more is redone (up to 3 times; counted and
+   reported). The profile runs are watched the same way.
 
-   Usage: bench_tune_regret [--stages S] [--limit N] [--iters I] [--batch B] [--rounds R] [--sync]
-                            [--hidden LIST] [--data DIR]
-   Defaults: S = 4 with 4 or more cores, else 2 (the simulator gives every stage its own core); 8192
-   training samples; 9 timed iterations per pass after 2 warm-up ones; B = 128; R = 2 continuous rounds. */
+   Usage: bench_tune_regret [--stages S] [--limit N] [--passes P] [--iters I] [--batch B] [--rounds R] [--sync]
+                            [--max-others C] [--seed X] [--hidden LIST] [--data DIR]
+   Defaults: S = 4 with 4 or more cores, else 2; 8192 training samples; 5 passes of 1 + 3 iterations per
+   visit; B = 128; R = 2 continuous rounds; others under 0.15 cores; seed 1. */
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 #define MLP_IMPLEMENTATION
 #include "examples/mlp.h"
+#define BLAS_KERNEL_IMPLEMENTATION
+#include "examples/blas_kernel.h"
+#include "bench/quiet.h"
 
 #include <errno.h>
 #include <math.h>
@@ -43,12 +51,16 @@ void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; n
 
 #define PROG "bench_tune_regret"
 #define MAXN 4
-#define WARMUP 2
-#define MAXITERS 64
-#define PASSES 2
+#define WARMUP_MAX 8
+#define MAXITERS 32
+#define MAXPASSES 16
+#define MAXSET 64
+#define RETRIES 3
 
 typedef struct options {
-    int stages, limit, iters, batch, rounds, continuous;
+    int stages, limit, iters, passes, warmup, batch, rounds, continuous;
+    double max_others;
+    unsigned seed;
     const char *hidden, *data;
 } options;
 
@@ -57,6 +69,7 @@ static options O;
 static mlp_model MODEL;
 static mlp_data TRAIN;
 static size_t ACT_BYTES[MLP_MAX_LAYERS];
+static blas_kernel_status BLAS;
 
 /* State of one setting's run, reached by the callbacks through op->user. */
 typedef struct app {
@@ -177,14 +190,22 @@ typedef struct setting {
     avgpipe_sched_kind kind;
     int micro, pipes, advance, continuous;
     /* results */
-    double times[PASSES * MAXITERS]; /* timed iterations of every pass so far */
-    int ntimes;
-    double measured, spread, predicted, pred_peak, real_peak, wall;
+    double times[MAXPASSES * MAXITERS]; /* timed iterations of every accepted visit, seconds */
+    double pass_median[MAXPASSES];      /* each accepted visit's median */
+    int ntimes, nvisits, redone;
+    double measured, trimmed, p90, pass_spread, predicted, pred_peak, real_peak, wall;
 } setting;
 
 static int cmp_double(const void *x, const void *y) {
     double a = *(const double *)x, b = *(const double *)y;
     return (a > b) - (a < b);
+}
+
+static double median_of(const double *x, int n) {
+    double s[(MAXPASSES * MAXITERS)];
+    memcpy(s, x, sizeof(double) * (size_t)n);
+    qsort(s, (size_t)n, sizeof(double), cmp_double);
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
 }
 
 static avgpipe_sched_desc sched_of(const setting *s) {
@@ -215,17 +236,16 @@ static void append_file(const char *from, const char *to) {
     if (fclose(out) != 0) die("cannot write '%s'", to);
 }
 
-/* Run setting s: WARMUP + O.iters iterations, their times added to s->times; s->measured = the median
-   of s->times per sample. With a profile path, the profiles of this run's timed iterations within 3% of
-   its median are appended to it (a typical iteration's op times; one iteration's can stray when another
-   program takes a core). */
-static void run_setting(avgpipe_context *ctx, setting *s, const char *profile, int *kept) {
+/* One visit of setting s: O.warmup + O.iters iterations; the timed ones into t[]. With a profile path
+   the timed iterations' profiles go to tmp files (kept by the caller when the visit is accepted).
+   Returns the cores other programs used meanwhile. */
+static double visit(avgpipe_context *ctx, setting *s, double *t, const char *profile, char tmp[][40]) {
     app *A = (app *)calloc(1, sizeof(app));
     avgpipe_run_desc rd;
     avgpipe_run *run;
     avgpipe_run_stats st;
-    double t[MAXITERS], sorted[PASSES * MAXITERS], t0 = now(), med;
-    char tmp[MAXITERS][40];
+    quiet_snap q0, q1;
+    double t0 = now();
     int i, g, r;
     if (!A) die("out of memory");
     app_init(A, s->micro, s->pipes);
@@ -252,43 +272,67 @@ static void run_setting(avgpipe_context *ctx, setting *s, const char *profile, i
         for (g = r; g < MODEL.stages; g += MODEL.stages) b += (double)s->pipes * (double)MODEL.count[g] * (4 + 8);
         if (b > s->real_peak) s->real_peak = b;
     }
-    for (i = 0; i < WARMUP + O.iters; i++) {
-        int k = i - WARMUP;
+    q0 = quiet_now();
+    for (i = 0; i < O.warmup + O.iters; i++) {
+        int k = i - O.warmup;
         if (avgpipe_run_iteration(run, &st) != AVGPIPE_OK) die("iteration: %s", avgpipe_last_error(ctx));
         if (k < 0) continue;
         t[k] = st.seconds;
         if (profile) {
             int fd;
-            snprintf(tmp[k], sizeof tmp[k], "/tmp/" PROG "_XXXXXX");
+            snprintf(tmp[k], 40, "/tmp/" PROG "_XXXXXX");
             if ((fd = mkstemp(tmp[k])) < 0) die("mkstemp: %s", strerror(errno));
             close(fd);
             if (avgpipe_run_write_profile(run, tmp[k]) != AVGPIPE_OK) die("profile: %s", avgpipe_last_error(ctx));
         }
     }
+    q1 = quiet_now();
     avgpipe_run_destroy(run);
-    memcpy(sorted, t, sizeof(double) * (size_t)O.iters);
-    qsort(sorted, (size_t)O.iters, sizeof(double), cmp_double);
-    med = sorted[O.iters / 2]; /* this run's */
-    memcpy(s->times + s->ntimes, t, sizeof(double) * (size_t)O.iters);
-    s->ntimes += O.iters;
-    memcpy(sorted, s->times, sizeof(double) * (size_t)s->ntimes);
-    qsort(sorted, (size_t)s->ntimes, sizeof(double), cmp_double);
-    s->spread = sorted[s->ntimes - 1] / sorted[0];
-    s->measured = sorted[s->ntimes / 2] / ((double)O.rounds * s->pipes * O.batch);
-    for (i = 0; profile && i < O.iters; i++) {
-        if (fabs(t[i] / med - 1) <= 0.03) {
-            append_file(tmp[i], profile);
-            ++*kept;
-        }
-        remove(tmp[i]);
-    }
     app_free(A);
     free(A);
     s->wall += now() - t0;
+    return quiet_others(&q0, &q1);
 }
 
-/* The 1-minute load average (-1 where /proc/loadavg cannot be read): the measurements assume an otherwise
-   idle machine, and say so when it was not. */
+/* Measure s once, accepted when other programs stayed under O.max_others cores (else redone, up to
+   RETRIES times; the last try is kept). Adds the timed iterations to s. */
+static void measure(avgpipe_context *ctx, setting *s, const char *profile, int *redone_total) {
+    double t[MAXITERS], others = 0;
+    char tmp[MAXITERS][40];
+    int try, i;
+    for (try = 0; try <= RETRIES; try++) {
+        quiet_wait(O.max_others, 10);
+        others = visit(ctx, s, t, profile, tmp);
+        if (others < O.max_others || try == RETRIES) break;
+        s->redone++, ++*redone_total;
+        for (i = 0; profile && i < O.iters; i++) remove(tmp[i]);
+    }
+    for (i = 0; profile && i < O.iters; i++) {
+        append_file(tmp[i], profile);
+        remove(tmp[i]);
+    }
+    memcpy(s->times + s->ntimes, t, sizeof(double) * (size_t)O.iters);
+    s->ntimes += O.iters;
+    s->pass_median[s->nvisits++] = median_of(t, O.iters);
+    (void)others;
+}
+
+/* The statistics of s over everything measured so far, per sample. */
+static void summarise(setting *s) {
+    double sorted[(MAXPASSES * MAXITERS)], per = 1.0 / ((double)O.rounds * s->pipes * O.batch), sum = 0, lo, hi;
+    int n = s->ntimes, i, a = n / 5, b = n - n / 5;
+    memcpy(sorted, s->times, sizeof(double) * (size_t)n);
+    qsort(sorted, (size_t)n, sizeof(double), cmp_double);
+    s->measured = median_of(s->times, n) * per;
+    for (i = a; i < b; i++) sum += sorted[i];
+    s->trimmed = sum / (b - a) * per;
+    s->p90 = sorted[(int)(0.9 * (n - 1) + 0.5)] * per / s->measured;
+    lo = hi = s->pass_median[0];
+    for (i = 1; i < s->nvisits; i++) lo = fmin(lo, s->pass_median[i]), hi = fmax(hi, s->pass_median[i]);
+    s->pass_spread = lo > 0 ? hi / lo : 0;
+}
+
+/* The 1-minute load average (-1 where /proc/loadavg cannot be read). */
 static double loadavg(void) {
     FILE *f = fopen("/proc/loadavg", "r");
     double l = -1;
@@ -326,6 +370,18 @@ static double spearman(const double *x, const double *y, int n) {
     return sxx > 0 && syy > 0 ? sxy / sqrt(sxx * syy) : 0;
 }
 
+/* A permutation of 0..n-1 from a small LCG (the same on every machine for the same seed). */
+static void shuffle(int *ix, int n, unsigned *state) {
+    int i;
+    for (i = 0; i < n; i++) ix[i] = i;
+    for (i = n - 1; i > 0; i--) {
+        int j, t;
+        *state = *state * 1664525u + 1013904223u;
+        j = (int)((*state >> 8) % (unsigned)(i + 1));
+        t = ix[i], ix[i] = ix[j], ix[j] = t;
+    }
+}
+
 /* ---- main ------------------------------------------------------------------------------------------ */
 
 static long arg_long(const char *flag, const char *v, long lo, long hi) {
@@ -342,17 +398,21 @@ static void parse(int argc, char **argv) {
     int i;
     O.stages = cores >= 4 ? 4 : 2;
     O.limit = 8192;
-    O.iters = 9;
+    O.iters = 3;
+    O.passes = 5;
+    O.warmup = 1;
     O.batch = 128;
     O.rounds = 2;
     O.continuous = 1;
+    O.max_others = 0.15;
+    O.seed = 1;
     O.hidden = "512,256,128";
     O.data = "/usr/share/datasets/fashion-mnist";
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(f, "--help") || !strcmp(f, "-h")) {
-            printf("usage: " PROG " [--stages S] [--limit N] [--iters I] [--batch B] [--rounds R] [--sync] [--hidden LIST] "
-                   "[--data DIR]\n");
+            printf("usage: " PROG " [--stages S] [--limit N] [--passes P] [--iters I] [--warmup W] [--batch B] [--rounds R] [--sync] "
+                   "[--max-others CORES] [--seed X] [--hidden LIST] [--data DIR]\n");
             exit(0);
         }
         if (!strcmp(f, "--sync")) {
@@ -363,8 +423,16 @@ static void parse(int argc, char **argv) {
         if (!strcmp(f, "--stages")) O.stages = (int)arg_long(f, v, 1, MLP_MAX_LAYERS);
         else if (!strcmp(f, "--limit")) O.limit = (int)arg_long(f, v, 1, 1 << 24);
         else if (!strcmp(f, "--iters")) O.iters = (int)arg_long(f, v, 1, MAXITERS);
+        else if (!strcmp(f, "--passes")) O.passes = (int)arg_long(f, v, 1, MAXPASSES);
+        else if (!strcmp(f, "--warmup")) O.warmup = (int)arg_long(f, v, 0, WARMUP_MAX);
         else if (!strcmp(f, "--batch")) O.batch = (int)arg_long(f, v, 16, 1 << 16);
         else if (!strcmp(f, "--rounds")) O.rounds = (int)arg_long(f, v, 1, 64);
+        else if (!strcmp(f, "--seed")) O.seed = (unsigned)arg_long(f, v, 0, 2147483647L);
+        else if (!strcmp(f, "--max-others")) {
+            char *end;
+            O.max_others = strtod(v, &end);
+            if (end == v || *end || !(O.max_others > 0)) die("--max-others expects a number of cores > 0, got '%s'", v);
+        }
         else if (!strcmp(f, "--hidden")) O.hidden = v;
         else if (!strcmp(f, "--data")) O.data = v;
         else die("unknown option '%s' (try --help)", f);
@@ -373,48 +441,12 @@ static void parse(int argc, char **argv) {
     if (O.batch % 16) die("--batch %d: must be a multiple of 16 (the grid's largest M)", O.batch);
 }
 
-int main(int argc, char **argv) {
-    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_ZBH1};
-    static const int micros[] = {2, 4, 8, 16};
-    static setting grid[64];
-    avgpipe_context ctx;
-    mlp_data test;
-    char err[512], desc[256], prof[] = "/tmp/" PROG "_profile_XXXXXX";
-    int ng = 0, i, j, g, kept[2] = {0, 0}, fd, K = AVGPIPE_OP_KIND_COUNT, cand_n, full_n, pass, best_meas = 0, pick = -1, mem_exact = 1, met = 0;
-    double load0, load1, grid_time = 0, t_prof, t_fit, t_search, t_full, mae = 0, meas[64], pred[64], rho, regret;
-    setting profiled[2], overall;
-    long ncores;
-    avgpipe_profile p;
-    avgpipe_cost_model m;
-    avgpipe_tune_desc td;
-    avgpipe_tune_candidate *cand;
-
-    parse(argc, argv);
-    load0 = loadavg();
-    ncores = sysconf(_SC_NPROCESSORS_ONLN);
-    openblas_set_num_threads(1);
-    avgpipe_context_init(&ctx, NULL);
-    if (mlp_data_load_fashion(O.data, &TRAIN, &test, err, sizeof err) != 0) die("%s", err);
-    mlp_data_free(&test);
-    {
-        float mean, sd;
-        mlp_data_stats(&TRAIN, &mean, &sd);
-        mlp_data_normalize(&TRAIN, mean, sd);
-    }
-    mlp_data_truncate(&TRAIN, O.limit);
-    if (TRAIN.n < 3 * O.batch * O.rounds) die("--limit %d: too few samples for 3 pipelines x %d rounds x %d", TRAIN.n, O.rounds, O.batch);
-    if (mlp_model_parse(&MODEL, TRAIN.dim, O.hidden, O.stages, err, sizeof err) != 0) die("%s", err);
-    mlp_model_describe(&MODEL, desc, sizeof desc);
-    printf(PROG ": model %s\n", desc);
-    printf("S=%d stage threads on %ld cores, batch %d per pipeline, R=%d %s rounds per iteration, %d training samples, "
-           "median of %d passes x %d iterations (each after %d warm-up)\n",
-           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, PASSES,
-           O.iters, WARMUP);
-
-    /* 1. Profile one setting at two micro-batch sizes into one file. */
-    if ((fd = mkstemp(prof)) < 0) die("mkstemp: %s", strerror(errno));
-    close(fd);
-    t_prof = now();
+/* The profile of one setting at M = 4 and M = 8 (visits alternating, 3 each), and an 'averaging' line per
+   stage: what the tuner fits. Returns the seconds it took. */
+static double profile(avgpipe_context *ctx, const char *path, setting *profiled, int *redone) {
+    double t0 = now();
+    int i, g;
+    FILE *f;
     for (i = 0; i < 2; i++) {
         memset(&profiled[i], 0, sizeof profiled[i]);
         profiled[i].kind = AVGPIPE_SCHED_ADVANCE;
@@ -422,17 +454,98 @@ int main(int argc, char **argv) {
         profiled[i].pipes = 2;
         profiled[i].advance = 1;
         profiled[i].continuous = O.continuous;
-        run_setting(&ctx, &profiled[i], prof, &kept[i]);
     }
-    t_prof = now() - t_prof;
-    printf("profiled advance K=1 N=2 at M=4 and M=8 (%d and %d samples per micro-batch): %d + %d typical iterations kept, %.1f s\n",
-           O.batch / 4, O.batch / 8, kept[0], kept[1], t_prof);
+    for (i = 0; i < 6; i++) measure(ctx, &profiled[i % 2], path, redone);
+    f = fopen(path, "a");
+    if (!f) die("cannot append to '%s': %s", path, strerror(errno));
+    for (g = 0; g < MODEL.stages; g++) {
+        double t;
+        if (avgpipe_tune_measure_averaging(ctx, MODEL.count[g], &t) != AVGPIPE_OK) die("%s", avgpipe_last_error(ctx));
+        fprintf(f, "averaging floats=%zu seconds=%.9g\n", MODEL.count[g], t);
+    }
+    if (fclose(f) != 0) die("cannot write '%s'", path);
+    return now() - t0;
+}
+
+/* The model's layer shapes at the grid's smallest micro-batch, checked by blas_kernel_ensure. */
+static void ensure_kernel(char **argv) {
+    blas_kernel_shape shapes[MLP_MAX_LAYERS];
+    char err[256];
+    int l;
+    if (mlp_model_parse(&MODEL, 784, O.hidden, O.stages, err, sizeof err) != 0) die("%s", err);
+    for (l = 0; l < MODEL.layers; l++) shapes[l].m = O.batch / 16, shapes[l].n = MODEL.width[l + 1], shapes[l].k = MODEL.width[l];
+    blas_kernel_ensure(argv, shapes, MODEL.layers, PROG, &BLAS);
+    printf("BLAS: %s, 1 thread per stage\n", BLAS.line);
+    fflush(stdout);
+}
+
+static void load(void) {
+    mlp_data test;
+    char err[512], desc[256];
+    float mean, sd;
+    if (mlp_data_load_fashion(O.data, &TRAIN, &test, err, sizeof err) != 0) die("%s", err);
+    mlp_data_free(&test);
+    mlp_data_stats(&TRAIN, &mean, &sd);
+    mlp_data_normalize(&TRAIN, mean, sd);
+    mlp_data_truncate(&TRAIN, O.limit);
+    if (TRAIN.n < 3 * O.batch * O.rounds) die("--limit %d: too few samples for 3 pipelines x %d rounds x %d", TRAIN.n, O.rounds, O.batch);
+    if (mlp_model_parse(&MODEL, TRAIN.dim, O.hidden, O.stages, err, sizeof err) != 0) die("%s", err);
+    mlp_model_describe(&MODEL, desc, sizeof desc);
+    printf(PROG ": model %s\n", desc);
+    printf("S=%d stage threads on %ld cores, batch %d per pipeline, R=%d %s rounds per iteration, %d training samples; %d passes in random "
+           "order, %d + %d iterations per visit, visits redone while other programs use >= %.2f cores\n",
+           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, O.passes,
+           O.warmup, O.iters, O.max_others);
+}
+
+static void print_model(const avgpipe_cost_model *m) {
+    int g, K = AVGPIPE_OP_KIND_COUNT;
+    printf("fitted cost model (op time = a + b x samples, us; STEP constant):\n");
+    for (g = 0; g < m->nstages; g++)
+        printf("  stage %d: F %.1f + %.2f x, B %.1f + %.2f x, STEP %.1f\n", g, 1e6 * m->a[g * K + AVGPIPE_OP_F], 1e6 * m->b[g * K + AVGPIPE_OP_F],
+               1e6 * m->a[g * K + AVGPIPE_OP_B], 1e6 * m->b[g * K + AVGPIPE_OP_B], 1e6 * m->a[g * K + AVGPIPE_OP_STEP]);
+    printf("  transfer latency %.1f us, runtime overhead %.1f us per op, averaging %.3f ns per parameter; %g cores shared by the stage "
+           "and averaging threads\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e9 * m->avg_per_float, m->cores);
+}
+
+int main(int argc, char **argv) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_ZBH1};
+    static const int micros[] = {2, 4, 8, 16};
+    static setting grid[MAXSET + 1], profiled[2];
+    avgpipe_context ctx;
+    char prof[] = "/tmp/" PROG "_profile_XXXXXX";
+    int ng, nall, i, j, g, fd, cand_n, full_n, pass, best_meas = 0, best_trim = 0, pick = -1, overall = -1, mem_exact = 1, met = 0;
+    int redone = 0, order[MAXSET + 1];
+    unsigned state;
+    double load0, load1, grid_time = 0, t_prof, t_fit, t_search, t_full, mae = 0, meas[MAXSET], trim[MAXSET], pred[MAXSET], rho, rho_t;
+    double regret, regret_t, others_start;
+    long ncores;
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *cand;
+
+    parse(argc, argv);
+    ensure_kernel(argv);
+    load0 = loadavg();
+    others_start = quiet_wait(O.max_others, 30);
+    ncores = sysconf(_SC_NPROCESSORS_ONLN);
+    openblas_set_num_threads(1);
+    avgpipe_context_init(&ctx, NULL);
+    load();
+
+    /* 1. Profile one setting at two micro-batch sizes into one file. */
+    if ((fd = mkstemp(prof)) < 0) die("mkstemp: %s", strerror(errno));
+    close(fd);
+    t_prof = profile(&ctx, prof, profiled, &redone);
+    printf("profiled advance K=1 N=2 at M=4 and M=8 (%d and %d samples per micro-batch): 3 visits each, %.1f s\n", O.batch / 4,
+           O.batch / 8, t_prof);
 
     /* 2. Fit and search (timed: the tuning cost). */
     t_fit = now();
     if (avgpipe_profile_load(&ctx, prof, &p) != AVGPIPE_OK || avgpipe_tune_fit(&ctx, &p, &m) != AVGPIPE_OK)
         die("%s", avgpipe_last_error(&ctx));
-    if (ncores < MODEL.stages) m.cores = (double)ncores; /* the stage threads share the cores */
+    m.cores = (double)ncores; /* the stage threads and their averaging threads share the cores */
     t_fit = now() - t_fit;
     remove(prof);
     memset(&td, 0, sizeof td);
@@ -448,28 +561,36 @@ int main(int argc, char **argv) {
     t_search = now();
     if (avgpipe_tune_search(&ctx, &m, &td, &cand, &cand_n) != AVGPIPE_OK) die("search: %s", avgpipe_last_error(&ctx));
     t_search = now() - t_search;
-    printf("fitted cost model (op time = a + b x samples, us; STEP constant):\n");
-    for (g = 0; g < m.nstages; g++)
-        printf("  stage %d: F %.1f + %.2f x, B %.1f + %.2f x, STEP %.1f\n", g, 1e6 * m.a[g * K + AVGPIPE_OP_F], 1e6 * m.b[g * K + AVGPIPE_OP_F],
-               1e6 * m.a[g * K + AVGPIPE_OP_B], 1e6 * m.b[g * K + AVGPIPE_OP_B], 1e6 * m.a[g * K + AVGPIPE_OP_STEP]);
-    printf("  transfer latency %.1f us%s\n", 1e6 * m.latency, m.cores > 0 ? "; stage threads share the cores (cost_model.cores)" : "");
+    print_model(&m);
 
-    /* 3. The grid: measure every setting (PASSES passes, the second in reverse order), then predict. */
-    for (i = 0; i < 4; i++)
+    /* 3. The grid, and the tuner's overall choice when the grid lacks it, measured in interleaved passes. */
+    for (ng = 0, i = 0; i < 4; i++)
         for (j = 0; j < 4; j++)
             for (g = 1; g <= 3; g++) {
                 setting *s = &grid[ng++];
                 memset(s, 0, sizeof *s);
-                s->kind = kinds[i];
-                s->micro = micros[j];
-                s->pipes = g;
+                s->kind = kinds[i], s->micro = micros[j], s->pipes = g;
                 s->advance = kinds[i] == AVGPIPE_SCHED_ADVANCE ? 1 : 0;
                 s->continuous = O.continuous;
             }
-    for (pass = 0; pass < PASSES; pass++)
-        for (i = 0; i < ng; i++) run_setting(&ctx, &grid[pass % 2 ? ng - 1 - i : i], NULL, NULL);
-    printf("\n%-8s %2s %3s %2s %14s %14s %8s %7s %14s %14s\n", "schedule", "K", "M", "N", "meas_us/sample", "pred_us/sample", "error",
-           "spread", "pred_peak", "runtime_peak");
+    for (i = 0; i < ng && overall < 0; i++)
+        if (same(&cand[0], &grid[i])) overall = i;
+    nall = ng;
+    if (overall < 0) {
+        setting *s = &grid[nall++];
+        memset(s, 0, sizeof *s);
+        s->kind = cand[0].sched.kind, s->micro = cand[0].sched.micro, s->pipes = cand[0].sched.pipes;
+        s->advance = cand[0].sched.advance, s->continuous = cand[0].sched.continuous;
+        overall = ng;
+    }
+    state = O.seed * 2654435761u + 7u;
+    for (pass = 0; pass < O.passes; pass++) {
+        shuffle(order, nall, &state);
+        for (i = 0; i < nall; i++) measure(&ctx, &grid[order[i]], NULL, &redone);
+    }
+    for (i = 0; i < nall; i++) summarise(&grid[i]);
+    printf("\n%-8s %2s %3s %2s %11s %11s %11s %8s %6s %6s %12s %12s %s\n", "schedule", "K", "M", "N", "median_us", "trimmed_us", "pred_us",
+           "error", "p90", "passes", "pred_peak", "runtime_peak", "redone");
     for (i = 0; i < ng; i++) {
         setting *s = &grid[i];
         avgpipe_sched_desc sd = sched_of(s);
@@ -480,14 +601,16 @@ int main(int argc, char **argv) {
         for (j = 0; j < cand_n; j++) /* the search's own memory figure for this setting */
             if (same(&cand[j], s)) s->pred_peak = cand[j].peak_bytes;
         mem_exact &= s->pred_peak == s->real_peak;
-        meas[i] = s->measured;
-        pred[i] = s->predicted;
+        meas[i] = s->measured, trim[i] = s->trimmed, pred[i] = s->predicted;
         mae += fabs(s->predicted / s->measured - 1) / ng;
         if (s->measured < grid[best_meas].measured) best_meas = i;
-        printf("%-8s %2d %3d %2d %14.2f %14.2f %+7.1f%% %7.2f %14.0f %14.0f\n", avgpipe_sched_kind_name(s->kind), s->advance, s->micro,
-               s->pipes, 1e6 * s->measured, 1e6 * s->predicted, 100 * (s->predicted / s->measured - 1), s->spread, s->pred_peak,
-               s->real_peak);
+        if (s->trimmed < grid[best_trim].trimmed) best_trim = i;
+        printf("%-8s %2d %3d %2d %11.2f %11.2f %11.2f %+7.1f%% %6.2f %6.2f %12.0f %12.0f %d\n", avgpipe_sched_kind_name(s->kind), s->advance,
+               s->micro, s->pipes, 1e6 * s->measured, 1e6 * s->trimmed, 1e6 * s->predicted, 100 * (s->predicted / s->measured - 1), s->p90,
+               s->pass_spread, s->pred_peak, s->real_peak, s->redone);
     }
+    printf("(times per sample; p90: 90th percentile of the timed iterations over their median; passes: slowest pass median over the "
+           "fastest; kernel %s)\n", BLAS.kernel);
 
     /* 4. The tuner's choice within the grid: the first of its ranking that the grid holds. */
     for (j = 0; j < cand_n && pick < 0; j++)
@@ -498,31 +621,26 @@ int main(int argc, char **argv) {
             }
     if (pick < 0) die("the search's ranking holds no grid setting");
     rho = spearman(meas, pred, ng);
+    rho_t = spearman(trim, pred, ng);
     regret = grid[pick].measured / grid[best_meas].measured - 1;
-
-    /* 5. The tuner's overall choice, measured as the grid was. */
-    memset(&overall, 0, sizeof overall);
-    overall.kind = cand[0].sched.kind;
-    overall.micro = cand[0].sched.micro;
-    overall.pipes = cand[0].sched.pipes;
-    overall.advance = cand[0].sched.advance;
-    overall.continuous = cand[0].sched.continuous;
-    for (pass = 0; pass < PASSES; pass++) run_setting(&ctx, &overall, NULL, NULL);
+    regret_t = grid[pick].trimmed / grid[best_trim].trimmed - 1;
 
     printf("\nmean absolute relative error of the predictions: %.1f%% (over %d settings)\n", 100 * mae, ng);
-    printf("Spearman rank correlation, predicted vs measured: %.3f (target >= 0.9: %s)\n", rho, rho >= 0.9 ? "met" : "NOT met");
+    printf("Spearman rank correlation, predicted vs measured: %.3f on medians (target >= 0.9: %s), %.3f on trimmed means\n", rho,
+           rho >= 0.9 ? "met" : "NOT met", rho_t);
     met += rho >= 0.9;
     printf("tuner's choice within the grid: %s K=%d M=%d N=%d, measured %.2f us/sample (predicted %.2f); best measured: %s K=%d "
-           "M=%d N=%d, %.2f us/sample\n", avgpipe_sched_kind_name(grid[pick].kind), grid[pick].advance, grid[pick].micro,
+           "M=%d N=%d, %.2f us/sample [kernel %s]\n", avgpipe_sched_kind_name(grid[pick].kind), grid[pick].advance, grid[pick].micro,
            grid[pick].pipes, 1e6 * grid[pick].measured, 1e6 * grid[pick].predicted, avgpipe_sched_kind_name(grid[best_meas].kind),
-           grid[best_meas].advance, grid[best_meas].micro, grid[best_meas].pipes, 1e6 * grid[best_meas].measured);
-    printf("regret: %.1f%% (target <= 5%%: %s)\n", 100 * regret, regret <= 0.05 ? "met" : "NOT met");
+           grid[best_meas].advance, grid[best_meas].micro, grid[best_meas].pipes, 1e6 * grid[best_meas].measured, BLAS.kernel);
+    printf("regret: %.1f%% on medians (target <= 5%%: %s), %.1f%% on trimmed means\n", 100 * regret, regret <= 0.05 ? "met" : "NOT met",
+           100 * regret_t);
     met += regret <= 0.05;
     printf("tuner's overall choice (%d candidates: M dividing %d with >= %d samples, N <= 3): %s K=%d M=%d N=%d %s, predicted %.2f "
-           "us/sample", cand_n, O.batch, O.batch / 16, avgpipe_sched_kind_name(cand[0].sched.kind), cand[0].sched.advance, cand[0].sched.micro,
-           cand[0].sched.pipes, cand[0].sched.continuous ? "continuous" : "synchronous", 1e6 * cand[0].time_per_sample);
-    printf(", measured %.2f (%+.1f%% vs the best measured in the grid)\n", 1e6 * overall.measured,
-           100 * (overall.measured / grid[best_meas].measured - 1));
+           "us/sample, measured %.2f (%+.1f%% vs the best measured in the grid) [kernel %s]\n", cand_n, O.batch, O.batch / 16,
+           avgpipe_sched_kind_name(cand[0].sched.kind), cand[0].sched.advance, cand[0].sched.micro, cand[0].sched.pipes,
+           cand[0].sched.continuous ? "continuous" : "synchronous", 1e6 * cand[0].time_per_sample, 1e6 * grid[overall].measured,
+           100 * (grid[overall].measured / grid[best_meas].measured - 1), BLAS.kernel);
     printf("tuning time: fit %.1f ms + search %.1f ms = %.3f%% of the %.1f s the grid took to measure (target < 1%%: %s)\n",
            1e3 * t_fit, 1e3 * t_search, 100 * (t_fit + t_search) / grid_time, grid_time,
            (t_fit + t_search) < 0.01 * grid_time ? "met" : "NOT met");
@@ -532,10 +650,10 @@ int main(int argc, char **argv) {
     printf("memory: predicted peak bytes per rank (runtime buffers + weights + Adam state) %s the runtime's for every setting\n",
            mem_exact ? "equal" : "DIFFER from");
     load1 = loadavg();
+    printf("noise: %d visits redone because other programs used >= %.2f cores (%d visits in all); other programs used %.2f cores "
+           "before the start; 1-minute load average %.1f at the start, %.1f at the end (%ld cores)\n", redone, O.max_others,
+           O.passes * nall + 6 + redone, others_start, load0, load1, ncores);
     printf("targets met: %d of 3\n", met);
-    if (load0 > ncores || load1 > ncores)
-        printf("note: the machine was busy (1-minute load average %.1f at the start, %.1f at the end, %ld cores): other programs' "
-               "threads took cores from the stage threads, which the measurements include and the model does not\n", load0, load1, ncores);
     avgpipe_free(&ctx, cand);
     avgpipe_cost_model_free(&ctx, &m);
     avgpipe_profile_free(&ctx, &p);

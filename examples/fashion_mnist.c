@@ -35,6 +35,7 @@
      I / W     mlp_stage_backward_input / mlp_stage_backward_weight (B is exactly I then W)
      step      Adam on (pipe, stage) with cosine learning-rate decay; zeroes the accumulated gradient. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* glibc: syscall(SYS_gettid), for a stage thread's own priority (lower_priority) */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 #ifdef FMNIST_MPI
@@ -45,6 +46,8 @@
 #endif
 #define MLP_IMPLEMENTATION
 #include "examples/mlp.h"
+#define BLAS_KERNEL_IMPLEMENTATION
+#include "examples/blas_kernel.h"
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -55,9 +58,12 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#endif
 
 void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
-char *openblas_get_corename(void);
 
 #define PROG "fashion_mnist"
 #define ADVANCE_AUTO (-1)
@@ -66,12 +72,18 @@ char *openblas_get_corename(void);
 
 typedef struct options {
     int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train, replicas;
+    int split[MLP_MAX_LAYERS], nsplit; /* --split LIST: layers per stage partition; nsplit 0: auto */
+    int split_planned, split_given;    /* the partitioner chose the split; --split LIST (for the header) */
+    int priorities;                    /* --priorities: lower the lighter stages' threads when they outnumber the cores */
+    int stage_nice[MLP_MAX_LAYERS];    /* per rank of a group: nice increment of its stage thread (0: none; plan_priorities) */
     int checkpoint_every, stop_after;  /* iterations between checkpoints (0: only at the end); epochs to run now */
     int deterministic, continuous, normalize, cosine, mpi;
     int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
     avgpipe_sched_kind schedule;
     double alpha, lr;
     double mem_limit;             /* --mem-limit: bytes per rank for the tuner; 0: none */
+    double target_acc;            /* --target-acc: stop when the reference reaches it (0: train every epoch) */
+    int evals_per_epoch;          /* with --target-acc: test evaluations per epoch */
     unsigned long long seed;
     const char *data, *hidden, *trace, *profile, *save, *profile_tune, *checkpoint, *resume;
     const char *bind;             /* --bind: NULL or "none", "report", "auto", "always" */
@@ -100,9 +112,24 @@ typedef struct app {
     int me, nproc;
     avgpipe_comm comm;
     float *ref[MLP_MAX_LAYERS];   /* rank 0: the gathered reference model */
+    /* The tuner's per-layer profile (layer_samples): while lprof is set, each forward and backward puts
+       its layers' times (mlp_layer_times, one per stage, written by the stage's own thread) into
+       lsamp[lsize][layer][0 forward, 1 backward]; each layer belongs to one stage, so to one thread. */
+    int lprof, lsize;
+    int nice_base, nice_done[MAX_REPLICAS * MLP_MAX_LAYERS]; /* --priorities: the process's nice; per rank, set yet */
+    int have_work;                        /* tune_split filled stage_work: seconds per sample of each stage partition */
+    double stage_work[MLP_MAX_LAYERS], work_cores;
+    mlp_layer_times ltimes[MLP_MAX_LAYERS];
+    double *lsamp[2][MLP_MAX_LAYERS][2];
+    int nlsamp[2][MLP_MAX_LAYERS][2];
 } app;
 
+#define LSAMP_CAP 2048 /* per-layer samples kept per (size, layer, kind): a profile run has a few hundred */
+
+static double now_s(void);
+
 static int g_rank = -1; /* --backend mpi: this process's rank, for messages */
+static blas_kernel_status g_blas; /* the OpenBLAS kernel this process runs, and why (blas_kernel.h) */
 
 /* Print "fashion_mnist: <message>" (mpi: "fashion_mnist (rank R): ...") on stderr; returns -1. */
 static int fail(const char *fmt, ...) {
@@ -121,6 +148,7 @@ static int fail(const char *fmt, ...) {
 static const char *usage =
     "usage: " PROG " [options]\n"
     "  --stages G          stage partitions of the model (default 4)\n"
+    "  --split auto|LIST   layers per stage partition, e.g. 1,1,2 (default auto: the tuner's partitioner)\n"
     "  --backend B         threads (default: every rank a thread of this process) | mpi (one rank per\n"
     "                      process: mpirun -np <replicas x ranks> " PROG " --backend mpi ...)\n"
     "  --replicas D        replica groups of the pipelines, each on its own share of the data, their\n"
@@ -159,15 +187,22 @@ static const char *usage =
     "  --resume DIR        continue from the checkpoint in DIR: give the flags it was made with (with\n"
     "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n"
     "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
+    "  --target-acc A      stop once the reference model's test accuracy reaches A; say when (epochs, s)\n"
+    "  --priorities on|off with more stage threads than cores, the lighter stages' threads run at a lower\n"
+    "                      priority, so the busiest stage keeps a core (default on; threads, tuner)\n"
+    "  --evals-per-epoch E with --target-acc: test evaluations per epoch (default 2)\n"
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
     "  --bind MODE         none|report|auto|always: hwloc thread placement\n"
+    ;
+static const char *usage_tuning =
     "Tuning (when --micro or --pipes is auto, the default): before training, the model is profiled for\n"
     "a few iterations of 1 pipeline at two micro-batch sizes on throwaway copies of the initial weights\n"
     "(training then starts from the same weights and sample order as without tuning), a cost model is\n"
     "fitted, and every setting (schedule, M, N <= 4, K, round mode) is simulated; what the command line\n"
     "fixes (--micro, --pipes, --schedule, --sync) stays fixed. The fastest predicted per sample within\n"
     "--mem-limit is trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the\n"
-    "choice and the best alternatives (one per M and N) go to stderr.\n";
+    "choice and the best alternatives (one per M and N) go to stderr. --split auto: the profile times\n"
+    "every layer and the partitioner picks the split with the setting (also with M and N fixed).\n";
 
 /* A bad command line: one line on stderr, exit status 2. */
 static void bad_usage(const char *fmt, ...) {
@@ -221,10 +256,28 @@ static int tuning(const options *o) { return o->micro == AUTO || o->pipes == AUT
 /* Schedules that hold two stages per rank in a V (rank r: stages r and 2S-1-r). */
 static int v_placed(avgpipe_sched_kind k) { return k == AVGPIPE_SCHED_ZBV || k == AVGPIPE_SCHED_DUALPIPEV; }
 
+/* Contiguous splits of the model's layers into its stage partitions: C(L-1, G-1). */
+static double split_count(const options *o) {
+    mlp_model m;
+    double c = 1;
+    int i, n, k;
+    if (mlp_model_parse(&m, 784, o->hidden, o->stages, NULL, 0) != 0) return 1;
+    n = m.layers - 1, k = o->stages - 1;
+    for (i = 1; i <= k; i++) c = c * (n - k + i) / i;
+    return c;
+}
+
+/* --split auto with a choice to make: profile the layers and let the partitioner split them (the tuner's
+   profile runs do it; with --micro and --pipes fixed they run for the split alone). Not for the schedules
+   with several stages per rank (interleaved, zbv, dualpipev): the profile runs hold one per rank. */
+static int planning(const options *o) {
+    return o->nsplit == 0 && o->schedule != AVGPIPE_SCHED_INTERLEAVED && !v_placed(o->schedule) && split_count(o) > 1;
+}
+
 static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
     o->stages = 4, o->pipes = AUTO, o->micro = AUTO, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
-    o->replicas = 1;
+    o->replicas = 1, o->priorities = 1;
     o->advance = ADVANCE_AUTO, o->continuous = 1, o->normalize = 1, o->cosine = 1;
     o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->lr = 1e-3, o->seed = 1;
     o->data = "/usr/share/datasets/fashion-mnist", o->hidden = "512,256,128";
@@ -232,7 +285,7 @@ static void set_defaults(options *o) {
 
 /* Flags without a value; returns 1 if f was one. */
 static int parse_switch(options *o, const char *f) {
-    if (!strcmp(f, "--help") || !strcmp(f, "-h")) fputs(usage, stdout), exit(0);
+    if (!strcmp(f, "--help") || !strcmp(f, "-h")) fputs(usage, stdout), fputs(usage_tuning, stdout), exit(0);
     if (!strcmp(f, "--sync")) return o->continuous = 0, o->sync_set = 1, 1;
     if (!strcmp(f, "--deterministic")) return o->deterministic = 1, 1;
     if (!strcmp(f, "--no-normalize")) return o->normalize = 0, 1;
@@ -263,6 +316,12 @@ static void parse_value(options *o, const char *f, const char *v) {
 #endif
     }
     else if (!strcmp(f, "--alpha")) o->alpha = parse_double(f, v, 0, 1);
+    else if (!strcmp(f, "--target-acc")) o->target_acc = parse_double(f, v, 1e-9, 1);
+    else if (!strcmp(f, "--priorities")) {
+        if (strcmp(v, "on") && strcmp(v, "off")) bad_usage("--priorities expects on or off, got '%s'", v);
+        o->priorities = !strcmp(v, "on");
+    }
+    else if (!strcmp(f, "--evals-per-epoch")) o->evals_per_epoch = (int)parse_long(f, v, 1, 1000);
     else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
     else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)parse_long(f, v, 0, 2147483647L);
     else if (!strcmp(f, "--advance")) o->advance = !strcmp(v, "auto") ? ADVANCE_AUTO : (int)parse_long(f, v, 0, 4096);
@@ -274,6 +333,12 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--profile-tune")) o->profile_tune = v;
     else if (!strcmp(f, "--data")) o->data = v;
     else if (!strcmp(f, "--hidden")) o->hidden = v;
+    else if (!strcmp(f, "--split")) {
+        char err[256];
+        if (!strcmp(v, "auto")) o->nsplit = 0;
+        else if (mlp_split_parse(v, o->split, MLP_MAX_LAYERS, &o->nsplit, err, sizeof err) != 0) bad_usage("--split: %s", err);
+        o->split_given = o->nsplit > 0;
+    }
     else if (!strcmp(f, "--trace")) o->trace = v;
     else if (!strcmp(f, "--profile")) o->profile = v;
     else if (!strcmp(f, "--save")) o->save = v;
@@ -298,14 +363,16 @@ static void check_options(options *o, const char *advance_flag) {
     if (tuning(o) && advance_flag && strcmp(advance_flag, "auto") != 0)
         bad_usage("--advance %s needs fixed --micro and --pipes (with --micro or --pipes auto the tuner picks K)",
                   advance_flag);
-    if (!tuning(o) && (o->mem_limit > 0 || o->profile_tune))
-        bad_usage("%s applies only to the tuner (--micro auto or --pipes auto)",
+    if (!tuning(o) && !planning(o) && (o->mem_limit > 0 || o->profile_tune))
+        bad_usage("%s applies only to the tuner (--micro auto or --pipes auto, or --split auto with a split to choose)",
                   o->mem_limit > 0 ? "--mem-limit" : "--profile-tune");
     if (advance_flag && o->schedule != AVGPIPE_SCHED_ADVANCE && strcmp(advance_flag, "auto") != 0)
         bad_usage("--advance %s applies only to --schedule advance", advance_flag);
     if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
     if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
     if (o->stop_after > o->epochs) bad_usage("--stop-after %d is past --epochs %d", o->stop_after, o->epochs);
+    if (o->evals_per_epoch && !(o->target_acc > 0)) bad_usage("--evals-per-epoch applies only with --target-acc");
+    if (!o->evals_per_epoch) o->evals_per_epoch = 2;
     if (interleaved && !o->chunks) o->chunks = 2;
     if (!interleaved) o->chunks = vplaced ? 2 : 1;
     if (o->stages % o->chunks != 0)
@@ -321,6 +388,9 @@ static void check_model(const options *o) {
     mlp_model m;
     char err[512];
     if (mlp_model_parse(&m, 784, o->hidden, o->stages, err, sizeof err) != 0) bad_usage("%s", err);
+    if (o->nsplit && o->nsplit != o->stages)
+        bad_usage("--split: %d stage partitions listed, --stages is %d", o->nsplit, o->stages);
+    if (o->nsplit && mlp_model_regroup(&m, o->stages, o->split, err, sizeof err) != 0) bad_usage("--split: %s", err);
 }
 
 /* Output files are created before training, so that a bad path fails now rather than after the run. */
@@ -336,9 +406,10 @@ static void check_output(const char *flag, const char *path) {
 static int is_value_flag(const char *f) {
     static const char *const names[] = {"--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds",
                                         "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
-                                        "--schedule", "--data", "--hidden", "--trace", "--profile", "--save",
+                                        "--schedule", "--data", "--hidden", "--trace", "--profile", "--save", "--split",
                                         "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint",
-                                        "--checkpoint-every", "--resume", "--stop-after", "--bind"};
+                                        "--checkpoint-every", "--resume", "--stop-after", "--bind", "--target-acc", "--evals-per-epoch",
+                                        "--priorities"};
     size_t i;
     for (i = 0; i < sizeof names / sizeof names[0]; i++)
         if (!strcmp(f, names[i])) return 1;
@@ -365,6 +436,20 @@ static void parse_options(int argc, char **argv, options *o) {
     check_output("--profile", o->profile);
     check_output("--save", o->save);
     check_output("--profile-tune", o->profile_tune);
+}
+
+/* A generic OpenBLAS kernel on a CPU that can run a better one: restart with it (blas_kernel.h), before
+   anything a restart would repeat (the data, the tuner, MPI). The check uses the model's layer shapes at
+   its micro-batch size (32 rows when the tuner picks it). Returns 0 (a message on stderr when the better
+   kernel failed its check and the generic one stays). */
+static int ensure_blas_kernel(const options *o, char **argv) {
+    blas_kernel_shape shapes[MLP_MAX_LAYERS];
+    mlp_model m;
+    int l, rows = o->micro != AUTO ? o->batch / o->micro : (o->batch < 32 ? o->batch : 32);
+    if (mlp_model_parse(&m, 784, o->hidden, o->stages, NULL, 0) != 0) return 0; /* checked by parse_options */
+    for (l = 0; l < m.layers; l++) shapes[l].m = rows, shapes[l].n = m.width[l + 1], shapes[l].k = m.width[l];
+    blas_kernel_ensure(argv, shapes, m.layers, PROG, &g_blas);
+    return 0;
 }
 
 /* --backend mpi: what rank r writes: FILE for rank 0, FILE.r for the others. */
@@ -411,30 +496,66 @@ static int load_samples(app *A, const avgpipe_op_ctx *op, mlp_stash *st) {
     return 0;
 }
 
+/* The tuner's profile runs: the op's time split over the stage's layers (mlp_layer_times). What the
+   layers' own clocks do not cover (gathering the samples on stage 0, the loss on the last stage, copies)
+   goes to the stage's first layer on stage 0's forward, else to its last layer, so that the layers of a
+   stage add up to its op. */
+static void record_layers(app *A, int stage, int kind, double total, const mlp_stash *st) {
+    int first = A->model.first[stage], n = A->model.first[stage + 1] - first, k, *cnt;
+    double x[MLP_MAX_LAYERS], sum = 0;
+    if (!st->times) return;
+    for (k = 0; k < n; k++) sum += x[k] = kind ? st->times->backward[k] : st->times->forward[k];
+    if (total > sum) x[stage == 0 && kind == 0 ? 0 : n - 1] += total - sum;
+    for (k = 0; k < n; k++) {
+        cnt = &A->nlsamp[A->lsize][first + k][kind];
+        if (A->lsamp[A->lsize][first + k][kind] && *cnt < LSAMP_CAP) A->lsamp[A->lsize][first + k][kind][(*cnt)++] = x[k];
+    }
+}
+
+/* --priorities: on its first op, a lighter stage's thread lowers its own priority (Linux: nice is per
+   thread), so that when the stage threads outnumber the cores the scheduler gives the busiest stage, which
+   bounds the speed, its core instead of time-slicing it evenly with the others (tune_split decides). */
+static void lower_priority(app *A, const avgpipe_op_ctx *op) {
+    int inc = A->opt.stage_nice[op->rank % A->S];
+    A->nice_done[op->rank] = 1;
+#ifdef __linux__
+    if (inc && setpriority(PRIO_PROCESS, (id_t)syscall(SYS_gettid), A->nice_base + inc) != 0)
+        fprintf(stderr, PROG ": note: stage %d's thread keeps its priority: %s\n", op->stage, strerror(errno));
+#else
+    (void)inc;
+#endif
+}
+
 static int cb_forward(avgpipe_op_ctx *op) {
     app *A = (app *)op->user;
     mlp_stash *st = op_stash(A, op);
     int last, correct = 0;
+    double t0 = A->lprof ? now_s() : 0;
     if (!st) return 1;
+    if (!A->nice_done[op->rank]) lower_priority(A, op);
     last = op->stage == A->G - 1;
     if ((op->stage == 0 || last) && load_samples(A, op, st) != 0) return 1;
     if (mlp_stage_forward(&A->model, op->stage, op->params, st, (const float *)op->input,
                           last ? NULL : (float *)op->output, A->mb) != 0)
         return op_failed(op, "forward failed");
-    if (!last) return 0;
-    op->loss = mlp_stage_loss(&A->model, st, &correct);
-    if (!isfinite(op->loss)) return op_failed(op, "non-finite loss: lower --lr?");
-    A->correct[op->replica] += correct;
+    if (last) {
+        op->loss = mlp_stage_loss(&A->model, st, &correct);
+        if (!isfinite(op->loss)) return op_failed(op, "non-finite loss: lower --lr?");
+        A->correct[op->replica] += correct;
+    }
+    if (A->lprof) record_layers(A, op->stage, 0, now_s() - t0, st);
     return 0;
 }
 
 static int cb_backward(avgpipe_op_ctx *op) {
     app *A = (app *)op->user;
     mlp_stash *st = op_stash(A, op);
+    double t0 = A->lprof ? now_s() : 0;
     if (!st || mlp_stage_backward(&A->model, op->stage, op->params, st, (const float *)op->input,
                                   (const float *)op->grad_output, (float *)op->grad_input,
                                   A->nets[model_of(A, op)].grad[op->stage], A->loss_scale) != 0)
         return op_failed(op, "backward failed");
+    if (A->lprof) record_layers(A, op->stage, 1, now_s() - t0, st);
     return 0;
 }
 
@@ -578,11 +699,13 @@ static int setup_model(app *A) {
     options *o = &A->opt;
     char err[512];
     int i, g, n = o->replicas * o->pipes;
-    if (mlp_model_parse(&A->model, A->train.dim, o->hidden, o->stages, err, sizeof err) != 0) {
+    if (mlp_model_parse(&A->model, A->train.dim, o->hidden, o->stages, err, sizeof err) != 0 ||
+        (o->nsplit && mlp_model_regroup(&A->model, o->stages, o->split, err, sizeof err) != 0)) {
         return fail("%s", err);
     }
     A->G = o->stages;
     A->S = o->stages / o->chunks;
+    memset(A->nice_done, 0, sizeof A->nice_done); /* a new run: new stage threads */
     A->mb = o->batch / o->micro;
     A->loss_scale = 1.0f / (float)o->batch;
     A->adam = mlp_adam_defaults();
@@ -751,6 +874,7 @@ static void free_app(app *A) {
 
 typedef struct epoch_stats {
     double seconds, loss, bubble_time; /* bubble_time: sum of bubble * seconds */
+    double acc;                        /* --target-acc: the last test accuracy measured in the epoch (-1: none) */
     long long micro_batches, samples, correct;
     int advance;
 } epoch_stats;
@@ -822,9 +946,27 @@ static int checkpoint(app *A, avgpipe_run *run, avgpipe_context *ctx) {
 }
 
 /* The iterations of epoch `epoch` from `first` on (a resumed run starts inside an epoch). */
-static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t first, epoch_stats *s) {
+/* --target-acc: after iteration `it` of the epoch, when it ends one of the epoch's evaluation points, the
+   reference's test accuracy (collective with mpi: every process gets rank 0's); 1 once it reaches the
+   target (*acc gets it), 0 when not (yet), -1 on a failure. */
+static int target_check(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t it, int64_t iters, double *acc) {
+    int E = A->opt.evals_per_epoch, j, point = 0;
+    double v[1];
+    for (j = 1; j <= E && !point; j++) point = it + 1 == (iters * j + E - 1) / E;
+    if (!(A->opt.target_acc > 0) || !point) return 0;
+    v[0] = evaluate_reference(A, run, ctx);
+    if (v[0] < 0) return -1;
+    if (A->me >= 0 && avgpipe_run_allreduce(run, v, 1) != AVGPIPE_OK) return fail("sharing the test accuracy: %s", avgpipe_last_error(ctx));
+    *acc = v[0];
+    if (A->me <= 0 && it + 1 < iters) /* (the epoch's own line ends with its last evaluation) */
+        fprintf(stderr, "%s  test acc %.4f at epoch %.2f\n", isatty(fileno(stderr)) ? "\n" : "", *acc, epoch + (double)(it + 1) / (double)iters);
+    return *acc >= A->opt.target_acc;
+}
+
+static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, int64_t first, epoch_stats *s, double *reached) {
     int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, it;
     memset(s, 0, sizeof *s);
+    s->acc = -1;
     memset(A->correct, 0, sizeof A->correct);
     for (it = first; it < iters; it++) {
         avgpipe_run_stats rs;
@@ -840,6 +982,13 @@ static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, 
         progress(A, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
         if (setup_stashes(A, run) != 0) return -1;
         if (A->opt.checkpoint_every && avgpipe_run_iterations(run) % A->opt.checkpoint_every == 0 && checkpoint(A, run, ctx) != 0) return -1;
+        switch (target_check(A, run, ctx, epoch, it, iters, &s->acc)) {
+        case 1:
+            *reached = epoch + (double)(it + 1) / (double)iters;
+            return 0;
+        case -1: return -1;
+        default: break;
+        }
     }
     return 0;
 }
@@ -859,24 +1008,33 @@ static int write_outputs(app *A, avgpipe_run *run, avgpipe_context *ctx) {
 
 /* Train epochs (from where a resumed run left off) up to --stop-after or --epochs. */
 static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
-    double total_s = 0, acc = -1;
+    double total_s = 0, acc = -1, reached = -1, wall0 = now_s();
     long long samples = 0;
     int64_t iters = A->order.rounds_per_epoch / A->opt.rounds, done = avgpipe_run_iterations(run);
     int e, first = (int)(done / iters), last = A->opt.stop_after ? A->opt.stop_after : A->opt.epochs;
     if (done && A->me <= 0)
         fprintf(stderr, PROG ": resumed from %s at iteration %lld (epoch %d, iteration %lld of %lld)\n", A->opt.resume, (long long)done,
                 first + 1, (long long)(done % iters), (long long)iters);
-    for (e = first; e < last; e++) {
+    for (e = first; e < last && reached < 0; e++) {
         epoch_stats s;
-        if (run_epoch(A, run, ctx, e, e == first ? done % iters : 0, &s) != 0) return -1;
+        s.acc = -1;
+        if (run_epoch(A, run, ctx, e, e == first ? done % iters : 0, &s, &reached) != 0) return -1;
         total_s += s.seconds;
         samples += s.samples;
-        acc = evaluate_reference(A, run, ctx);
+        acc = s.acc >= 0 ? s.acc : evaluate_reference(A, run, ctx); /* the target's check evaluated it already */
         if (acc < 0) return -1;
-        if (A->me <= 0) fprintf(stderr, "  test acc %.4f\n", acc);
+        if (A->me <= 0 && (reached < 0 || reached >= e + 1)) fprintf(stderr, "  test acc %.4f\n", acc); /* (else said mid-epoch) */
+    }
+    if (A->me <= 0 && A->opt.target_acc > 0) {
+        if (reached >= 0)
+            printf("reached test accuracy %.4f >= %g after %.2f epochs: %.1f s training, %.1f s wall (with the evaluations)\n", acc,
+                   A->opt.target_acc, reached - first, total_s, now_s() - wall0);
+        else
+            printf("did not reach test accuracy %g in %d epochs (%.1f s training, %.1f s wall): %.4f\n", A->opt.target_acc, last - first,
+                   total_s, now_s() - wall0, acc);
     }
     if (A->me <= 0)
-        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", last - first, total_s,
+        printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", e - first, total_s,
                total_s > 0 ? (double)samples / total_s : 0.0, acc);
     if (checkpoint(A, run, ctx) != 0) return -1;
     return write_outputs(A, run, ctx);
@@ -885,9 +1043,12 @@ static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
 static void print_header(const app *A) {
     const options *o = &A->opt;
     char desc[256];
+    int g;
     mlp_model_describe(&A->model, desc, sizeof desc);
-    printf("BLAS: OpenBLAS, kernel %s, 1 thread per stage\n", openblas_get_corename());
-    printf("model %s\n", desc);
+    if (A->me >= 0) printf("BLAS: %s, 1 thread per stage\n", g_blas.line); /* mpi: rank 0's; threads: printed first thing */
+    printf("model %s; split ", desc);
+    for (g = 0; g < A->G; g++) printf("%s%d", g ? "," : "", A->model.first[g + 1] - A->model.first[g]);
+    printf(" (%s)\n", o->split_planned ? "the tuner's partitioner" : o->split_given ? "--split" : split_count(o) > 1 ? "by multiply-adds" : "the only one");
     printf("%s, %d ranks x %d chunk%s, %d pipelines, batch %d = %d x %d, %d rounds/iteration (%s), alpha %g, "
            "Adam lr %g%s, %d training samples (%lld rounds/epoch)\n",
            avgpipe_sched_kind_name(o->schedule), o->stages / o->chunks, o->chunks, o->chunks > 1 ? "s" : "",
@@ -953,7 +1114,7 @@ static int profile_sizes(const options *o, int min_micro, int *m) {
    nets initialised from the seed and freed afterwards. TUNE_PROFILED iterations after TUNE_WARMUP go to
    `path` (the first written when !append, then appended). The samples are the training order's first ones;
    the weights these iterations train are thrown away, so they do not count as training. */
-static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path, int append, double *seconds) {
+static int profile_run(app *A, avgpipe_context *ctx, int micro, int size, const char *path, int append, double *seconds) {
     options saved = A->opt;
     avgpipe_run *run = NULL;
     avgpipe_run_desc d;
@@ -976,8 +1137,14 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path
         goto out;
     }
     if (setup_stashes(A, run) != 0) goto out;
+    for (i = 0; i < A->G; i++) { /* time every layer of every op (record_layers) */
+        int q;
+        for (q = 0; q < A->slots[i]; q++) A->stash[0][i][q].times = &A->ltimes[i];
+    }
+    A->lsize = size;
     for (i = 0; i < TUNE_WARMUP + TUNE_PROFILED; i++) {
         avgpipe_run_stats st;
+        A->lprof = i >= TUNE_WARMUP; /* between iterations: the callbacks see it (avgpipe_run_iteration) */
         r = avgpipe_run_iteration(run, &st);
         if (r != AVGPIPE_OK) {
             fail("tuner: profile run (M = %d), iteration %d: %s: %s", micro, i + 1, avgpipe_result_string(r),
@@ -994,11 +1161,68 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path
     }
     rc = 0;
 out:
+    A->lprof = 0;
     avgpipe_run_destroy(run);
     free_model(A); /* with A->opt still the profile's: it frees that many nets */
     A->opt = saved;
     A->me = me;
     return rc;
+}
+
+static int cmp_double(const void *x, const void *y) {
+    double a = *(const double *)x, b = *(const double *)y;
+    return (a > b) - (a < b);
+}
+
+/* Layer l's forward (k = 0) or backward (k = 1) time as a + b x samples: through the medians at the
+   profiled micro-batch sizes; proportional (least squares through 0) with one size, or when the line
+   would go negative (noise on a tiny layer). */
+static void layer_line(app *A, int l, int k, const int *sizes, int nsizes, double *a, double *b) {
+    double x[2], y[2], sxy = 0, sxx = 0;
+    int i, n = 0;
+    for (i = 0; i < nsizes; i++) {
+        int c = A->nlsamp[i][l][k];
+        if (c < 1) continue;
+        qsort(A->lsamp[i][l][k], (size_t)c, sizeof(double), cmp_double);
+        x[n] = (double)A->opt.batch / sizes[i];
+        y[n++] = c % 2 ? A->lsamp[i][l][k][c / 2] : (A->lsamp[i][l][k][c / 2 - 1] + A->lsamp[i][l][k][c / 2]) / 2;
+    }
+    *a = *b = 0;
+    if (n == 2 && x[0] != x[1]) {
+        *b = (y[1] - y[0]) / (x[1] - x[0]);
+        *a = y[0] - *b * x[0];
+        if (*a >= 0 && *b >= 0) return;
+    }
+    for (i = 0; i < n; i++) sxy += x[i] * y[i], sxx += x[i] * x[i];
+    *a = 0;
+    *b = sxx > 0 ? sxy / sxx : 0;
+}
+
+/* What the stage partitioner reads (avgpipe.h, section 11), appended to the tuner's profile: a 'layer' line
+   per layer (its forward and backward as a + b x samples from the profile runs' per-layer times, its
+   parameters, its output bytes per sample, the stage that held it) and an 'averaging' line per stage
+   (one contribution of its parameters, timed). */
+static int append_layer_costs(app *A, avgpipe_context *ctx, const char *path, const int *sizes, int nsizes) {
+    FILE *f = fopen(path, "a");
+    int l, g = 0, bad = 0;
+    if (!f) return fail("tuner: cannot append to the profile %s: %s", path, strerror(errno));
+    for (l = 0; l < A->model.layers; l++) {
+        double fa, fb, ba, bb;
+        while (l >= A->model.first[g + 1]) g++;
+        layer_line(A, l, 0, sizes, nsizes, &fa, &fb);
+        layer_line(A, l, 1, sizes, nsizes, &ba, &bb);
+        fprintf(f, "layer %d stage=%d f_a=%.9g f_b=%.9g b_a=%.9g b_b=%.9g param_floats=%zu act_bytes=%zu\n", l, g, fa, fb, ba, bb,
+                (size_t)A->model.width[l] * (size_t)A->model.width[l + 1] + (size_t)A->model.width[l + 1],
+                (size_t)A->model.width[l + 1] * sizeof(float));
+    }
+    for (g = 0; g < A->model.stages && !bad; g++) {
+        double t;
+        if (avgpipe_tune_measure_averaging(ctx, A->model.count[g], &t) != AVGPIPE_OK) bad = 1;
+        else fprintf(f, "averaging floats=%zu seconds=%.9g\n", A->model.count[g], t);
+    }
+    if (ferror(f)) bad = 1;
+    if (fclose(f) != 0) bad = 1;
+    return bad ? fail("tuner: cannot append the layer costs to %s: %s", path, avgpipe_last_error(ctx)) : 0;
 }
 
 static void print_cost_model(const avgpipe_cost_model *m) {
@@ -1010,7 +1234,8 @@ static void print_cost_model(const avgpipe_cost_model *m) {
         fprintf(stderr, "  stage %d  F %6.1f + %5.2f s   B %6.1f + %5.2f s   STEP %6.1f\n", g, 1e6 * a[AVGPIPE_OP_F],
                 1e6 * b[AVGPIPE_OP_F], 1e6 * a[AVGPIPE_OP_B], 1e6 * b[AVGPIPE_OP_B], 1e6 * a[AVGPIPE_OP_STEP]);
     }
-    fprintf(stderr, "  transfer latency %.1f us\n", 1e6 * m->latency);
+    fprintf(stderr, "  transfer latency %.1f us, runtime overhead %.1f us per op, averaging %.2f ns per parameter, STEP %.1f us + %.2f ns "
+            "per parameter\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
 }
 
 /* The model against the iterations it was fitted to (median of the profiled ones). */
@@ -1034,6 +1259,96 @@ static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chos
             c->fits ? "" : "  over --mem-limit");
 }
 
+/* The M and N the user fixed, for the partitioner (avgpipe_plan_desc.keep). */
+static int keep_fixed(const avgpipe_tune_candidate *c, void *user) {
+    const options *o = (const options *)user;
+    return (o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes);
+}
+
+/* "784-512 | 512-256-128-10" for a split of the model's layers. */
+static void describe_split(const mlp_model *m, const int *split, int n, char *buf, size_t cap) {
+    size_t len = 0;
+    int g, l = 0, k;
+    buf[0] = '\0';
+    for (g = 0; g < n && len < cap; g++) {
+        len += (size_t)snprintf(buf + len, cap - len, "%s%d", g ? " | " : "", m->width[l]);
+        for (k = 0; k < split[g] && len < cap; k++, l++) len += (size_t)snprintf(buf + len, cap - len, "-%d", m->width[l + 1]);
+    }
+}
+
+/* --priorities: with more stage threads than cores (threads backend, one group), the cores - 1 busiest ranks (the
+   work per sample of their stage partitions, A->stage_work from tune_split) keep their priority and the others
+   get nice +5: the busiest stage bounds the speed, and an even time-slicing of the cores would slow it down
+   (measured: the main job's 4 stage threads on 2 cores ran at 0.6 of the bound). Called once the setting is
+   chosen (the chunks set the ranks); without the tuner's stage costs nothing changes. */
+static void plan_priorities(app *A) {
+    options *o = &A->opt;
+    double w[MLP_MAX_LAYERS], cores = A->work_cores;
+    int g, k, above, lowered = 0, S = o->stages / o->chunks;
+    memset(o->stage_nice, 0, sizeof o->stage_nice);
+    if (!o->priorities || !A->have_work || o->mpi || o->replicas > 1 || !(cores > 0) || S <= cores) return; /* (one group of threads) */
+    for (g = 0; g < S; g++) w[g] = 0;
+    for (g = 0; g < o->stages; g++) /* the schedule's placement: loop, or V for zbv and dualpipev */
+        w[avgpipe_place_rank(v_placed(o->schedule) ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP, S, g)] += A->stage_work[g];
+    for (g = 0; g < S; g++) {
+        for (k = 0, above = 0; k < S; k++) above += w[k] > w[g] || (w[k] == w[g] && k < g);
+        if (above >= (int)cores - 1) o->stage_nice[g] = 5, lowered++;
+    }
+    if (!lowered) return;
+    fprintf(stderr, PROG ": tuner: %d stage threads on %g cores: rank%s", S, cores, lowered > 1 ? "s" : "");
+    for (g = 0, k = 0; g < S; g++)
+        if (o->stage_nice[g]) fprintf(stderr, "%s %d", k++ ? "," : "", g);
+    fprintf(stderr, " (the lighter) run at nice +5, so that the busiest keep%s a core (--priorities off: all alike)\n",
+            (int)cores - 1 > 1 ? "" : "s");
+}
+
+/* The split to train with, and its cost model *sm (from the layer costs): the partitioner's choice
+   with --split auto when there is one to make (jointly with the setting, M and N as fixed), else the
+   split given or the only one. Prints it, with what bounds the model: the slowest stage's share of the
+   work, and so the most a schedule can gain over one thread. */
+static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm, const avgpipe_tune_desc *td, avgpipe_cost_model *sm) {
+    options *o = &A->opt;
+    avgpipe_plan plan;
+    avgpipe_plan_desc pd;
+    int split[MLP_MAX_LAYERS], g, l, planned = planning(o);
+    double t0 = now_s(), share, x, worst;
+    char desc[256];
+    avgpipe_result r;
+    memset(&plan, 0, sizeof plan);
+    memset(&pd, 0, sizeof pd);
+    pd.stages = o->stages;
+    pd.keep = keep_fixed;
+    pd.keep_user = o;
+    if (planned && (r = avgpipe_tune_plan(ctx, cm, td, &pd, &plan)) != AVGPIPE_OK)
+        return fail("tuner: the stage partitioner failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
+    for (g = 0; g < o->stages; g++) split[g] = planned ? plan.split[g] : A->model.first[g + 1] - A->model.first[g];
+    for (g = 0; g < o->stages; g++) o->split[g] = split[g];
+    o->nsplit = o->stages, o->split_planned = planned;
+    if ((r = avgpipe_tune_split(ctx, cm, split, o->stages, sm)) != AVGPIPE_OK) {
+        avgpipe_plan_free(ctx, &plan);
+        return fail("tuner: %s", avgpipe_last_error(ctx));
+    }
+    x = planned ? plan.best.samples : (double)o->batch / (o->micro != AUTO ? o->micro : 1);
+    share = avgpipe_tune_slowest_share(sm, o->stages, x, o->batch);
+    for (g = 0, l = 0, worst = -1; g < o->stages; g++) { /* the busiest stage, for the message */
+        const double *ca = &sm->a[g * AVGPIPE_OP_KIND_COUNT], *cb = &sm->b[g * AVGPIPE_OP_KIND_COUNT];
+        double w = (ca[AVGPIPE_OP_F] + ca[AVGPIPE_OP_B]) / x + cb[AVGPIPE_OP_F] + cb[AVGPIPE_OP_B] + ca[AVGPIPE_OP_STEP] / o->batch;
+        A->stage_work[g] = w;
+        if (w > worst) worst = w, l = g;
+    }
+    A->have_work = 1, A->work_cores = cm->cores;
+    describe_split(&A->model, split, o->stages, desc, sizeof desc);
+    fprintf(stderr, PROG ": tuner: split ");
+    for (g = 0; g < o->stages; g++) fprintf(stderr, "%s%d", g ? "," : "", split[g]);
+    fprintf(stderr, " [%s]", desc);
+    if (planned) fprintf(stderr, " chosen by the partitioner among %lld splits (%lld searched, %.2f s)", plan.splits, plan.searched, now_s() - t0);
+    else fprintf(stderr, o->split_given ? " (--split)" : " (the only one)");
+    fprintf(stderr, "; stage %d, the busiest, does %.1f%% of the work per sample (micro-batches of %g): no schedule gains "
+            "more than %.2fx over one thread here\n", l, 100 * share, x, share > 0 ? fmin(1 / share, cm->cores > 0 ? cm->cores : 1e9) : 0.0);
+    avgpipe_plan_free(ctx, &plan);
+    return 0;
+}
+
 /* Profile, fit, search; then set A->opt's schedule, micro, pipes, advance and round mode to the choice. The
    order, model and nets are set up afresh afterwards (main), from the seed: training starts from the same
    weights and sample order as a run given the chosen settings on the command line. */
@@ -1044,12 +1359,13 @@ static int tune(app *A, avgpipe_context *ctx) {
     int sizes[2], nsizes, i, ncand = 0, nok = 0, shown = 0, chosen = -1, best = -1, min_micro, rc = -1, have_tmp = 0;
     double t0 = now_s(), t1, meas[2][TUNE_PROFILED];
     avgpipe_profile prof;
-    avgpipe_cost_model cm;
+    avgpipe_cost_model cm, sm, *use = &cm;
     avgpipe_tune_desc td;
     avgpipe_tune_candidate *cand = NULL;
     avgpipe_result r;
     memset(&prof, 0, sizeof prof);
     memset(&cm, 0, sizeof cm);
+    memset(&sm, 0, sizeof sm);
     if (A->train.n < o->batch)
         return fail("tuner: %d training samples cannot fill one batch of %d samples", A->train.n, o->batch);
     min_micro = TUNE_MIN_MICRO_SAMPLES < o->batch ? TUNE_MIN_MICRO_SAMPLES : o->batch;
@@ -1066,10 +1382,17 @@ static int tune(app *A, avgpipe_context *ctx) {
         have_tmp = 1;
     }
 
-    /* Profile and fit. */
+    /* Profile (with every layer's times) and fit. */
     nsizes = profile_sizes(o, min_micro, sizes);
+    memset(A->nlsamp, 0, sizeof A->nlsamp);
+    for (i = 0; i < 2 * MLP_MAX_LAYERS * 2; i++)
+        if (!(A->lsamp[i / (2 * MLP_MAX_LAYERS)][i / 2 % MLP_MAX_LAYERS][i % 2] = (double *)malloc(LSAMP_CAP * sizeof(double)))) {
+            fail("out of memory");
+            goto done;
+        }
     for (i = 0; i < nsizes; i++)
-        if (profile_run(A, ctx, sizes[i], path, i > 0, meas[i]) != 0) goto done;
+        if (profile_run(A, ctx, sizes[i], i, path, i > 0, meas[i]) != 0) goto done;
+    if (append_layer_costs(A, ctx, path, sizes, nsizes) != 0) goto done;
     t1 = now_s();
     r = avgpipe_profile_load(ctx, path, &prof);
     if (r == AVGPIPE_OK && prof.nsections != nsizes * TUNE_PROFILED) {
@@ -1105,8 +1428,16 @@ static int tune(app *A, avgpipe_context *ctx) {
     td.min_micro = min_micro;
     td.no_continuous = o->sync_set;
     td.kinds = o->schedule_set ? 1u << o->schedule : 0;
+    if (cm.nlayers) { /* the split (the partitioner's, with --split auto), searched on its layers' costs */
+        if (tune_split(A, ctx, &cm, &td, &sm) != 0) goto done;
+        use = &sm;
+    }
+    if (!tuning(o)) { /* --micro and --pipes fixed: the split was all there was to choose */
+        rc = 0;
+        goto done;
+    }
     t1 = now_s();
-    r = avgpipe_tune_search(ctx, &cm, &td, &cand, &ncand);
+    r = avgpipe_tune_search(ctx, use, &td, &cand, &ncand);
     if (r != AVGPIPE_OK) {
         fail("tuner: search failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
         goto done;
@@ -1169,7 +1500,12 @@ done:
     if (have_tmp) remove(tmp);
     avgpipe_free(ctx, cand);
     avgpipe_cost_model_free(ctx, &cm);
+    avgpipe_cost_model_free(ctx, &sm);
     avgpipe_profile_free(ctx, &prof);
+    for (i = 0; i < 2 * MLP_MAX_LAYERS * 2; i++) {
+        free(A->lsamp[i / (2 * MLP_MAX_LAYERS)][i / 2 % MLP_MAX_LAYERS][i % 2]);
+        A->lsamp[i / (2 * MLP_MAX_LAYERS)][i / 2 % MLP_MAX_LAYERS][i % 2] = NULL;
+    }
     return rc;
 }
 
@@ -1192,18 +1528,20 @@ static int start_mpi(app *A, avgpipe_context *ctx, int *argc, char ***argv) {
 /* Rank 0 tuned alone: everyone trains with its choice (or stops with it). Bounded: rank 0 has 10 minutes. */
 static int share_choice(app *A, int rc) {
     options *o = &A->opt;
-    int v[8], done = 0;
+    int v[9 + MLP_MAX_LAYERS], done = 0, g;
     MPI_Request req;
     double t0 = MPI_Wtime();
     struct timespec nap = {0, 1000000L};
     v[0] = rc, v[1] = (int)o->schedule, v[2] = o->micro, v[3] = o->pipes, v[4] = o->continuous, v[5] = o->advance, v[6] = o->chunks,
-    v[7] = o->rounds;
-    if (MPI_Ibcast(v, 8, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
+    v[7] = o->rounds, v[8] = o->nsplit;
+    for (g = 0; g < MLP_MAX_LAYERS; g++) v[9 + g] = o->split[g];
+    if (MPI_Ibcast(v, 9 + MLP_MAX_LAYERS, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
     while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && MPI_Wtime() - t0 < 600) nanosleep(&nap, NULL);
     if (!done) return fail("--backend mpi: rank 0 did not finish tuning within 10 minutes");
     if (v[0] != 0) return A->me == 0 ? -1 : fail("rank 0 failed to tune (see its message)");
     o->schedule = (avgpipe_sched_kind)v[1], o->micro = v[2], o->pipes = v[3], o->continuous = v[4], o->advance = v[5], o->chunks = v[6];
-    o->rounds = v[7];
+    o->rounds = v[7], o->nsplit = v[8];
+    for (g = 0; g < MLP_MAX_LAYERS; g++) o->split[g] = v[9 + g];
     return 0;
 }
 #endif
@@ -1216,7 +1554,16 @@ int main(int argc, char **argv) {
     avgpipe_result r;
     int rc = 1, g;
     parse_options(argc, argv, &A.opt);
+    if (ensure_blas_kernel(&A.opt, argv) == 0 && !A.opt.mpi) {
+        printf("BLAS: %s, 1 thread per stage\n", g_blas.line);
+        fflush(stdout); /* first, also when stdout and stderr go to one file */
+    }
     openblas_set_num_threads(1); /* the stage threads are the parallelism */
+#ifdef __linux__
+    errno = 0;
+    A.nice_base = getpriority(PRIO_PROCESS, 0);
+    if (errno) A.nice_base = 0;
+#endif
     avgpipe_context_init(&ctx, NULL);
     A.me = -1;
     A.S = A.opt.stages / A.opt.chunks; /* ranks per replica group (is_local needs it before setup_model) */
@@ -1227,13 +1574,14 @@ int main(int argc, char **argv) {
     if (setup_placement(&A, &ctx) != 0) goto done;
 #endif
     if (load_data(&A) != 0) goto done;
-    if (tuning(&A.opt)) {
+    if (tuning(&A.opt) || planning(&A.opt)) {
         int trc = A.me <= 0 ? tune(&A, &ctx) : 0;
 #ifdef FMNIST_MPI
         if (A.me >= 0) trc = share_choice(&A, trc);
 #endif
         if (trc != 0) goto done;
     }
+    if (A.me <= 0) plan_priorities(&A); /* (threads only: it does nothing under MPI) */
     if (setup_order(&A, 0) != 0 || setup_model(&A) != 0) goto done;
     for (g = 0; A.me == 0 && g < A.G; g++) /* rank 0 gathers the reference model here */
         if (!(A.ref[g] = (float *)malloc(A.model.count[g] * sizeof(float)))) {

@@ -9,6 +9,8 @@
 #define _POSIX_C_SOURCE 200809L
 #define MLP_IMPLEMENTATION
 #include "examples/mlp.h"
+#define BLAS_KERNEL_IMPLEMENTATION
+#include "examples/blas_kernel.h"
 
 #include <errno.h>
 #include <math.h>
@@ -206,11 +208,19 @@ int main(int argc, char **argv) {
     char err[512], desc[256];
     int rc;
     parse_options(argc, argv, &o);
-    openblas_set_num_threads(o.threads);
     if (mlp_model_parse(&m, 784, o.hidden, o.stages, err, sizeof err) != 0) {
         fprintf(stderr, "mlp_reference: %s\n", err);
         return 2;
     }
+    { /* a generic OpenBLAS kernel on a CPU that can do better: restart with the right one (blas_kernel.h) */
+        blas_kernel_shape shapes[MLP_MAX_LAYERS];
+        blas_kernel_status bk;
+        int l;
+        for (l = 0; l < m.layers; l++) shapes[l].m = o.batch / o.micro, shapes[l].n = m.width[l + 1], shapes[l].k = m.width[l];
+        blas_kernel_ensure(argv, shapes, m.layers, "mlp_reference", &bk);
+        printf("BLAS: %s, %d thread%s\n", bk.line, o.threads, o.threads > 1 ? "s" : "");
+    }
+    openblas_set_num_threads(o.threads);
     if (load_data(&o, &trainset, &test) != 0) return 1;
     if (trainset.dim != m.width[0]) { /* the model was parsed for 28x28 inputs */
         rc = mlp_model_parse(&m, trainset.dim, o.hidden, o.stages, err, sizeof err);

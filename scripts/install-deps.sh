@@ -1,7 +1,15 @@
 #!/bin/sh
-# Install the Debian packages avgpipe needs to build, test and run its examples (only the missing ones).
+# Install the Debian packages avgpipe needs to build, test and run its examples and benchmarks (only the
+# missing ones; time: GNU time, which bench/bench_lib.sh reads each run's own CPU time from).
+# --peer: also PyTorch (python3-torch, about 1 GB), which only bench/bench_peer.sh needs.
 set -eu
-PKGS="build-essential meson ninja-build pkg-config libcriterion-dev clang libopenblas-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin libhwloc-dev"
+PKGS="build-essential meson ninja-build pkg-config libcriterion-dev clang libopenblas-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin libhwloc-dev time"
+for a in "$@"; do
+    case "$a" in
+        --peer) PKGS="$PKGS python3-torch" ;;
+        *) echo "usage: sh scripts/install-deps.sh [--peer]" >&2; exit 2 ;;
+    esac
+done
 SUDO=""
 [ "$(id -u)" -eq 0 ] || SUDO=sudo
 missing=""

@@ -329,5 +329,30 @@ usage_error "tune binary garbage" "line 1" tune --profile "$TMP/garbage.prof" --
 : >"$TMP/empty.prof"
 usage_error "tune empty profile" "empty.prof" tune --profile "$TMP/empty.prof" --batch 32 --mem-limit 1M
 
+# ---- tune with per-layer costs: the stage partitioner ----------------------------------------------
+# The synthetic profile plus 'layer' lines: 4 layers whose costs per sample are 3, 1, 1, 1 (forward
+# x 1e-6 s, backward twice that), no constant term, and an 'averaging' line. Two stages balance as 1,3
+# (3 against 3); four as one layer each. The profiled grouping is 2 + 2 (stage 0 holds layers 0-1).
+cp "$PROF" "$TMP/layers.prof"
+awk 'BEGIN { split("3 1 1 1", w, " "); for (l = 0; l < 4; l++)
+    printf "layer %d stage=%d f_a=0 f_b=%g b_a=0 b_b=%g param_floats=500 act_bytes=16\n", l, (l >= 2 ? 1 : 0), w[l + 1] * 1e-6, 2 * w[l + 1] * 1e-6
+    print "averaging floats=1000 seconds=1e-6" }' >>"$TMP/layers.prof"
+t "tune layers" 0 tune --profile "$TMP/layers.prof" --batch 32 --mem-limit 1G --max-pipes 2
+has "tune layers: split 1,3" "$OUT" "split 1,3 (layers per stage, of 4 layers)"
+has "tune layers: the bound" "$OUT" "the busiest stage does 50.0% of the work"
+has "tune layers: averaging fitted" "$OUT" "averaging 1 ns per parameter"
+t "tune layers --stages 4 tsv" 0 tune --profile "$TMP/layers.prof" --batch 32 --mem-limit 1G --max-pipes 2 --stages 4 --top 2 --summary tsv
+eq "tune layers --stages 4: split column" "$(column split)" "1,1,1,1 1,1,1,1"
+t "tune layers --stages 1" 0 tune --profile "$TMP/layers.prof" --batch 32 --mem-limit 1G --max-pipes 2 --stages 1 --top 1 --summary tsv
+eq "tune layers --stages 1: split column" "$(column split)" "4"
+usage_error "tune layers --stages 5" "stages" tune --profile "$TMP/layers.prof" --batch 32 --mem-limit 1G --stages 5
+usage_error "tune --stages without layers" "no 'layer' lines" tune --profile "$PROF" --batch 32 --mem-limit 1M --stages 3
+t "tune without layers: no split column" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --top 1 --summary tsv
+eq "tune without layers: columns" "$(head -n 1 "$OUT" | tr '\t' '\n' | tail -n 1)" "fits"
+sed 's/^layer 2 stage=1/layer 2 stage=0/; s/^layer 3 stage=1/layer 3 stage=3/' "$TMP/layers.prof" >"$TMP/broken.prof"
+usage_error "tune layer stage out of order" "stage" tune --profile "$TMP/broken.prof" --batch 32 --mem-limit 1M
+sed 's/^layer 1 /layer 7 /' "$TMP/layers.prof" >"$TMP/broken.prof"
+usage_error "tune layer out of order" "layer 7 where layer 1 comes next" tune --profile "$TMP/broken.prof" --batch 32 --mem-limit 1M
+
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

@@ -952,3 +952,315 @@ Test(parse, huge_shapes_are_refused_at_parse_time) {
     expect_line_error(2, "shape kind=advance stages=2 chunks=1 micro=2 pipes=1 rounds=1 advance=1e12 continuous=0 samples=8 seconds=0.01",
                       "advance", "advance 1e12");
 }
+
+/* ---- the profile's layer and averaging lines, the fitted overheads -------------------------------- */
+
+static const char *LAYERED =
+    "# avgpipe profile v1\n"                                                                                        /* 1 */
+    "shape kind=1f1b stages=2 chunks=1 micro=1 pipes=1 rounds=1 advance=0 continuous=0 samples=8 seconds=0.01\n"    /* 2 */
+    "stage 0 param_floats=1000 act_bytes=256 slots=2\n"                                                             /* 3 */
+    "stage 1 param_floats=3000 act_bytes=0 slots=1\n"                                                               /* 4 */
+    "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0.000000 end=0.001000 bytes=0\n"                                 /* 5 */
+    "op rank=0 kind=SEND_F pipe=0 stage=0 micro=0 start=0.001010 end=0.001030 bytes=256\n"                          /* 6 */
+    "op rank=0 kind=RECV_B pipe=0 stage=0 micro=0 start=0.001040 end=0.004000 bytes=256\n"                          /* 7 */
+    "op rank=0 kind=B pipe=0 stage=0 micro=0 start=0.004000 end=0.005000 bytes=0\n"                                 /* 8 */
+    "op rank=0 kind=STEP pipe=0 stage=0 micro=0 start=0.005010 end=0.005110 bytes=0\n"                              /* 9 */
+    "op rank=1 kind=RECV_F pipe=0 stage=1 micro=0 start=0.000000 end=0.001050 bytes=256\n"                          /* 10 */
+    "op rank=1 kind=F pipe=0 stage=1 micro=0 start=0.001050 end=0.002000 bytes=0\n"                                 /* 11 */
+    "op rank=1 kind=B pipe=0 stage=1 micro=0 start=0.002010 end=0.003950 bytes=0\n"                                 /* 12 */
+    "op rank=1 kind=SEND_B pipe=0 stage=1 micro=0 start=0.003960 end=0.003980 bytes=256\n"                          /* 13 */
+    "op rank=1 kind=STEP pipe=0 stage=1 micro=0 start=0.003990 end=0.004290 bytes=0\n"                              /* 14 */
+    "layer 0 stage=0 f_a=1e-5 f_b=2e-6 b_a=1e-5 b_b=3e-6 param_floats=1000 act_bytes=32\n"                         /* 15 */
+    "layer 1 stage=1 f_a=2e-5 f_b=1e-6 b_a=0 b_b=2e-6 param_floats=2000 act_bytes=16\n"                            /* 16 */
+    "layer 2 stage=1 f_a=0 f_b=1e-7 b_a=0 b_b=2e-7 param_floats=1000 act_bytes=40\n"                               /* 17 */
+    "averaging floats=1000 seconds=1e-6\n"                                                                          /* 18 */
+    "averaging floats=3000 seconds=2e-6\n";                                                                         /* 19 */
+
+static char *edit_layered(int line, const char *with) {
+    sbuf b = {NULL, 0, 0};
+    const char *p = LAYERED;
+    int l = 1;
+    while (*p) {
+        const char *e = strchr(p, '\n');
+        size_t n = e ? (size_t)(e - p) + 1 : strlen(p);
+        if (l != line) sb_printf(&b, "%.*s", (int)n, p);
+        else if (with) sb_printf(&b, "%s\n", with);
+        p += n, l++;
+    }
+    return b.p;
+}
+
+Test(layers, parsed_and_fitted) {
+    avgpipe_context ctx;
+    avgpipe_profile p;
+    avgpipe_cost_model m;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, LAYERED, strlen(LAYERED), &p), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect_eq(p.nlayers, 3);
+    cr_expect(p.layers[1].stage == 1 && p.layers[1].f_a == 2e-5 && p.layers[2].act_bytes == 40 && p.layers[0].param_floats == 1000);
+    cr_expect(p.averaging_floats == 4000 && close_rel(p.averaging_seconds, 3e-6));
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect_eq(m.nlayers, 3);
+    cr_expect(close_rel(m.avg_per_float, 3e-6 / 4000), "averaging %g per float", m.avg_per_float);
+    /* STEP: 100 us at 1000 parameters, 300 us at 3000: a line through both, 0 + 1e-7 x P */
+    cr_expect(fabs(m.step_a) < 1e-12 && close_rel(m.step_b, 1e-7), "STEP %g + %g x P", m.step_a, m.step_b);
+    /* runtime time after each compute op up to the next one (blocked receives excluded): rank 0: F -> B
+       10 + 20 + 10 us (gap, send, gap; the wait is not counted), B -> STEP 10; rank 1: F -> B 10, B -> STEP
+       10 + 20 + 10. Trimmed mean of {40, 10, 10, 40} (the middle 60% of four is all four) = 25 us */
+    cr_expect(fabs(m.op_overhead - 25e-6) < 1e-9, "op overhead %g", m.op_overhead);
+    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_profile_free(&ctx, &p);
+}
+
+Test(layers, broken_lines_are_refused_naming_the_line) {
+    static const struct {
+        int line;
+        const char *with, *want;
+    } cases[] = {
+        {16, "layer 2 stage=1 f_a=2e-5 f_b=1e-6 b_a=0 b_b=2e-6 param_floats=2000 act_bytes=16", "line 16: layer 2 where layer 1"},
+        {16, "layer 1 stage=1 f_a=2e-5 f_b=1e-6 b_a=0 param_floats=2000 act_bytes=16", "line 16: missing field 'b_b'"},
+        {16, "layer 1 stage=1 f_a=-2e-5 f_b=1e-6 b_a=0 b_b=2e-6 param_floats=2000 act_bytes=16", "line 16: field 'f_a'"},
+        {17, "layer 2 stage=0 f_a=0 f_b=1e-7 b_a=0 b_b=2e-7 param_floats=1000 act_bytes=40", "line 17: field 'stage'"},
+        {17, "layer 2 stage=3 f_a=0 f_b=1e-7 b_a=0 b_b=2e-7 param_floats=1000 act_bytes=40", "must run from 0 to 1"},
+        {16, "layer 1 stage=0 f_a=2e-5 f_b=1e-6 b_a=0 b_b=2e-6 param_floats=2000 act_bytes=16", NULL},
+        {18, "averaging floats=0 seconds=1e-6", "line 18: field 'floats'"},
+        {19, "averaging floats=3000", "line 19: missing field 'seconds'"},
+        {15, "layer x stage=0 f_a=1e-5 f_b=2e-6 b_a=1e-5 b_b=3e-6 param_floats=1000 act_bytes=32", "line 15: layer index"},
+    };
+    size_t i;
+    for (i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char *t = edit_layered(cases[i].line, cases[i].with);
+        avgpipe_context ctx;
+        avgpipe_profile p;
+        avgpipe_result r;
+        avgpipe_context_init(&ctx, NULL);
+        r = avgpipe_profile_parse(&ctx, t, strlen(t), &p);
+        if (!cases[i].want) { /* layers 0 and 1 on stage 0, layer 2 on stage 1: a valid grouping */
+            cr_expect_eq(r, AVGPIPE_OK, "case %zu: %s", i, avgpipe_last_error(&ctx));
+            if (!r) avgpipe_profile_free(&ctx, &p);
+        } else {
+            cr_expect_eq(r, AVGPIPE_PARSE_ERROR, "case %zu", i);
+            cr_expect(has(avgpipe_last_error(&ctx), cases[i].want), "case %zu: '%s' does not say '%s'", i, avgpipe_last_error(&ctx),
+                      cases[i].want);
+        }
+        free(t);
+    }
+}
+
+/* Per-op overhead and averaging in a prediction, exactly: S = 1, N = 1, M = 4, 1F1B: 4 F, 4 B and one STEP
+   each cost op_overhead more, and with N = 1 the AVG sits on the rank's timeline. */
+Test(layers, predict_adds_overheads_and_averaging) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    synth s = {1, 1e-4, 1e-6, 2e-4, 2e-6, 0, 1000, 0};
+    avgpipe_sched_desc d;
+    double t0, t1, t2;
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 1, d.micro = 4;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &d, 8, &t0), AVGPIPE_OK);
+    m.op_overhead = 3e-6;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &d, 8, &t1), AVGPIPE_OK);
+    cr_expect(close_rel(t1 - t0, 9 * 3e-6), "overhead adds %g, 9 ops x 3 us expected", t1 - t0);
+    m.avg_per_float = 1e-9; /* 1000 floats: 1 us */
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &d, 8, &t2), AVGPIPE_OK);
+    cr_expect(close_rel(t2 - t1, 1e-6), "averaging adds %g, 1 us expected", t2 - t1);
+    /* N = 2 with one core: averaging is off the timeline but in the cores bound: all work + 2 x 1 us */
+    d.pipes = 2;
+    m.cores = 1;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &d, 8, &t2), AVGPIPE_OK);
+    cr_expect(close_rel(t2, 2 * t1 + 2e-6), "N = 2 on one core: %g, expected 2 x %g + 2 us", t2, t1);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+/* ---- the stage partitioner ------------------------------------------------------------------------ */
+
+static double rnd(unsigned *x) {
+    *x = *x * 1664525u + 1013904223u;
+    return (double)(*x >> 8) / 16777216.0;
+}
+
+/* A model of L layers with made-up costs (one profiled stage; the partitioner regroups them). */
+static void layered_model(avgpipe_context *ctx, int L, unsigned seed, avgpipe_cost_model *m) {
+    sbuf b = {NULL, 0, 0};
+    avgpipe_profile p;
+    unsigned x = seed * 2654435761u + 12345u;
+    int l;
+    sb_printf(&b, "# avgpipe profile v1\n"
+                  "shape kind=1f1b stages=1 chunks=1 micro=1 pipes=1 rounds=1 advance=0 continuous=0 samples=8 seconds=0.01\n"
+                  "stage 0 param_floats=1000 act_bytes=0 slots=1\n"
+                  "op rank=0 kind=F pipe=0 stage=0 micro=0 start=0 end=0.001 bytes=0\n"
+                  "op rank=0 kind=B pipe=0 stage=0 micro=0 start=0.001 end=0.003 bytes=0\n");
+    for (l = 0; l < L; l++) { /* a few heavy layers among light ones, as in an MLP */
+        double w = rnd(&x) < 0.3 ? 10 : 1, v[6];
+        int i;
+        for (i = 0; i < 6; i++) v[i] = rnd(&x);
+        sb_printf(&b, "layer %d stage=0 f_a=%.9g f_b=%.9g b_a=%.9g b_b=%.9g param_floats=%.0f act_bytes=%.0f\n", l, 1e-6 * v[0],
+                  w * 1e-6 * (0.2 + v[1]), 1e-6 * v[2], w * 2e-6 * (0.2 + v[3]), w * 1e4 * (0.5 + v[4]), 64 + 1024 * v[5]);
+    }
+    sb_printf(&b, "averaging floats=10000 seconds=%.9g\n", 2e-5 * rnd(&x));
+    cr_assert_eq(avgpipe_profile_parse(ctx, b.p, b.len, &p), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    cr_assert_eq(avgpipe_tune_fit(ctx, &p, m), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    m->step_a = 5e-6, m->step_b = 1e-9; /* the profile's one STEP-less stage fits none: an optimizer pass */
+    m->op_overhead = 2e-6;
+    m->latency = 3e-6;
+    avgpipe_profile_free(ctx, &p);
+    free(b.p);
+}
+
+/* Brute force, written independently of the partitioner: every composition of L into P parts in layer
+   (lexicographic) order, each searched; the first with the least time per sample among the fitting
+   kept candidates. Returns the number of splits. */
+typedef struct brute {
+    int split[16], best[16], P, L;
+    double tps;
+    int found;
+} brute;
+
+static void brute_rec(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, brute *b, int part, int left,
+                      long long *count) {
+    int k, i;
+    if (part == b->P - 1) {
+        avgpipe_cost_model sm;
+        avgpipe_tune_candidate *c;
+        int n;
+        b->split[part] = left;
+        ++*count;
+        cr_assert_eq(avgpipe_tune_split(ctx, m, b->split, b->P, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+        cr_assert_eq(avgpipe_tune_search(ctx, &sm, td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+        for (i = 0; i < n; i++)
+            if (c[i].fits) {
+                if (!b->found || c[i].time_per_sample < b->tps) {
+                    b->found = 1, b->tps = c[i].time_per_sample;
+                    memcpy(b->best, b->split, sizeof b->best);
+                }
+                break;
+            }
+        avgpipe_free(ctx, c);
+        avgpipe_cost_model_free(ctx, &sm);
+        return;
+    }
+    for (k = 1; k <= left - (b->P - 1 - part); k++) {
+        b->split[part] = k;
+        brute_rec(ctx, m, td, b, part + 1, left - k, count);
+    }
+}
+
+static void plan_vs_brute(int L, int S, int V, unsigned seed, double cores, double mem_frac, int *pruned) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_plan_desc pd;
+    avgpipe_plan plan;
+    brute b;
+    long long count = 0;
+    int g;
+    avgpipe_context_init(&ctx, NULL);
+    layered_model(&ctx, L, seed, &m);
+    m.cores = cores;
+    memset(&td, 0, sizeof td);
+    td.batch = 16, td.max_pipes = 2, td.min_micro = 2, td.opt_bytes_per_param = 8, td.chunks = V;
+    memset(&b, 0, sizeof b);
+    b.P = S * V, b.L = L;
+    if (mem_frac > 0) { /* a limit that some splits' best settings exceed */
+        avgpipe_plan_desc q;
+        memset(&q, 0, sizeof q);
+        q.stages = S, q.chunks = V;
+        cr_assert_eq(avgpipe_tune_plan(&ctx, &m, &td, &q, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        td.mem_limit = plan.best.peak_bytes * mem_frac;
+        avgpipe_plan_free(&ctx, &plan);
+    }
+    brute_rec(&ctx, &m, &td, &b, 0, L, &count);
+    memset(&pd, 0, sizeof pd);
+    pd.stages = S, pd.chunks = V;
+    cr_assert_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(plan.splits, count, "L %d, P %d: %lld splits, brute force %lld", L, b.P, plan.splits, count);
+    cr_assert_eq(plan.found, b.found, "L %d S %d V %d seed %u: found %d, brute force %d", L, S, V, seed, plan.found, b.found);
+    if (b.found) {
+        cr_expect(plan.best.time_per_sample == b.tps, "L %d S %d V %d seed %u: %.9g us/sample, brute force %.9g", L, S, V, seed,
+                  1e6 * plan.best.time_per_sample, 1e6 * b.tps);
+        for (g = 0; g < b.P; g++)
+            cr_expect_eq(plan.split[g], b.best[g], "L %d S %d V %d seed %u: part %d holds %d layers, brute force %d", L, S, V, seed, g,
+                         plan.split[g], b.best[g]);
+        cr_expect(plan.best.fits && (td.mem_limit <= 0 || plan.best.peak_bytes <= td.mem_limit));
+        cr_expect(plan.slowest_share > 0 && plan.slowest_share <= 1 && plan.bound >= 1 - 1e-12);
+    }
+    if (getenv("AVGPIPE_TEST_VERBOSE")) fprintf(stderr, "L %d S %d V %d seed %u: %lld splits, %lld searched, best %.4g us/sample\n", L, S, V, seed, plan.splits, plan.searched, 1e6 * plan.best.time_per_sample);
+    *pruned += plan.searched < plan.splits;
+    avgpipe_plan_free(&ctx, &plan);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
+Test(plan, equals_brute_force_over_every_split) {
+    int pruned = 0;
+    unsigned seed;
+    for (seed = 1; seed <= 4; seed++) {
+        plan_vs_brute(5, 2, 1, seed, 0, 0, &pruned);  /* 4 splits, a core per rank */
+        plan_vs_brute(6, 3, 1, seed, 2, 0, &pruned);  /* 10 splits, 3 ranks sharing 2 cores */
+        plan_vs_brute(7, 2, 1, seed, 2, 0, &pruned);  /* 6 splits */
+    }
+    plan_vs_brute(6, 2, 2, 7, 0, 0, &pruned);   /* interleaved: 4 partitions on 2 ranks, 10 splits */
+    plan_vs_brute(6, 3, 1, 9, 0, 0.8, &pruned); /* under a memory limit */
+    plan_vs_brute(4, 2, 1, 3, 2, 1e-6, &pruned); /* nothing fits */
+    cr_expect_gt(pruned, 3, "the bound pruned splits in only %d of 15 cases", pruned);
+}
+
+Test(plan, split_model_adds_up_its_layers) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, sm;
+    int split[2] = {1, 2}, K = AVGPIPE_OP_KIND_COUNT;
+    avgpipe_profile p;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, LAYERED, strlen(LAYERED), &p), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_tune_split(&ctx, &m, split, 2, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(sm.a[1 * K + AVGPIPE_OP_F], 2e-5) && close_rel(sm.b[1 * K + AVGPIPE_OP_F], 1.1e-6));
+    cr_expect(close_rel(sm.b[1 * K + AVGPIPE_OP_B], 2.2e-6) && close_rel(sm.b[1 * K + AVGPIPE_OP_I], 1.1e-6) &&
+              close_rel(sm.b[1 * K + AVGPIPE_OP_W], 1.1e-6));
+    cr_expect(sm.param_floats[0] == 1000 && sm.param_floats[1] == 3000);
+    cr_expect(sm.act_bytes_per_sample[0] == 32 && sm.act_bytes_per_sample[1] == 0);
+    cr_expect(close_rel(sm.a[1 * K + AVGPIPE_OP_STEP], m.step_a + m.step_b * 3000));
+    cr_expect(sm.layers[2].stage == 1 && sm.op_overhead == m.op_overhead && sm.avg_per_float == m.avg_per_float);
+    /* per sample at 8 samples, batches of 16: part 0 (2.6e-5 + 3.4e-5) / 8 + STEP 1e-4 / 16 = 13.75 us,
+       part 1 (2.88e-5 + 1.76e-5) / 8 + 3e-4 / 16 = 24.55 us: share 24.55 / 38.3 */
+    cr_expect(close_rel(avgpipe_tune_slowest_share(&sm, 2, 8, 16), 24.55 / 38.3), "share %g", avgpipe_tune_slowest_share(&sm, 2, 8, 16));
+    cr_expect(avgpipe_tune_slowest_share(&sm, 1, 8, 16) == 1);
+    cr_expect(avgpipe_tune_slowest_share(&sm, 3, 8, 16) == -1, "2 partitions on 3 ranks");
+    avgpipe_cost_model_free(&ctx, &sm);
+    split[0] = 2, split[1] = 2;
+    cr_expect_eq(avgpipe_tune_split(&ctx, &m, split, 2, &sm), AVGPIPE_INVALID_ARG);
+    cr_expect(has(avgpipe_last_error(&ctx), "split"), "%s", avgpipe_last_error(&ctx));
+    split[0] = 0, split[1] = 3;
+    cr_expect_eq(avgpipe_tune_split(&ctx, &m, split, 2, &sm), AVGPIPE_INVALID_ARG);
+    cr_expect(has(avgpipe_last_error(&ctx), "split[0]"), "%s", avgpipe_last_error(&ctx));
+    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_profile_free(&ctx, &p);
+}
+
+Test(plan, bad_arguments_name_the_field) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_plan_desc pd;
+    avgpipe_plan plan;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    memset(&td, 0, sizeof td);
+    memset(&pd, 0, sizeof pd);
+    td.batch = 8;
+    pd.stages = 2;
+    fit_synth(&ctx, &s, &m); /* no layer lines */
+    cr_expect_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
+    cr_expect(has(avgpipe_last_error(&ctx), "layer"), "%s", avgpipe_last_error(&ctx));
+    avgpipe_cost_model_free(&ctx, &m);
+    layered_model(&ctx, 3, 1, &m);
+    pd.stages = 4;
+    cr_expect_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
+    cr_expect(has(avgpipe_last_error(&ctx), "stages"), "%s", avgpipe_last_error(&ctx));
+    pd.stages = 2;
+    td.batch = 0;
+    cr_expect_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
+    cr_expect(has(avgpipe_last_error(&ctx), "batch"), "%s", avgpipe_last_error(&ctx));
+    avgpipe_cost_model_free(&ctx, &m);
+}

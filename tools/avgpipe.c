@@ -248,7 +248,8 @@ static const cli_flag cli_flags[] = {
     {"--cores", set_num, OFF(cores), 0, 1e6, T, "C", "cores the ranks' stage threads share (CPU); 0 = one per rank (default)"},
     {"--min-micro", set_int, OFF(min_micro), 1, CLI_MAX_BATCH, T, "SAMPLES", "smallest micro-batch tried, in samples (default 1)"},
     {"--schedule", set_schedule, 0, 0, 0, SC | T, "NAME", "afab|1f1b|advance|interleaved|zbh1|zbv|dualpipev; compare and tune take a comma list"},
-    {"--stages", set_int, OFF(stages), 1, INT_MAX, SC, "S", "pipeline stages = ranks (default 4)"},
+    {"--stages", set_int, OFF(stages), 1, INT_MAX, SC | T, "S", "pipeline stages = ranks (default 4; tune: the profile's, and with\n"
+     "                           'layer' lines in the profile the partitioner splits the layers into S)"},
     {"--micro", set_int, OFF(micro), 1, INT_MAX, SC, "M", "micro-batches per batch (default 8)"},
     {"--pipes", set_int, OFF(pipes), 1, 32767, SC, "N", "parallel pipelines (default 1)"},
     {"--chunks", set_int, OFF(chunks), 1, INT_MAX, SC, "V", "model chunks per rank, interleaved only (default 2; zbv and dualpipev hold 2 in a V)"},
@@ -309,8 +310,13 @@ static const cli_command cli_commands[] = {
      "fitted costs; its memory per rank is the runtime's boundary buffers and averaging buffers plus N x\n"
      "parameters x (4 + --opt-bytes-per-param) bytes. Candidates that fit --mem-limit come first, each\n"
      "group fastest per sample first. Sizes: plain bytes or a suffix K, M, G (binary: 1K = 1024 bytes).\n"
+     "With 'layer' lines in the profile (per-layer costs: avgpipe.h section 11) the stage partitioner picks\n"
+     "the split of the layers into --stages partitions jointly with the setting (every split's best setting,\n"
+     "splits bounded out by their least possible time), prints it and what bounds the model: the busiest\n"
+     "stage's share of the work; the ranking is that split's.\n"
      "TSV columns: rank schedule micro pipes advance continuous samples pred_time_per_sample pred_seconds\n"
-     "pred_peak_bytes fits (times in seconds; pred_seconds is one iteration of R rounds).\n"
+     "pred_peak_bytes fits (times in seconds; pred_seconds is one iteration of R rounds), and with 'layer'\n"
+     "lines split (layers per stage, e.g. 1,3).\n"
      "Exit status: 0 ok, 1 no setting fits the memory limit, 2 bad arguments, a profile that cannot be\n"
      "read or parsed (the message names the line), or a library error.\n"},
 };
@@ -375,6 +381,7 @@ static void default_opts(cli_opts *o, unsigned cmd) {
     o->cost_w = 1;
     o->top = 10;
     o->max_pipes = 4;
+    if (cmd == CMD_TUNE) o->stages = 0; /* the profile's */
 }
 
 /* Parse argv[2..] into *o. Returns 0 or CLI_EXIT_USAGE (message printed). Stops at --help. */
@@ -776,15 +783,19 @@ static void print_cost_model(const cli_opts *o, const avgpipe_profile *p, const 
                1e6 * m->a[g * K + AVGPIPE_OP_F], 1e6 * m->b[g * K + AVGPIPE_OP_F], 1e6 * m->a[g * K + AVGPIPE_OP_B],
                1e6 * m->b[g * K + AVGPIPE_OP_B], m->param_floats[g], m->act_bytes_per_sample[g]);
     printf("  transfer latency %.4g us\n", 1e6 * m->latency);
+    if (m->op_overhead > 0 || m->avg_per_float > 0 || m->step_b > 0)
+        printf("  runtime overhead %.4g us per op; averaging %.4g ns per parameter; STEP %.4g us + %.4g ns per parameter\n",
+               1e6 * m->op_overhead, 1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
     if (m->cores > 0 && m->cores < m->nstages)
         printf("  the %d ranks share %g cores: an iteration lasts at least all ranks' compute / %g\n", m->nstages, m->cores, m->cores);
 }
 
-static void print_tune_row(const cli_opts *o, int rank, const avgpipe_tune_candidate *c) {
+static void print_tune_row(const cli_opts *o, int rank, const avgpipe_tune_candidate *c, const char *split) {
     const avgpipe_sched_desc *d = &c->sched;
     if (o->tsv) {
-        printf("%d\t%s\t%d\t%d\t%d\t%d\t%.10g\t%.9g\t%.9g\t%.0f\t%d\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
-               d->advance, d->continuous, c->samples, c->time_per_sample, c->seconds, c->peak_bytes, c->fits);
+        printf("%d\t%s\t%d\t%d\t%d\t%d\t%.10g\t%.9g\t%.9g\t%.0f\t%d%s%s\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
+               d->advance, d->continuous, c->samples, c->time_per_sample, c->seconds, c->peak_bytes, c->fits, split ? "\t" : "",
+               split ? split : "");
         return;
     }
     printf("%4d  %-8s %5d %5d %7d %10s %14.4f %12.4f %14.0f  %s\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
@@ -833,13 +844,44 @@ static double tune_work(const avgpipe_tune_desc *td, int stages) {
     return work;
 }
 
+/* With layer costs: the partitioner's split of the layers into S stages (S: --stages, else the profile's),
+   its cost model into *sm, "1,3" into split; prints the split and what bounds it (table form). Without:
+   nothing (0), or an error when --stages asks for a split. */
+static int tune_plan(avgpipe_context *ctx, const cli_opts *o, const avgpipe_profile *p, const avgpipe_cost_model *m,
+                     const avgpipe_tune_desc *td, avgpipe_cost_model *sm, char *split, size_t cap) {
+    avgpipe_plan plan;
+    avgpipe_plan_desc pd;
+    size_t len = 0;
+    int g;
+    if (m->nlayers < 1) {
+        if (o->stages && o->stages != p->sections[0].nstages)
+            return cli_error("--stages %d: the profile has no 'layer' lines, so its %d stage partitions cannot be regrouped", o->stages,
+                             p->sections[0].nstages);
+        return 0;
+    }
+    memset(&pd, 0, sizeof pd);
+    pd.stages = o->stages ? o->stages : p->sections[0].shape.stages;
+    if (avgpipe_tune_plan(ctx, m, td, &pd, &plan) != AVGPIPE_OK) return lib_error(ctx);
+    for (g = 0; g < plan.nparts && len < cap; g++) len += (size_t)snprintf(split + len, cap - len, "%s%d", g ? "," : "", plan.split[g]);
+    if (avgpipe_tune_split(ctx, m, plan.split, plan.nparts, sm) != AVGPIPE_OK) {
+        avgpipe_plan_free(ctx, &plan);
+        return lib_error(ctx);
+    }
+    if (!o->tsv)
+        printf("split %s (layers per stage, of %d layers) chosen among %lld splits, %lld searched: the busiest stage does %.1f%% of "
+               "the work per sample at %g samples per micro-batch, so no schedule gains more than %.3gx over one thread\n", split,
+               m->nlayers, plan.splits, plan.searched, 100 * plan.slowest_share, plan.best.samples, plan.bound);
+    avgpipe_plan_free(ctx, &plan);
+    return 0;
+}
+
 static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
     avgpipe_profile p;
-    avgpipe_cost_model m;
+    avgpipe_cost_model m, sm, *use = &m;
     avgpipe_tune_desc td;
     avgpipe_tune_candidate *c = NULL;
     int n = 0, i, nfit = 0, rc, shown;
-    char b1[32], b2[32];
+    char b1[32], b2[32], split[256] = "";
     FILE *f = fopen(o->profile, "rb"); /* first, for the system's reason (the library names none) */
     int bad = !f || (fgetc(f) == EOF && ferror(f));
     if (bad) rc = cli_error("cannot read '%s': %s", o->profile, strerror(errno));
@@ -884,20 +926,24 @@ static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
         return rc;
     }
     m.cores = o->cores;
-    if (avgpipe_tune_search(ctx, &m, &td, &c, &n) != AVGPIPE_OK) rc = lib_error(ctx);
+    memset(&sm, 0, sizeof sm);
+    if (!o->tsv) print_cost_model(o, &p, &m);
+    rc = tune_plan(ctx, o, &p, &m, &td, &sm, split, sizeof split);
+    if (!rc && sm.nstages) use = &sm;
+    if (!rc && avgpipe_tune_search(ctx, use, &td, &c, &n) != AVGPIPE_OK) rc = lib_error(ctx);
     for (i = 0; !rc && i < n; i++) nfit += c[i].fits;
     shown = o->top > 0 && o->top < n ? o->top : n;
     if (!rc && o->tsv) {
-        printf("rank\tschedule\tmicro\tpipes\tadvance\tcontinuous\tsamples\tpred_time_per_sample\tpred_seconds\tpred_peak_bytes\tfits\n");
-        for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i]);
+        printf("rank\tschedule\tmicro\tpipes\tadvance\tcontinuous\tsamples\tpred_time_per_sample\tpred_seconds\tpred_peak_bytes\tfits%s\n",
+               split[0] ? "\tsplit" : "");
+        for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i], split[0] ? split : NULL);
     } else if (!rc) {
-        print_cost_model(o, &p, &m);
         printf("\nbatch %d per pipeline, %d round%s per iteration, memory limit %s per rank, optimizer %g bytes/param: "
                "%d settings, %d fit\n", o->batch, o->rounds, o->rounds == 1 ? "" : "s", human_bytes(o->mem_limit, b1, sizeof b1),
                o->opt_bytes, n, nfit);
         printf("%4s  %-8s %5s %5s %7s %10s %14s %12s %14s  %s\n", "rank", "schedule", "micro", "pipes", "advance", "continuous",
                "us_per_sample", "iteration_ms", "peak_bytes", "fits");
-        for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i]);
+        for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i], NULL);
         if (shown < n) printf("  ... %d more (--top 0 lists all)\n", n - shown);
         if (nfit > 0)
             printf("best: %s M=%d N=%d K=%d %s rounds, %g samples per micro-batch: %.4g us/sample (%.4g samples/s), peak %s "
@@ -919,6 +965,7 @@ static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
     }
     avgpipe_free(ctx, c);
     avgpipe_cost_model_free(ctx, &m);
+    avgpipe_cost_model_free(ctx, &sm);
     avgpipe_profile_free(ctx, &p);
     return rc;
 }
