@@ -3947,9 +3947,18 @@ typedef struct avgpipe__vstate {
     avgpipe__place pl;
     avgpipe__msgs *sendq, *recvq; /* [pl.nchan] */
     int any_step;
+    /* For the replay of a compute-only schedule: each message's index on its channel (the order in
+       which its sender produces it), by the cell it feeds: seqf for the activation into (p, g, u),
+       seqb for the gradient into it; nseq counts the messages per channel. NULL when not needed. */
+    int32_t *seqf, *seqb;
+    int *nseq;
+    int fsdp; /* the lists hold UNSHARD, RESHARD or REDUCE_GRAD ops */
 } avgpipe__vstate;
 
-enum { AVGPIPE__VF = 1, AVGPIPE__VB = 2, AVGPIPE__VI = 4, AVGPIPE__VW = 8, AVGPIPE__VRF = 16, AVGPIPE__VRB = 32 };
+/* Bits of avgpipe__vstate.st: what the static pass saw (F, B, I, W, RECV_F, RECV_B), then what the
+   replay delivered (the activation, the gradient). */
+enum { AVGPIPE__VF = 1, AVGPIPE__VB = 2, AVGPIPE__VI = 4, AVGPIPE__VW = 8, AVGPIPE__VRF = 16, AVGPIPE__VRB = 32,
+       AVGPIPE__VA = 64, AVGPIPE__VG = 128 };
 
 static avgpipe_result avgpipe__vfail(avgpipe__vstate *v, avgpipe_result res, int rank, int pos, const char *fmt, ...) {
     va_list ap;
@@ -3981,8 +3990,11 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
     uint8_t *x;
     avgpipe__msg msg;
-    if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD)
+    if (k == AVGPIPE_OP_IDLE) return AVGPIPE_OK;
+    if (k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD) {
+        v->fsdp = 1; /* no-ops here; the replay checks their ranks as the simulator does */
         return AVGPIPE_OK;
+    }
     if (k >= AVGPIPE_OP_KIND_COUNT) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "unknown op kind %d", k);
     if (g < 0 || g >= G) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d out of range 0..%d", g, G - 1);
     if (v->pl.rank[g] != r)
@@ -4028,6 +4040,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward of round %d before STEP of round %d", u / v->M,
                                   u / v->M - 1);
         *x |= AVGPIPE__VF;
+        if (v->seqf && v->pl.up[g] >= 0) v->seqf[avgpipe__vix(v, p, g + 1, u)] = v->nseq[v->pl.up[g]]++;
         break;
     case AVGPIPE_OP_B:
     case AVGPIPE_OP_I:
@@ -4038,6 +4051,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
         if (v->s->has_comm && g < G - 1 && v->pl.rank[g + 1] != r && !(*x & AVGPIPE__VRB))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward without a RECV_B posted before it");
         *x |= k == AVGPIPE_OP_B ? AVGPIPE__VB : AVGPIPE__VI;
+        if (v->seqb && v->pl.down[g] >= 0) v->seqb[avgpipe__vix(v, p, g - 1, u)] = v->nseq[v->pl.down[g]]++;
         break;
     case AVGPIPE_OP_W:
         if (!(*x & AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "W before its I");
@@ -4047,6 +4061,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_SEND_F:
     case AVGPIPE_OP_SEND_B: {
         int fwd = k == AVGPIPE_OP_SEND_F, g2 = g + (fwd ? 1 : -1);
+        if (!v->s->has_comm) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send in a compute-only schedule (has_comm is 0)");
         if (fwd ? !(*x & AVGPIPE__VF) : !(*x & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
         if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
@@ -4060,6 +4075,8 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_RECV_F:
     case AVGPIPE_OP_RECV_B: {
         int fwd = k == AVGPIPE_OP_RECV_F, g2 = g + (fwd ? -1 : 1);
+        if (!v->s->has_comm)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive in a compute-only schedule (has_comm is 0)");
         if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
         if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
@@ -4170,61 +4187,299 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     return AVGPIPE_OK;
 }
 
-/* Position in rank r's list of `s` of the op a lowered op stands for: itself, or the compute op that
-   produces (SEND) or consumes (RECV) its data. -1 if none. */
-static int avgpipe__find_origin(const avgpipe_schedule *s, int r, const avgpipe_op *lo) {
-    int i, k = lo->kind;
-    for (i = 0; i < s->len[r]; i++) {
-        const avgpipe_op *op = &s->ops[r][i];
-        int match = op->kind == k;
-        if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_RECV_F) match = op->kind == AVGPIPE_OP_F;
-        if (k == AVGPIPE_OP_SEND_B || k == AVGPIPE_OP_RECV_B) match = avgpipe__is_backward(op->kind);
-        if (match && op->pipe == lo->pipe && op->stage == lo->stage && op->micro == lo->micro) return i;
+/* ---- the deadlock replay ----
+   Every rank runs its list in order; an op waits only for what it needs from another rank (the
+   static pass has already put each rank's own dependencies in order): a forward or backward waits
+   for its input to arrive, and a blocking send waits until the receiver has posted the matching
+   receive. Every condition, once true, stays true, so running each rank as far as it can go until
+   nothing moves reaches the same final state in any order: the replay needs no times. A blocking
+   replay that finishes proves the asynchronous one too (blocking sends only add waits).
+   A lowered schedule (has_comm = 1) is replayed as given: receives are counted per channel and the
+   k-th send on a channel waits for the k-th receive (the static pass checked that they carry the same
+   message). A compute-only schedule is replayed as avgpipe_sched_lower would lower it, without
+   building the lowered lists: its compute units (an op with the ops it overlaps; idle slots
+   dropped) run in order, each unit's sends follow it, and the receives are posted in the slot
+   between two units that the lowering gives them: a unit's forwards' gradients right after it, the
+   activations of the next unit holding a forward right after the previous unit holding one (or at
+   the start), a gradient whose forward shares its backward's unit before that unit. The lowering
+   keeps each channel's order by moving receives earlier (slot_k = min(desired_k, slot_k+1)), so
+   message k's receive is posted once the receive of any message >= k on its channel would be: the
+   replay keeps, per channel, one past the highest message index whose receive's own slot has been
+   reached (the indices come from the static pass, seqf and seqb). */
+typedef struct avgpipe__vrank {
+    int pos;            /* next op to run */
+    int ustart, uend;   /* compute-only: the unit being run; uend -1 between units */
+    int send, send_end; /* compute-only: ops of the finished unit whose sends are pending */
+    int look;           /* compute-only: where the next unit holding a forward is searched from */
+    int done;
+} avgpipe__vrank;
+
+typedef struct avgpipe__vreplay {
+    avgpipe__vstate *v;
+    int blocking;
+    avgpipe__vrank *rk;  /* [S] */
+    int *posted, *sent;  /* [nchan]: receives posted (compute-only: one past the highest message index), sends done */
+    int *waiting, *stack, nstack;
+} avgpipe__vreplay;
+
+static void avgpipe__vwake(avgpipe__vreplay *P, int r) {
+    if (P->waiting[r]) {
+        P->waiting[r] = 0;
+        P->stack[P->nstack++] = r;
     }
-    return -1;
+}
+
+/* The receive of message k on channel c is posted, and with it those of the messages before it. */
+static void avgpipe__vpost(avgpipe__vreplay *P, int c, int k) {
+    if (P->posted[c] > k) return;
+    P->posted[c] = k + 1;
+    avgpipe__vwake(P, P->v->pl.src[c]);
+}
+
+/* End of the unit that starts at op i (not an idle slot). */
+static int avgpipe__unit_end(const avgpipe_op *o, int n, int i) {
+    while (i < n && (o[i].flags & AVGPIPE_OPF_OVERLAP_NEXT)) i++;
+    return i < n ? i + 1 : n;
+}
+
+/* Post the activations' receives of rank r's next unit holding a forward (from rk.look on). */
+static void avgpipe__post_acts(avgpipe__vreplay *P, int r) {
+    const avgpipe__vstate *v = P->v;
+    const avgpipe_op *o = v->s->ops[r];
+    int n = v->s->len[r], i = P->rk[r].look, e, j, hasf = 0;
+    while (!hasf) {
+        while (i < n && o[i].kind == AVGPIPE_OP_IDLE) i++;
+        if (i >= n) break;
+        e = avgpipe__unit_end(o, n, i);
+        for (j = i; j < e; j++)
+            if (o[j].kind == AVGPIPE_OP_F) {
+                int g = o[j].stage;
+                hasf = 1;
+                if (g > 0 && v->pl.up[g - 1] >= 0) avgpipe__vpost(P, v->pl.up[g - 1], v->seqf[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+            }
+        i = e;
+    }
+    P->rk[r].look = i;
+}
+
+/* The message op sends, if any: its channel, the cell it feeds and the bit that marks its arrival. */
+static int avgpipe__vmsg(const avgpipe__vstate *v, const avgpipe_op *op, int *c, size_t *cell, int *bit) {
+    int k = op->kind, g = op->stage;
+    if ((k == AVGPIPE_OP_F || k == AVGPIPE_OP_SEND_F) && v->pl.up[g] >= 0) {
+        *c = v->pl.up[g];
+        *cell = avgpipe__vix(v, op->pipe, g + 1, op->micro);
+        *bit = AVGPIPE__VA;
+        return 1;
+    }
+    if ((avgpipe__is_backward(k) || k == AVGPIPE_OP_SEND_B) && v->pl.down[g] >= 0) {
+        *c = v->pl.down[g];
+        *cell = avgpipe__vix(v, op->pipe, g - 1, op->micro);
+        *bit = AVGPIPE__VG;
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether op (a forward or backward) still waits for its input from another rank. */
+static int avgpipe__vneeds(const avgpipe__vstate *v, const avgpipe_op *op) {
+    int k = op->kind, g = op->stage;
+    if (k == AVGPIPE_OP_F) return g > 0 && v->pl.up[g - 1] >= 0 && !(v->st[avgpipe__vix(v, op->pipe, g, op->micro)] & AVGPIPE__VA);
+    if (avgpipe__is_backward(k)) return v->pl.up[g] >= 0 && !(v->st[avgpipe__vix(v, op->pipe, g, op->micro)] & AVGPIPE__VG);
+    return 0;
+}
+
+/* Send the message of op (a producer, or a SEND op) unless a blocking send finds no receive posted
+   (then 0). k is the message's index on its channel. */
+static int avgpipe__vsend(avgpipe__vreplay *P, const avgpipe_op *op, int explicit_comm) {
+    avgpipe__vstate *v = P->v;
+    int c, bit, k;
+    size_t cell;
+    if (!avgpipe__vmsg(v, op, &c, &cell, &bit)) return 1;
+    k = explicit_comm ? P->sent[c] : bit == AVGPIPE__VA ? v->seqf[cell] : v->seqb[cell];
+    if (P->blocking && P->posted[c] <= k) return 0;
+    P->sent[c]++;
+    v->st[cell] |= (uint8_t)bit;
+    avgpipe__vwake(P, v->pl.dst[c]);
+    return 1;
+}
+
+/* Run rank r of a lowered schedule as far as it goes. */
+static void avgpipe__vrun_comm(avgpipe__vreplay *P, int r) {
+    avgpipe__vstate *v = P->v;
+    avgpipe__vrank *x = &P->rk[r];
+    const avgpipe_op *o = v->s->ops[r];
+    int n = v->s->len[r];
+    for (; x->pos < n; x->pos++) {
+        const avgpipe_op *op = &o[x->pos];
+        if (op->kind == AVGPIPE_OP_RECV_F || op->kind == AVGPIPE_OP_RECV_B) {
+            int c = op->kind == AVGPIPE_OP_RECV_F ? v->pl.up[op->stage - 1] : v->pl.down[op->stage + 1];
+            P->posted[c]++;
+            avgpipe__vwake(P, v->pl.src[c]);
+        } else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_SEND_B) {
+            if (!avgpipe__vsend(P, op, 1)) break;
+        } else if (avgpipe__vneeds(v, op)) {
+            break;
+        }
+    }
+    if (x->pos < n) P->waiting[r] = 1;
+    else x->done = 1;
+}
+
+/* Before unit [a, e) runs: the gradients whose forward is in the same unit (their receive goes in
+   the slot before the unit, where the backward's own bound puts it). */
+static void avgpipe__post_unit_grads(avgpipe__vreplay *P, const avgpipe_op *o, int a, int e) {
+    const avgpipe__vstate *v = P->v;
+    int i, j;
+    for (j = a + 1; j < e; j++) {
+        int g = o[j].stage;
+        if (!avgpipe__is_backward(o[j].kind) || v->pl.up[g] < 0) continue;
+        for (i = a; i < j; i++)
+            if (o[i].kind == AVGPIPE_OP_F && o[i].stage == g && o[i].pipe == o[j].pipe && o[i].micro == o[j].micro)
+                avgpipe__vpost(P, v->pl.down[g + 1], v->seqb[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+    }
+}
+
+/* Run rank r of a compute-only schedule as far as it goes, as its lowered list would run. */
+static void avgpipe__vrun_compute(avgpipe__vreplay *P, int r) {
+    avgpipe__vstate *v = P->v;
+    avgpipe__vrank *x = &P->rk[r];
+    const avgpipe_op *o = v->s->ops[r];
+    int n = v->s->len[r];
+    for (;;) {
+        int i, hasf = 0;
+        for (; x->send < x->send_end; x->send++)
+            if (!avgpipe__vsend(P, &o[x->send], 0)) {
+                P->waiting[r] = 1;
+                return;
+            }
+        if (x->uend < 0) {
+            while (x->pos < n && o[x->pos].kind == AVGPIPE_OP_IDLE) x->pos++;
+            if (x->pos >= n) {
+                x->done = 1;
+                return;
+            }
+            x->ustart = x->pos;
+            x->uend = avgpipe__unit_end(o, n, x->pos);
+            if (x->uend - x->ustart > 1) avgpipe__post_unit_grads(P, o, x->ustart, x->uend);
+        }
+        for (; x->pos < x->uend; x->pos++)
+            if (avgpipe__vneeds(v, &o[x->pos])) {
+                P->waiting[r] = 1;
+                return;
+            }
+        /* the slot after the unit: its forwards' gradients, and the next forwards' activations */
+        for (i = x->ustart; i < x->uend; i++) {
+            int g = o[i].stage;
+            if (o[i].kind != AVGPIPE_OP_F) continue;
+            hasf = 1;
+            if (v->pl.up[g] >= 0) avgpipe__vpost(P, v->pl.down[g + 1], v->seqb[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+        }
+        if (hasf) avgpipe__post_acts(P, r);
+        x->send = x->ustart;
+        x->send_end = x->uend;
+        x->uend = -1;
+    }
+}
+
+/* "deadlock (blocking sends): rank 0 waits at position 3 (0F1, to send to rank 1); ..." for the first
+   eight stuck ranks; *rank, *pos get the first. Positions are in the schedule's own lists. */
+static void avgpipe__vdeadlock(const avgpipe__vreplay *P, char *msg, size_t cap, int *rank, int *pos) {
+    const avgpipe__vstate *v = P->v;
+    size_t n = (size_t)snprintf(msg, cap, "deadlock (%s sends):", P->blocking ? "blocking" : "async");
+    int r, shown = 0;
+    *rank = *pos = -1;
+    for (r = 0; r < v->S && n < cap; r++) {
+        const avgpipe__vrank *x = &P->rk[r];
+        const avgpipe_op *op;
+        int at, c, bit, sending = 0;
+        size_t cell;
+        char txt[64], why[48];
+        if (x->done) continue;
+        sending = v->s->has_comm ? avgpipe__is_comm(v->s->ops[r][x->pos].kind) : x->send < x->send_end;
+        at = !v->s->has_comm && sending ? x->send : x->pos;
+        if (shown++ == 8) {
+            n += (size_t)snprintf(msg + n, cap - n, " ...");
+            break;
+        }
+        if (*rank < 0) {
+            *rank = r;
+            *pos = at;
+        }
+        op = &v->s->ops[r][at];
+        avgpipe_op_format(op, 0, txt, sizeof txt);
+        if (sending && avgpipe__vmsg(v, op, &c, &cell, &bit)) snprintf(why, sizeof why, ", to send to rank %d", v->pl.dst[c]);
+        else if (op->kind == AVGPIPE_OP_F) snprintf(why, sizeof why, ", for rank %d's activation", v->pl.rank[op->stage - 1]);
+        else snprintf(why, sizeof why, ", for rank %d's gradient", v->pl.rank[op->stage + 1]);
+        n += (size_t)snprintf(msg + n, cap - n, " rank %d waits at position %d (%s%s);", r, at, txt, why);
+    }
+}
+
+/* One replay (blocking or asynchronous sends). Returns AVGPIPE_OK, AVGPIPE_DEADLOCK with the message
+   in msg and the first stuck op in *rank, *pos, or AVGPIPE_OUT_OF_MEMORY. */
+static avgpipe_result avgpipe__vreplay_run(avgpipe__vstate *v, int blocking, char *msg, size_t cap, int *rank, int *pos) {
+    avgpipe__vreplay P;
+    avgpipe_context *ctx = v->ctx;
+    avgpipe_result res = AVGPIPE_OK;
+    size_t cells = (size_t)v->N * v->G * v->M * v->R, i;
+    int r, nc = v->pl.nchan;
+    memset(&P, 0, sizeof P);
+    P.v = v;
+    P.blocking = blocking;
+    P.rk = (avgpipe__vrank *)avgpipe__calloc(ctx, (size_t)v->S, sizeof *P.rk);
+    P.posted = (int *)avgpipe__calloc(ctx, 2 * (size_t)nc + 1, sizeof(int));
+    P.waiting = (int *)avgpipe__calloc(ctx, 2 * (size_t)v->S, sizeof(int));
+    if (!P.rk || !P.posted || !P.waiting) {
+        res = AVGPIPE_OUT_OF_MEMORY;
+        goto done;
+    }
+    P.sent = P.posted + nc;
+    P.stack = P.waiting + v->S;
+    for (i = 0; i < cells; i++) v->st[i] &= (uint8_t)~(AVGPIPE__VA | AVGPIPE__VG);
+    for (r = 0; r < v->S; r++) {
+        P.rk[r].uend = -1;
+        if (!v->s->has_comm) avgpipe__post_acts(&P, r); /* the receives of the first unit holding a forward */
+    }
+    for (r = v->S - 1; r >= 0; r--) P.stack[P.nstack++] = r;
+    while (P.nstack > 0) {
+        r = P.stack[--P.nstack];
+        if (v->s->has_comm) avgpipe__vrun_comm(&P, r);
+        else avgpipe__vrun_compute(&P, r);
+    }
+    for (r = 0; r < v->S; r++)
+        if (!P.rk[r].done) {
+            avgpipe__vdeadlock(&P, msg, cap, rank, pos);
+            res = AVGPIPE_DEADLOCK;
+            break;
+        }
+done:
+    avgpipe_free(ctx, P.rk);
+    avgpipe_free(ctx, P.posted);
+    avgpipe_free(ctx, P.waiting);
+    return res;
 }
 
 static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
-    avgpipe_schedule low;
-    const avgpipe_schedule *x = v->s;
-    avgpipe_sim_desc d;
-    avgpipe_sim_result sr;
-    avgpipe_result res = AVGPIPE_OK;
-    int blocking, brank = -1, bpos = -1;
-    char detail[360];
-    memset(&low, 0, sizeof low);
-    if (!x->has_comm) {
-        res = avgpipe_sched_lower(v->ctx, x, &low);
+    const char *how = v->s->has_comm ? "" : " (sends and receives where avgpipe_sched_lower puts them)";
+    char detail[360], bdetail[360];
+    int rank, pos, brank, bpos;
+    avgpipe_result res;
+    if (v->fsdp) { /* the static pass takes them as no-ops; the simulator wants them on their stage's rank */
+        int N;
+        long long U;
+        res = avgpipe__sched_scan(v->ctx, v->s, &N, &U);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
-        x = &low;
     }
-    /* Blocking sends only add waits to asynchronous ones, so a blocking replay that finishes
-       proves both; after a deadlock, an asynchronous replay tells which semantics it needs. */
-    for (blocking = 1; blocking >= 0; blocking--) {
-        int stuck[2] = {-1, -1}, rank = -1, pos = -1;
-        memset(&d, 0, sizeof d);
-        d.blocking_send = blocking;
-        res = avgpipe__sim_core(v->ctx, x, &d, &sr, stuck);
-        if (!res) {
-            avgpipe_sim_result_free(v->ctx, &sr);
-            if (blocking) break;
-            res = avgpipe__vfail(v, AVGPIPE_DEADLOCK, brank, bpos, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
-            continue;
-        }
-        snprintf(detail, sizeof detail, "%.359s", avgpipe_last_error(v->ctx));
-        if (stuck[0] >= 0) { /* point at the stuck op in the schedule's own list */
-            rank = stuck[0];
-            pos = x == &low ? avgpipe__find_origin(v->s, rank, &low.ops[rank][stuck[1]]) : stuck[1];
-            if (pos < 0) rank = -1;
-        }
-        if (blocking) {
-            brank = rank;
-            bpos = pos;
-        }
-        res = avgpipe__vfail(v, res, rank, pos, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
-        if (res != AVGPIPE_DEADLOCK) break;
+    if ((long long)v->N * v->G * v->M * v->R > 200000000LL) /* the simulator's tables (its scan refuses more) */
+        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
+                              "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)", v->N, v->G,
+                              (long long)v->M * v->R);
+    res = avgpipe__vreplay_run(v, 1, bdetail, sizeof bdetail, &brank, &bpos);
+    if (res == AVGPIPE_DEADLOCK) { /* which semantics does it need? */
+        res = avgpipe__vreplay_run(v, 0, detail, sizeof detail, &rank, &pos);
+        if (res == AVGPIPE_OK) return avgpipe__vfail(v, AVGPIPE_DEADLOCK, brank, bpos, "%s%s", bdetail, how);
+        if (res == AVGPIPE_DEADLOCK) return avgpipe__vfail(v, AVGPIPE_DEADLOCK, rank, pos, "%s%s", detail, how);
     }
-    avgpipe_sched_free(v->ctx, &low);
+    if (res == AVGPIPE_OUT_OF_MEMORY) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
     return res;
 }
 
@@ -4235,7 +4490,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
     long long nops = 0;
-    int c, i;
+    int c, i, oom = 0;
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -4268,8 +4523,15 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     if (v.st && v.step && avgpipe__place_build(ctx, s, &v.pl) == AVGPIPE_OK) {
         v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
         v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
+        if (!s->has_comm && v.pl.nchan > 0 && !(desc && desc->skip_replay)) { /* message order per channel, for the replay */
+            v.seqf = (int32_t *)avgpipe_alloc(ctx, cells * sizeof(int32_t));
+            v.seqb = (int32_t *)avgpipe_alloc(ctx, cells * sizeof(int32_t));
+            v.nseq = (int *)avgpipe__calloc(ctx, (size_t)v.pl.nchan, sizeof(int));
+            oom = !v.seqf || !v.seqb || !v.nseq;
+        }
     }
-    if (!v.st || !v.step || !v.sendq || !v.recvq) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    if (oom || !v.st || !v.step || !v.sendq || !v.recvq)
+        res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
     for (c = 0; c < v.G && !res; c++)
         if (v.pl.rank[c] < 0)
             res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
@@ -4287,6 +4549,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__place_free(ctx, &v.pl);
     avgpipe_free(ctx, v.st);
     avgpipe_free(ctx, v.step);
+    avgpipe_free(ctx, v.seqf);
+    avgpipe_free(ctx, v.seqb);
+    avgpipe_free(ctx, v.nseq);
     report->result = res;
     return res;
 }
