@@ -1361,6 +1361,14 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
 #define AVGPIPE_FREE(p) free(p)
 #endif
 
+/* A hint that *p will be read soon (the simulator and the validator walk many op lists at once, a
+   few ops at a time each, too many streams for the hardware to follow). */
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE__PREFETCH(p) __builtin_prefetch(p)
+#else
+#define AVGPIPE__PREFETCH(p) ((void)0)
+#endif
+
 #if defined(__cplusplus)
 #define AVGPIPE__THREAD_LOCAL thread_local
 #elif defined(_MSC_VER)
@@ -1946,8 +1954,10 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
 }
 
 /* Check every op's kind, stage placement, pipeline and micro-batch, and count the pipelines and the
-   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep. */
-static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
+   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep.
+   home (may be NULL) is the rank of each of the s->nstages stages, as avgpipe_stage_rank gives it. */
+static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
+                                          long long *nmicro) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
     long long U = 1, nops = 0;
     *npipes = 1;
@@ -1956,9 +1966,10 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
             char txt[64];
+            int home;
             if (op->kind == AVGPIPE_OP_IDLE) continue;
             nops++;
-            int home = avgpipe_stage_rank(s, op->stage);
+            home = !home_of ? avgpipe_stage_rank(s, op->stage) : op->stage >= 0 && op->stage < s->nstages ? home_of[op->stage] : -1;
             if (op->kind >= AVGPIPE_OP_KIND_COUNT || home != r || op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
                 avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the messages below */
             if (op->kind >= AVGPIPE_OP_KIND_COUNT)
@@ -3370,9 +3381,12 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
     memset(&L, 0, sizeof L);
-    res = avgpipe__sched_scan(ctx, in, &L.N, &L.U);
-    if (!res) res = avgpipe__place_build(ctx, in, &L.pl);
-    if (res) return res;
+    res = avgpipe__place_build(ctx, in, &L.pl);
+    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U);
+    if (res) {
+        avgpipe__place_free(ctx, &L.pl);
+        return res;
+    }
     L.in = in;
     L.S = in->nranks;
     L.G = in->nstages;
@@ -3542,6 +3556,16 @@ typedef struct avgpipe__chan {
     double *post; /* post time of each receive, for blocking sends */
 } avgpipe__chan;
 
+/* What the simulator keeps per (pipeline, stage, micro-batch) cell: when the stage's input activation
+   and its output gradient arrive (-1: not yet), and whether the cell's forward and backward (B or I)
+   ran. An op's producer on its own rank ran at or before the rank's current time (the rank's clock
+   only moves forward), so "ran" is all its consumers need: the times they wait for are arrivals. */
+typedef struct avgpipe__cell {
+    double act, grad;
+} avgpipe__cell;
+
+enum { AVGPIPE__RAN_F = 1, AVGPIPE__RAN_B = 2 };
+
 typedef struct avgpipe__sim {
     avgpipe_context *ctx;
     const avgpipe_schedule *s;
@@ -3549,7 +3573,8 @@ typedef struct avgpipe__sim {
     avgpipe_sim_result *res;
     int S, G, N;
     long long U;
-    double *f_end, *b_end, *act_in, *grad_in; /* [pipe][stage][micro], -1 = not yet */
+    avgpipe__cell *cell;                      /* [pipe][stage][micro] */
+    uint8_t *ran;                             /* [pipe][stage][micro]: AVGPIPE__RAN_* */
     avgpipe__place pl;
     avgpipe__chan *chan;                      /* [pl.nchan] */
     int *pos, *waiting, *stack, nstack, *stash;
@@ -3597,7 +3622,6 @@ static void avgpipe__wake(avgpipe__sim *m, int r) {
 static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int track, int peer, int flow, double a, double b) {
     avgpipe_sim_result *R = m->res;
     avgpipe_event *e;
-    if (!m->d->record_events) return 1;
     if (R->nevents == R->events_cap) {
         size_t cap = R->events_cap ? 2 * R->events_cap : 1024;
         avgpipe_event *p = (avgpipe_event *)avgpipe__realloc(m->ctx, R->events, R->nevents * sizeof *p, cap * sizeof *p);
@@ -3619,13 +3643,13 @@ static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int t
 /* A transfer on channel ch (src -> dst), ready at `ready`. Returns its end. */
 static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
     avgpipe__chan *c = &m->chan[ch];
-    int src = m->pl.src[ch], dst = m->pl.dst[ch];
     double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
     int flow = (int)(m->flows++ & 0x7fffffff);
     c->link_free = xe;
     if (xe > m->makespan) m->makespan = xe;
     m->res->transfers++;
     if (m->d->record_events) {
+        int src = m->pl.src[ch], dst = m->pl.dst[ch];
         *ok &= avgpipe__event(m, op, src, 1, dst, flow, xs, xe);
         *ok &= avgpipe__event(m, op, dst, 2, src, flow, xs, xe);
     }
@@ -3635,99 +3659,109 @@ static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, d
 /* Deliver data produced at `end` by op on rank r to the stage that consumes it. */
 static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
-    double *slot;
+    avgpipe__cell *c;
     if (g2 < 0 || g2 >= m->G) return;
     r2 = m->pl.rank[g2];
-    slot = fwd ? &m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] : &m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)];
-    if (r2 == r) *slot = end;
+    c = &m->cell[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    if (r2 == r) *(fwd ? &c->act : &c->grad) = end;
     else if (!m->s->has_comm) {
-        *slot = avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
+        *(fwd ? &c->act : &c->grad) =
+            avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
         avgpipe__wake(m, r2);
     }
+}
+
+/* A SEND op of rank r at time *t: 1 sent, 0 a blocking send finds no receive posted yet (wait), -1
+   the op names no channel (the rank stops there; the validator reports such ops). */
+static int avgpipe__sim_send(avgpipe__sim *m, int r, const avgpipe_op *op, double *t, int *ok) {
+    int fwd = op->kind == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), c;
+    avgpipe__chan *ch;
+    avgpipe__cell *cl;
+    double ready = *t, xe;
+    c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
+    if (g2 < 0 || g2 >= m->G || c < 0) return -1;
+    ch = &m->chan[c];
+    if (m->d->blocking_send) {
+        if (ch->nrecv <= ch->nsend) return 0;
+        if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
+    }
+    ch->nsend++;
+    xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, ok);
+    cl = &m->cell[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    if (fwd) cl->act = xe;
+    else cl->grad = xe;
+    avgpipe__wake(m, m->pl.rank[g2]);
+    if (m->d->blocking_send) {
+        m->res->rank[r].blocked += xe - *t;
+        *t = xe;
+    }
+    return 1;
+}
+
+/* A RECV op at time t: 1 the receive is posted, -1 the op names no channel (the rank stops there),
+   0 out of memory (*ok = 0). */
+static int avgpipe__sim_recv(avgpipe__sim *m, const avgpipe_op *op, double t, int *ok) {
+    int k = op->kind, g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), c;
+    avgpipe__chan *ch;
+    if (g2 < 0 || g2 >= m->G) return -1;
+    c = k == AVGPIPE_OP_RECV_F ? m->pl.up[g2] : m->pl.down[g2];
+    if (c < 0) return -1;
+    ch = &m->chan[c];
+    if (ch->nrecv == ch->post_cap) {
+        int cap = ch->post_cap ? 2 * ch->post_cap : 64;
+        double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
+        if (!p) return *ok = 0;
+        ch->post = p;
+        ch->post_cap = cap;
+    }
+    ch->post[ch->nrecv++] = t;
+    avgpipe__wake(m, m->pl.rank[g2]);
+    return 1;
 }
 
 /* Run rank r as far as it can go. Returns 0 on allocation failure. */
 static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     const avgpipe_op *ops = m->s->ops[r];
-    int n = m->s->len[r], ok = 1;
+    int n = m->s->len[r], ok = 1, pos = m->pos[r];
     avgpipe_rank_stats *st = &m->res->rank[r];
     const avgpipe_sim_desc *d = m->d;
-    while (m->pos[r] < n && ok) {
-        const avgpipe_op *op = &ops[m->pos[r]];
-        double t = m->t[r], dep = 0, c, end;
+    double t = m->t[r];
+    for (; pos < n && ok; pos++) {
+        const avgpipe_op *op = &ops[pos];
+        double dep = 0, c, end;
         size_t ix = 0;
-        int k = op->kind;
+        int k = op->kind, how;
+        AVGPIPE__PREFETCH(op + 12);
         if (avgpipe__has_micro(k) && k != AVGPIPE_OP_STEP && k != AVGPIPE_OP_AVG) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
         switch (k) {
         case AVGPIPE_OP_F:
-            dep = op->stage > 0 ? m->act_in[ix] : 0;
+            dep = op->stage > 0 ? m->cell[ix].act : 0;
             break;
         case AVGPIPE_OP_B:
         case AVGPIPE_OP_I:
-            dep = op->stage < m->G - 1 ? m->grad_in[ix] : 0;
-            if (m->f_end[ix] < 0) dep = -1;
+            dep = op->stage < m->G - 1 ? m->cell[ix].grad : 0;
+            if (!(m->ran[ix] & AVGPIPE__RAN_F)) dep = -1;
             break;
-        case AVGPIPE_OP_W: dep = m->b_end[ix]; break;
-        case AVGPIPE_OP_SEND_F: dep = m->f_end[ix]; break;
-        case AVGPIPE_OP_SEND_B: dep = m->b_end[ix]; break;
+        case AVGPIPE_OP_W:
+        case AVGPIPE_OP_SEND_B: dep = m->ran[ix] & AVGPIPE__RAN_B ? t : -1; break;
+        case AVGPIPE_OP_SEND_F: dep = m->ran[ix] & AVGPIPE__RAN_F ? t : -1; break;
+        case AVGPIPE_OP_RECV_F:
+        case AVGPIPE_OP_RECV_B:
+            if ((how = avgpipe__sim_recv(m, op, t, &ok)) <= 0) goto stop;
+            continue;
         default: break;
         }
-        if (dep < 0) { /* input not there yet: sleep until a producer wakes us */
-            m->waiting[r] = 1;
-            return 1;
-        }
+        if (dep < 0) goto wait; /* input not there yet: sleep until a producer wakes us */
         if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
-            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst, c;
-            avgpipe__chan *ch;
-            double ready = dep > t ? dep : t, xe;
-            c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
-            if (g2 < 0 || g2 >= m->G || c < 0) return 1; /* validator reports it; cannot happen after validation */
-            dst = m->pl.rank[g2];
-            ch = &m->chan[c];
-            if (d->blocking_send) {
-                if (ch->nrecv <= ch->nsend) {
-                    m->waiting[r] = 1;
-                    return 1;
-                }
-                if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
-            }
-            ch->nsend++;
-            xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, &ok);
-            if (fwd) m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
-            else m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
-            avgpipe__wake(m, dst);
-            if (d->blocking_send) {
-                st->blocked += xe - t;
-                m->t[r] = xe;
-            }
-            m->pos[r]++;
+            if ((how = avgpipe__sim_send(m, r, op, &t, &ok)) == 0) goto wait;
+            if (how < 0) goto stop;
             continue;
         }
-        if (k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) {
-            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src, c;
-            avgpipe__chan *ch;
-            if (g2 < 0 || g2 >= m->G) return 1;
-            c = k == AVGPIPE_OP_RECV_F ? m->pl.up[g2] : m->pl.down[g2];
-            if (c < 0) return 1;
-            src = m->pl.rank[g2];
-            ch = &m->chan[c];
-            if (ch->nrecv == ch->post_cap) {
-                int cap = ch->post_cap ? 2 * ch->post_cap : 64;
-                double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
-                if (!p) return 0;
-                ch->post = p;
-                ch->post_cap = cap;
-            }
-            ch->post[ch->nrecv++] = t;
-            avgpipe__wake(m, src);
-            m->pos[r]++;
-            continue;
-        }
-        c = avgpipe__cost(m, op);
+        c = m->kind_cost_ready ? m->kind_cost[k] : avgpipe__cost(m, op);
         if (dep < t) dep = t;
         end = dep + c;
         st->busy += c;
-        m->t[r] = end;
+        t = end;
         m->res->ops++;
         if (k != AVGPIPE_OP_IDLE && d->record_events) ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
         if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
@@ -3739,14 +3773,21 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             if (m->bytes[r] > st->peak_bytes) st->peak_bytes = m->bytes[r];
         }
         if (k == AVGPIPE_OP_F) {
-            m->f_end[ix] = end;
+            m->ran[ix] |= AVGPIPE__RAN_F;
             avgpipe__deliver(m, op, r, end, &ok);
         } else if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_I) {
-            m->b_end[ix] = end;
+            m->ran[ix] |= AVGPIPE__RAN_B;
             avgpipe__deliver(m, op, r, end, &ok);
         }
-        m->pos[r]++;
     }
+    m->pos[r] = pos;
+    m->t[r] = t;
+    return ok;
+wait:
+    m->waiting[r] = 1;
+stop:
+    m->pos[r] = pos;
+    m->t[r] = t;
     return ok;
 }
 
@@ -3764,10 +3805,8 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
         for (i = 0; i < m->pl.nchan; i++) avgpipe_free(ctx, m->chan[i].post);
     avgpipe_free(ctx, m->chan);
     avgpipe__place_free(ctx, &m->pl);
-    avgpipe_free(ctx, m->f_end);
-    avgpipe_free(ctx, m->b_end);
-    avgpipe_free(ctx, m->act_in);
-    avgpipe_free(ctx, m->grad_in);
+    avgpipe_free(ctx, m->cell);
+    avgpipe_free(ctx, m->ran);
     avgpipe_free(ctx, m->pos);
     avgpipe_free(ctx, m->waiting);
     avgpipe_free(ctx, m->stack);
@@ -3840,11 +3879,14 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         }
         avgpipe_sched_free(ctx, &low); /* nothing crosses ranks: blocking changes nothing */
     }
-    res = avgpipe__sched_scan(ctx, s, &N, &U);
-    if (res) return res;
     memset(&m, 0, sizeof m);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
+    res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U);
+    if (res) {
+        avgpipe__place_free(ctx, &m.pl);
+        return res;
+    }
     m.ctx = ctx;
     m.s = s;
     m.d = desc;
@@ -3854,10 +3896,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.N = N;
     m.U = U;
     cells = (size_t)N * (size_t)m.G * (size_t)U;
-    m.f_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.b_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.act_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.grad_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
+    m.cell = (avgpipe__cell *)avgpipe_alloc(ctx, cells * sizeof *m.cell);
+    m.ran = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, (size_t)m.pl.nchan + 1, sizeof(avgpipe__chan));
     m.pos = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.waiting = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
@@ -3867,12 +3907,12 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.bytes = (double *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(double));
     out->rank = (avgpipe_rank_stats *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(avgpipe_rank_stats));
     out->nranks = m.S;
-    if (!m.f_end || !m.b_end || !m.act_in || !m.grad_in || !m.chan || !m.pos || !m.waiting || !m.stack || !m.stash || !m.t ||
+    if (!m.cell || !m.ran || !m.chan || !m.pos || !m.waiting || !m.stack || !m.stash || !m.t ||
         !m.bytes || !out->rank) {
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
         goto done;
     }
-    for (i = 0; i < (long long)cells; i++) m.f_end[i] = m.b_end[i] = m.act_in[i] = m.grad_in[i] = -1;
+    for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
     if (!desc->cost_fn && !desc->stage_cost) {
         int k;
         for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
@@ -4466,7 +4506,7 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
     if (v->fsdp) { /* the static pass takes them as no-ops; the simulator wants them on their stage's rank */
         int N;
         long long U;
-        res = avgpipe__sched_scan(v->ctx, v->s, &N, &U);
+        res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
     }
     if ((long long)v->N * v->G * v->M * v->R > 200000000LL) /* the simulator's tables (its scan refuses more) */
@@ -6279,7 +6319,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const 
     if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: the schedule has no SEND/RECV ops (lower it first)");
-    if ((res = avgpipe__sched_scan(ctx, s, &N, &U)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
     out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));
