@@ -5,8 +5,10 @@
    ----------
    A C trainer describes its model as S stage partitions and gets, from this one header:
      - schedules for N parallel pipelines that share the same S ranks: all-forward-all-backward (GPipe),
-       1F1B, AvgPipe's advance forward (K extra warm-up forwards), interleaved 1F1B (V chunks per rank)
-       and zero-bubble ZB-H1 (backward split into I and W), in synchronous or continuous rounds;
+       1F1B, AvgPipe's advance forward (K extra warm-up forwards), interleaved 1F1B (V chunks per rank),
+       zero-bubble ZB-H1 (backward split into I and W), and the V-placed ZB-V and DualPipeV (two stages
+       per rank, the first and the last on rank 0; DualPipeV overlaps a forward with a backward), in
+       synchronous or continuous rounds; any stage -> rank placement (loop, V, or your own map);
      - a validator (every invariant of a correct schedule, plus a deadlock replay under asynchronous
        and blocking sends), a timed discrete-event simulator, and timelines (ASCII, Chrome trace, SVG);
      - text import/export compatible with PyTorch's torch.distributed.pipelining CSV schedules;
@@ -674,6 +676,12 @@ typedef struct avgpipe_device {
                                      avgpipe_device_stream stream);
     /* Optional (needed for replica groups): x[i] = x[i] * factor in fp32, on `stream`. */
     avgpipe_result (*scale)(void *user, float *x, float factor, size_t count, avgpipe_device_stream stream);
+    /* Optional: *done = 1 when the work before the event's latest record has finished (or the event
+       was never recorded), else 0; never blocks. The runtime polls it to wait with a timeout. */
+    avgpipe_result (*event_query)(void *user, avgpipe_device_event event, int *done);
+    /* Optional: the device time between two recorded, finished events, in seconds (profiles time device
+       ops with it; without it they use the host's clock around the enqueue). */
+    avgpipe_result (*event_elapsed)(void *user, avgpipe_device_event start, avgpipe_device_event end, double *seconds);
     /* The backend's text for its last failure ("" if none); may be NULL. */
     const char *(*error_string)(void *user);
     /* Release the backend's own state (called by avgpipe_device_destroy); may be NULL. */
@@ -919,7 +927,8 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
    (when the backend has cancel; else the backend reclaims them at destroy).
 
    Required entries: isend, irecv, test, wait, barrier, abort. Optional (NULL): cancel, group_begin and
-   group_end, allreduce_sum and split (needed only for replica groups), last_error, destroy.
+   group_end, isend_on and irecv_on (device-ordered transfers), allreduce_sum and split (needed only for
+   replica groups), last_error, destroy.
    Thread-safety: different ranks may call concurrently; one rank's calls come from one thread at a
    time (any thread). */
 
@@ -949,9 +958,22 @@ struct avgpipe_comm {
     /* Optional: release a pending request without waiting for it; a receive will not be matched any
        more, a send's buffer is no longer read (MPI: see avgpipe_mpi.h for its limits). */
     void (*cancel)(void *user, int self, avgpipe_comm_request req);
-    /* Optional (NULL = no-op): calls between begin and end may be issued together (NCCL groups). */
+    /* Optional (NULL = no-op): calls between begin and end may be issued together (NCCL groups). The
+       runtime brackets the sends and receives a rank issues between two compute ops with them. */
     avgpipe_result (*group_begin)(void *user, int self);
     avgpipe_result (*group_end)(void *user, int self);
+    /* Optional: device-ordered transfers, for a backend that moves device memory on the device's own
+       streams (NCCL; avgpipe_nccl.h). With a device that is not the CPU (desc.device), the runtime uses
+       them for activations and gradients: the transfer must not touch buf before `ready` has passed (an
+       event recorded on the device after the data's producer, or after the buffer's last reader for a
+       receive; NULL: nothing to wait for), and records `done` on the device when it has finished there;
+       consumers order themselves after `done` with stream_wait_event, so the host does not wait. The
+       request still finishes through test/wait/cancel like any other (test/wait report completion on
+       the device). Tags as for isend/irecv (a backend that cannot carry them says so in its header). */
+    avgpipe_result (*isend_on)(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_device_event ready,
+                               avgpipe_device_event done, avgpipe_comm_request *req);
+    avgpipe_result (*irecv_on)(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_device_event ready,
+                               avgpipe_device_event done, avgpipe_comm_request *req);
     avgpipe_result (*barrier)(void *user, int self, double timeout_s);
     /* Optional: sum `count` floats over all ranks in place. The in-process and MPI backends add in rank
        order, so every rank gets the same bits on every run. */
@@ -1048,6 +1070,8 @@ typedef struct avgpipe_op_ctx {
     void *grad_input;                    /* B, I: write the gradient of the input here (NULL on stage 0
                                             and for W) */
     double loss;                         /* F on the last stage: set it to the micro-batch's loss */
+    avgpipe_device_stream stream;        /* enqueue the op's device work here and return (the pipeline's
+                                            compute stream on this rank; NULL on the CPU device) */
     void *user;
 } avgpipe_op_ctx;
 
@@ -1069,6 +1093,9 @@ typedef struct avgpipe_stage_callbacks {
        round's micro-batches. rank is global (its replica group is rank / S); round is global
        (iteration · R + r), as in avgpipe_op_ctx. */
     int (*step)(int rank, int pipe, int stage, int round, float *params, void *user);
+    /* Instead of step, on a device with asynchronous streams (optional): enqueue the update on `stream`
+       (the pipeline's compute stream, after the round's backward work) and return. */
+    int (*step_async)(int rank, int pipe, int stage, int round, float *params, avgpipe_device_stream stream, void *user);
     /* Checkpoints (optional): what you own for global rank `rank` (the optimizer state of its stages,
        anything your data order needs): save appends it to *out (avgpipe_buf_append), load gets back
        exactly those bytes when the checkpoint is loaded. Called on the thread that saves or loads. */
@@ -1114,7 +1141,19 @@ typedef struct avgpipe_run_desc {
     int adaptive;
     int window;           /* 0 -> 3 */
     double mem_limit;     /* bytes of stashed activations per rank; 0 -> no limit */
+    /* The device the stages run on (see "Devices and streams" above). NULL: the CPU device, created
+       for the run. The run does not own a device it is given: destroy it after the run. */
+    const avgpipe_device *device;
+    /* Optional: called first thing on each thread the run starts, with the global rank it serves and
+       its role (AVGPIPE_THREAD_WORKER: the rank's op list; AVGPIPE_THREAD_AVERAGING: its averaging), to
+       bind it to cores (avgpipe_hwloc.h has one). A nonzero return is logged as a warning; the thread
+       runs unbound. */
+    int (*bind_thread)(int rank, int role, void *user);
+    void *bind_user;
 } avgpipe_run_desc;
+
+#define AVGPIPE_THREAD_WORKER 0
+#define AVGPIPE_THREAD_AVERAGING 1
 
 typedef struct avgpipe_run avgpipe_run; /* opaque */
 
@@ -4973,6 +5012,11 @@ static avgpipe_result avgpipe__cpu_sync(void *user) {
     (void)user;
     return AVGPIPE_OK;
 }
+static avgpipe_result avgpipe__cpu_event_query(void *user, avgpipe_device_event e, int *done) {
+    (void)user, (void)e;
+    *done = 1; /* the work before a record finished before the record returned */
+    return AVGPIPE_OK;
+}
 static const char *avgpipe__cpu_error_string(void *user) {
     (void)user;
     return "";
@@ -5210,6 +5254,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cpu_create(avgpipe_context *ctx, const
     out->ea_pass = avgpipe__cpu_ea_pass;
     out->find_nonfinite = avgpipe__cpu_find_nonfinite;
     out->scale = avgpipe__cpu_scale;
+    out->event_query = avgpipe__cpu_event_query; /* no event_elapsed: profiles use the host clock */
     out->error_string = avgpipe__cpu_error_string;
     out->destroy = avgpipe__cpu_destroy;
     out->user = st;
@@ -7072,10 +7117,22 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
 
 static void avgpipe__run_free(avgpipe_run *run);
 
+/* desc.bind_thread, first thing on a thread the run started. */
+static void avgpipe__bind(avgpipe__worker *w, int role) {
+    avgpipe_run *run = w->run;
+    int rc;
+    if (!run->d.bind_thread) return;
+    rc = run->d.bind_thread(w->rank, role, run->d.bind_user);
+    if (rc != 0)
+        avgpipe__log(run->ctx, AVGPIPE_LOG_WARN, "rank %d: binding its %s thread failed (%d); it runs unbound", w->rank,
+                     role == AVGPIPE_THREAD_WORKER ? "worker" : "averaging", rc);
+}
+
 static void *avgpipe__worker_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
     avgpipe_run *run = w->run;
     long seen = 0;
+    avgpipe__bind(w, AVGPIPE_THREAD_WORKER);
     for (;;) {
         pthread_mutex_lock(&run->mu);
         while (run->go == seen && !run->quit) pthread_cond_wait(&run->cv, &run->mu);
@@ -7121,6 +7178,7 @@ static avgpipe_result avgpipe__replica_average(avgpipe__worker *w, avgpipe__stag
 static void *avgpipe__avg_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
     avgpipe_run *run = w->run;
+    avgpipe__bind(w, AVGPIPE_THREAD_AVERAGING);
     for (;;) {
         avgpipe__job j;
         avgpipe_result res = AVGPIPE_OK;

@@ -121,8 +121,9 @@ static const char *usage =
     "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n"
     "                      at least 16 samples)\n"
     "  --batch B           samples per batch per pipeline (default 128; a multiple of M)\n"
-    "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 (default advance; with --micro or\n"
-    "                      --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1, or only KIND)\n"
+    "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 | zbv | dualpipev (default advance;\n"
+    "                      with --micro or --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1,\n"
+    "                      or only KIND); zbv and dualpipev hold two stages per rank in a V (ranks = G / 2)\n"
     "  --advance K|auto    advance forwards (advance only; default auto: the runtime's adaptive K when M and\n"
     "                      N are fixed, the tuner's K otherwise; a fixed K needs fixed --micro and --pipes)\n"
     "  --chunks V          model chunks per rank (interleaved only; default 2; ranks = G / V)\n"
@@ -208,6 +209,8 @@ static double parse_size(const char *flag, const char *s) {
 
 /* --micro or --pipes auto: profile, tune, then train with the tuner's choice. */
 static int tuning(const options *o) { return o->micro == AUTO || o->pipes == AUTO; }
+/* Schedules that hold two stages per rank in a V (rank r: stages r and 2S-1-r). */
+static int v_placed(avgpipe_sched_kind k) { return k == AVGPIPE_SCHED_ZBV || k == AVGPIPE_SCHED_DUALPIPEV; }
 
 static void set_defaults(options *o) {
     memset(o, 0, sizeof *o);
@@ -256,7 +259,7 @@ static void parse_value(options *o, const char *f, const char *v) {
     else if (!strcmp(f, "--advance")) o->advance = !strcmp(v, "auto") ? ADVANCE_AUTO : (int)parse_long(f, v, 0, 4096);
     else if (!strcmp(f, "--schedule")) {
         if (avgpipe_sched_kind_parse(v, &o->schedule) != AVGPIPE_OK || o->schedule == AVGPIPE_SCHED_CUSTOM)
-            bad_usage("--schedule expects afab, 1f1b, advance, interleaved or zbh1, got '%s'", v);
+            bad_usage("--schedule expects afab, 1f1b, advance, interleaved, zbh1, zbv or dualpipev, got '%s'", v);
         o->schedule_set = 1;
     } else if (!strcmp(f, "--mem-limit")) o->mem_limit = parse_size(f, v);
     else if (!strcmp(f, "--profile-tune")) o->profile_tune = v;
@@ -269,11 +272,12 @@ static void parse_value(options *o, const char *f, const char *v) {
 
 /* Cross-flag checks that need no data. */
 static void check_options(options *o, const char *advance_flag) {
-    int interleaved = o->schedule == AVGPIPE_SCHED_INTERLEAVED;
+    int interleaved = o->schedule == AVGPIPE_SCHED_INTERLEAVED, vplaced = v_placed(o->schedule);
     if (o->micro != AUTO && o->batch % o->micro != 0)
         bad_usage("--batch %d is not a multiple of --micro %d", o->batch, o->micro);
-    if (tuning(o) && interleaved)
-        bad_usage("--schedule interleaved needs fixed --micro and --pipes (the tuner profiles one chunk per rank)");
+    if (tuning(o) && (interleaved || vplaced))
+        bad_usage("--schedule %s needs fixed --micro and --pipes (the tuner profiles one chunk per rank)",
+                  avgpipe_sched_kind_name(o->schedule));
     if (tuning(o) && advance_flag && strcmp(advance_flag, "auto") != 0)
         bad_usage("--advance %s needs fixed --micro and --pipes (with --micro or --pipes auto the tuner picks K)",
                   advance_flag);
@@ -286,9 +290,13 @@ static void check_options(options *o, const char *advance_flag) {
     if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
     if (o->stop_after > o->epochs) bad_usage("--stop-after %d is past --epochs %d", o->stop_after, o->epochs);
     if (interleaved && !o->chunks) o->chunks = 2;
-    if (!interleaved) o->chunks = 1;
+    if (!interleaved) o->chunks = vplaced ? 2 : 1;
     if (o->stages % o->chunks != 0)
-        bad_usage("--stages %d is not a multiple of --chunks %d (interleaved)", o->stages, o->chunks);
+        bad_usage("--stages %d is not a multiple of %d (%s holds %d stages per rank)", o->stages, o->chunks,
+                  avgpipe_sched_kind_name(o->schedule), o->chunks);
+    if (o->schedule == AVGPIPE_SCHED_DUALPIPEV && !tuning(o) && o->pipes * o->micro < o->stages)
+        bad_usage("--schedule dualpipev needs --pipes x --micro >= 2 x ranks = %d (got %d x %d)", o->stages, o->pipes,
+                  o->micro);
 }
 
 /* The model flags, checked now for Fashion-MNIST's 784 inputs (the data set's own size is used later). */
@@ -431,6 +439,11 @@ static int cb_backward_weight(avgpipe_op_ctx *op) {
     return 0;
 }
 
+/* The rank (within a replica group) that holds stage g: the schedule's placement. */
+static int stage_rank(const app *A, int g) {
+    return avgpipe_place_rank(v_placed(A->opt.schedule) ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP, A->S, g);
+}
+
 /* Adam on (pipe, stage). The decay follows this model's own step count, so it does not depend on how
    the runtime numbers rounds. */
 static int cb_step(int rank, int pipe, int stage, int round, float *params, void *user) {
@@ -454,7 +467,8 @@ static int cb_save_state(int rank, avgpipe_buf *out, void *user) {
     app *A = (app *)user;
     int i, g, d = rank / A->S;
     for (i = d * A->opt.pipes; i < (d + 1) * A->opt.pipes; i++)
-        for (g = rank % A->S; g < A->G; g += A->S) {
+        for (g = 0; g < A->G; g++)
+            if (stage_rank(A, g) == rank % A->S) { /* this rank's stages, ascending */
             const mlp_adam *a = &A->nets[i].adam[g];
             int64_t t = a->t;
             if (avgpipe_buf_append(NULL, out, &t, sizeof t) || avgpipe_buf_append(NULL, out, a->m, a->count * sizeof(float)) ||
@@ -469,7 +483,8 @@ static int cb_load_state(int rank, const void *data, size_t bytes, void *user) {
     const unsigned char *p = (const unsigned char *)data;
     int i, g, d = rank / A->S;
     for (i = d * A->opt.pipes; i < (d + 1) * A->opt.pipes; i++)
-        for (g = rank % A->S; g < A->G; g += A->S) {
+        for (g = 0; g < A->G; g++)
+            if (stage_rank(A, g) == rank % A->S) { /* this rank's stages, ascending */
             mlp_adam *a = &A->nets[i].adam[g];
             size_t n = a->count * sizeof(float);
             int64_t t;
@@ -486,7 +501,7 @@ static int cb_load_state(int rank, const void *data, size_t bytes, void *user) {
 /* ---- Setup ------------------------------------------------------------------------------------ */
 
 /* Does this process run stage g of replica group d? (Threads, or rank 0 tuning on its own: every stage.) */
-static int is_local(const app *A, int d, int g) { return A->me < 0 || A->me == d * A->S + g % A->S; }
+static int is_local(const app *A, int d, int g) { return A->me < 0 || A->me == d * A->S + stage_rank(A, g); }
 
 /* With --backend mpi a process reads only what its stages need: stage 0 the pixels, the last stage the
    labels; rank 0 everything (it tunes on its own and evaluates the reference on the test set). */

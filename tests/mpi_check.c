@@ -52,12 +52,16 @@ static int cb_forward_or_die(avgpipe_op_ctx *op) {
     return cb_forward(op);
 }
 
+static avgpipe_placement place = AVGPIPE_PLACE_LOOP; /* of the schedule described (which rank runs each stage) */
+
 /* The description of the checks: S ranks per group, N pipelines, D groups, every H rounds. */
 static void describe(setup *s, avgpipe_sched_kind kind, int S, int N, int D, int H, float alpha) {
-    int V = kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, G = S * V;
+    int vk = kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV, V = kind == AVGPIPE_SCHED_INTERLEAVED || vk ? 2 : 1, G = S * V;
     reset_state_d(G, MICRO, N, D);
     setup_init_d(s, G, N, D, S);
-    if (kind == AVGPIPE_SCHED_ZBH1) use_split(s, 0);
+    if (kind == AVGPIPE_SCHED_ZBH1 || kind == AVGPIPE_SCHED_ZBV) use_split(s, 0);
+    if (kind == AVGPIPE_SCHED_DUALPIPEV) s->d.cb.overlap = cb_overlap;
+    place = vk ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP;
     s->d.sched.kind = kind, s->d.sched.stages = S, s->d.sched.chunks = V, s->d.sched.micro = MICRO, s->d.sched.pipes = N;
     s->d.sched.rounds = ROUNDS, s->d.sched.advance = kind == AVGPIPE_SCHED_ADVANCE ? 2 : 0;
     s->d.replicas = D, s->d.average_every = H;
@@ -80,8 +84,8 @@ static void collect_models(int S, int N) {
     int r, g, i, G = T.G;
     for (r = 1; r < nproc; r++) {
         int d = r / S, sr = r % S;
-        for (g = sr; g < G; g += S)
-            for (i = d * N; i < (d + 1) * N; i++) {
+        for (g = 0; g < G; g++)
+            for (i = d * N; i < (d + 1) * N && avgpipe_place_rank(place, S, g) == sr; i++) {
                 if (me == r) MPI_Send(T.w[i][g], pcount(g), MPI_FLOAT, 0, 100 + i * MAXG + g, MPI_COMM_WORLD);
                 else if (me == 0) MPI_Recv(T.w[i][g], pcount(g), MPI_FLOAT, r, 100 + i * MAXG + g, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
             }
@@ -93,7 +97,8 @@ static void collect_references(avgpipe_run *run, int S, int D, float (*zgot)[MAX
     int r, g, G = T.G;
     for (r = 0; r < nproc; r++) {
         int d = r / S, sr = r % S;
-        for (g = sr; g < G; g += S) {
+        for (g = 0; g < G; g++) {
+            if (avgpipe_place_rank(place, S, g) != sr) continue;
             if (me == r && r == 0) memcpy(zgot[d][g], avgpipe_run_replica_reference(run, d, g, NULL), (size_t)pcount(g) * sizeof(float));
             else if (me == r) MPI_Send(avgpipe_run_replica_reference(run, d, g, NULL), pcount(g), MPI_FLOAT, 0, 7000 + d * MAXG + g, MPI_COMM_WORLD);
             else if (me == 0) MPI_Recv(zgot[d][g], pcount(g), MPI_FLOAT, r, 7000 + d * MAXG + g, MPI_COMM_WORLD, MPI_STATUS_IGNORE);

@@ -64,10 +64,12 @@ typedef struct shape {
 } shape;
 
 static void describe(setup *s, const shape *c) {
-    int V = c->kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, G = c->S * V, D = c->D ? c->D : 1;
+    int vk = c->kind == AVGPIPE_SCHED_ZBV || c->kind == AVGPIPE_SCHED_DUALPIPEV;
+    int V = c->kind == AVGPIPE_SCHED_INTERLEAVED || vk ? 2 : 1, G = c->S * V, D = c->D ? c->D : 1;
     reset_state_d(G, 4, c->N, D);
     setup_init_d(s, G, c->N, D, c->S);
-    if (c->kind == AVGPIPE_SCHED_ZBH1) use_split(s, 0);
+    if (c->kind == AVGPIPE_SCHED_ZBH1 || c->kind == AVGPIPE_SCHED_ZBV) use_split(s, 0);
+    if (c->kind == AVGPIPE_SCHED_DUALPIPEV) s->d.cb.overlap = cb_overlap;
     s->d.sched.kind = c->kind, s->d.sched.stages = c->S, s->d.sched.chunks = V, s->d.sched.micro = 4, s->d.sched.pipes = c->N;
     s->d.sched.rounds = 2, s->d.sched.continuous = 1;
     s->d.adaptive = c->kind == AVGPIPE_SCHED_ADVANCE;
@@ -175,6 +177,9 @@ Test(checkpoint, resume_1f1b_n2) { shape c = {AVGPIPE_SCHED_1F1B, 3, 2, 1, 0}; r
 Test(checkpoint, resume_advance_adaptive_n2) { shape c = {AVGPIPE_SCHED_ADVANCE, 3, 2, 1, 0}; resume(&c, "advance (adaptive) N=2"); }
 Test(checkpoint, resume_interleaved_n2) { shape c = {AVGPIPE_SCHED_INTERLEAVED, 2, 2, 1, 0}; resume(&c, "interleaved N=2"); }
 Test(checkpoint, resume_zbh1_n1) { shape c = {AVGPIPE_SCHED_ZBH1, 3, 1, 1, 0}; resume(&c, "zbh1 N=1"); }
+/* V placement: rank r's two stages r and 2S-1-r are its records 0 and 1 */
+Test(checkpoint, resume_zbv_n2) { shape c = {AVGPIPE_SCHED_ZBV, 3, 2, 1, 0}; resume(&c, "zbv N=2"); }
+Test(checkpoint, resume_dualpipev_n2) { shape c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 1, 0}; resume(&c, "dualpipev N=2"); }
 Test(checkpoint, resume_elastic_momentum) { shape c = {AVGPIPE_SCHED_1F1B, 2, 2, 1, 1}; resume(&c, "elastic with momentum"); }
 Test(checkpoint, resume_replicas) { shape c = {AVGPIPE_SCHED_1F1B, 2, 2, 2, 0}; resume(&c, "2 replica groups"); }
 

@@ -92,6 +92,11 @@ Test(mpi, onef1b_s4_n2) { equal(4, "1f1b", 2, "0.3", 1, 1); }
 Test(mpi, advance_s4_n2) { equal(4, "advance", 2, "0.3", 1, 1); }
 Test(mpi, interleaved_s4_n2) { equal(4, "interleaved", 2, "0.3", 1, 1); }
 Test(mpi, zbh1_s4_n2) { equal(4, "zbh1", 2, "0.3", 1, 1); }
+/* V placement: rank r holds stages r and 2S-1-r; DualPipeV through the overlap callback */
+Test(mpi, zbv_s2_n1) { equal(2, "zbv", 1, "0", 1, 1); }
+Test(mpi, zbv_s4_n2) { equal(4, "zbv", 2, "0.3", 1, 1); }
+Test(mpi, dualpipev_s2_n1) { equal(2, "dualpipev", 1, "0", 1, 1); }
+Test(mpi, dualpipev_s4_n2) { equal(4, "dualpipev", 2, "0.3", 1, 1); }
 
 /* Two replica groups of two ranks: equal to the same run in threads, and to float64 to 1e-6. */
 static void replicas(int H, const char *alpha) {

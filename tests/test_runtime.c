@@ -146,6 +146,107 @@ Test(runtime, equivalence_golden_torch_zb1p) {
     avgpipe_sched_free(&ctx, &golden);
 }
 
+/* ---- V placement, custom placement, overlapped pairs ------------------------------------------ */
+
+/* DualPipeV's overlapped pairs per iteration, from its step structure (tests/test_place.c checks the
+   same count on the schedule itself). */
+static long dualpipev_pairs(int S, int M) {
+    long n = 0;
+    int r;
+    for (r = 0; r < S; r++) n += 2L * (M - 2 * S + r + 1) - (r == S - 1) + (S - r - 1);
+    return n;
+}
+
+static long overlap_calls(void) {
+    long n = 0;
+    int g;
+    for (g = 0; g < MAXG; g++) n += T.noverlap[g];
+    return n;
+}
+
+/* N = 1, alpha = 0: a V-placed schedule (two stages per rank, the first and the last on rank 0) gives
+   the reference's bits, like the loop-placed ones above; with the overlap callback every pair goes
+   through it, with the same bits. */
+static void equivalence_v(avgpipe_sched_kind kind, int S, int M, int split, int overlap, const char *name) {
+    setup s;
+    reset_state(2 * S, M, 1);
+    setup_init(&s, 2 * S, 1);
+    s.d.sched.kind = kind;
+    s.d.sched.stages = S;
+    s.d.sched.micro = M;
+    if (split) use_split(&s, 0);
+    if (overlap) s.d.cb.overlap = cb_overlap;
+    check_equivalence(&s, name);
+    if (overlap && kind == AVGPIPE_SCHED_DUALPIPEV)
+        cr_assert_eq(overlap_calls(), ITERS * dualpipev_pairs(S, M), "%s: %ld overlapped calls, want %ld", name, overlap_calls(),
+                     ITERS * dualpipev_pairs(S, M));
+    else
+        cr_assert_eq(overlap_calls(), 0, "%s: %ld overlapped calls", name, overlap_calls());
+}
+
+Test(runtime, equivalence_zbv) { equivalence_v(AVGPIPE_SCHED_ZBV, 4, 8, 0, 0, "zbv"); }
+Test(runtime, equivalence_zbv_split) { equivalence_v(AVGPIPE_SCHED_ZBV, 4, 8, 1, 0, "zbv I/W"); }
+Test(runtime, equivalence_zbv_few_micro) { equivalence_v(AVGPIPE_SCHED_ZBV, 3, 2, 1, 0, "zbv S=3 M=2"); }
+Test(runtime, equivalence_dualpipev) { equivalence_v(AVGPIPE_SCHED_DUALPIPEV, 4, 8, 0, 0, "dualpipev"); }
+Test(runtime, equivalence_dualpipev_split) { equivalence_v(AVGPIPE_SCHED_DUALPIPEV, 4, 8, 1, 0, "dualpipev I/W"); }
+Test(runtime, equivalence_dualpipev_overlap) { equivalence_v(AVGPIPE_SCHED_DUALPIPEV, 4, 8, 0, 1, "dualpipev overlap"); }
+Test(runtime, equivalence_dualpipev_split_overlap) { equivalence_v(AVGPIPE_SCHED_DUALPIPEV, 4, 9, 1, 1, "dualpipev I/W overlap"); }
+Test(runtime, equivalence_dualpipev_two_ranks_overlap) { equivalence_v(AVGPIPE_SCHED_DUALPIPEV, 2, 5, 0, 1, "dualpipev S=2 overlap"); }
+
+/* PyTorch's DualPipeV layout (tests/data, 4 ranks, 8 stages, 10 micro-batches), imported: the same bits
+   with plain and split backward callbacks, with and without the overlap callback. */
+Test(runtime, equivalence_imported_dualpipev) {
+    static const char *path = "tests/data/torch_dualpipev_4rank_8stage_10micro.csv";
+    avgpipe_schedule file;
+    avgpipe_context ctx;
+    int variant;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_sched_load(&ctx, path, &file), AVGPIPE_OK, "%s: %s", path, avgpipe_last_error(&ctx));
+    cr_assert_eq(file.nranks, 4);
+    cr_assert_eq(file.nstages, 8);
+    cr_assert_eq(file.shape.micro, 10);
+    cr_assert_eq(file.shape.placement, AVGPIPE_PLACE_V);
+    for (variant = 0; variant < 4; variant++) {
+        setup s;
+        char name[96];
+        int split = variant & 1, overlap = variant >> 1;
+        reset_state(8, 10, 1);
+        setup_init(&s, 8, 1);
+        s.d.schedule = &file;
+        if (split) use_split(&s, 0);
+        if (overlap) s.d.cb.overlap = cb_overlap;
+        snprintf(name, sizeof name, "imported dualpipev%s%s", split ? " I/W" : "", overlap ? " overlap" : "");
+        check_equivalence(&s, name);
+        cr_assert_eq(overlap_calls(), overlap ? ITERS * dualpipev_pairs(4, 10) : 0, "%s: %ld overlapped calls", name, overlap_calls());
+    }
+    avgpipe_sched_free(&ctx, &file);
+}
+
+/* A custom placement: 1F1B's lists moved to other ranks (stage g on rank perm[g], so neighbours are
+   not adjacent ranks and rank 0 runs no stage 0); the same bits. */
+Test(runtime, equivalence_custom_placement) {
+    static const int perm[4] = {2, 0, 3, 1};
+    avgpipe_sched_desc d;
+    avgpipe_schedule plain, moved;
+    setup s;
+    int r, i;
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 4, d.micro = 8;
+    cr_assert_eq(avgpipe_sched_generate(NULL, &d, &plain), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_sched_init(NULL, &moved, 4, &plain.shape), AVGPIPE_OK);
+    moved.shape.kind = AVGPIPE_SCHED_CUSTOM;
+    cr_assert_eq(avgpipe_sched_set_place(NULL, &moved, perm, 4), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    cr_assert_eq(moved.shape.placement, AVGPIPE_PLACE_CUSTOM);
+    for (r = 0; r < 4; r++)
+        for (i = 0; i < plain.len[r]; i++) cr_assert_eq(avgpipe_sched_push(NULL, &moved, perm[r], plain.ops[r][i]), AVGPIPE_OK);
+    reset_state(4, 8, 1);
+    setup_init(&s, 4, 1);
+    s.d.schedule = &moved;
+    check_equivalence(&s, "1f1b on permuted ranks");
+    avgpipe_sched_free(NULL, &moved);
+    avgpipe_sched_free(NULL, &plain);
+}
+
 /* ---- N = 2, deterministic: the elastic-averaging math in float64 ------------------------------- */
 
 /* |got - want| <= tol * max(|want|, rms(want)) elementwise. */
@@ -746,6 +847,7 @@ static void processes_equal_threads(avgpipe_sched_kind kind, int S, int V, int N
     s.d.deterministic = 1;
     s.d.timeout_s = 20;
     if (split) use_split(&s, 0);
+    if (kind == AVGPIPE_SCHED_DUALPIPEV) s.d.cb.overlap = cb_overlap;
     run = create_run(&ctx, &s);
     for (k = 0; k < iters; k++) iterate(&ctx, run, NULL);
     memcpy(want, T.w, sizeof want);
@@ -781,6 +883,10 @@ Test(runtime, processes_equal_threads_advance_n2) { processes_equal_threads(AVGP
 Test(runtime, processes_equal_threads_interleaved) { processes_equal_threads(AVGPIPE_SCHED_INTERLEAVED, 2, 2, 2, 1, 0.3f, 0, "interleaved"); }
 Test(runtime, processes_equal_threads_zbh1_split) { processes_equal_threads(AVGPIPE_SCHED_ZBH1, 4, 0, 1, 1, 0, 1, "zbh1 I/W"); }
 Test(runtime, processes_equal_threads_replicas) { processes_equal_threads(AVGPIPE_SCHED_1F1B, 2, 0, 2, 2, 0.3f, 0, "1f1b D=2"); }
+Test(runtime, processes_equal_threads_zbv_split) { processes_equal_threads(AVGPIPE_SCHED_ZBV, 2, 2, 2, 1, 0.3f, 1, "zbv N=2 I/W"); }
+Test(runtime, processes_equal_threads_dualpipev_replicas) {
+    processes_equal_threads(AVGPIPE_SCHED_DUALPIPEV, 2, 2, 2, 2, 0.3f, 0, "dualpipev N=2 D=2 overlap");
+}
 
 /* Processes that describe different runs are refused at create, every one of them, naming the field. */
 static void disagree(void (*spoil)(avgpipe_run_desc *), const char *field) {

@@ -35,7 +35,7 @@
 #define MAXG 8
 #define MAXN 4               /* models in all: replica groups x pipelines */
 #define MAXD 2               /* replica groups */
-#define MAXM 8
+#define MAXM 16
 #define MAXSLOT 64
 #define LR 0.2
 
@@ -142,6 +142,8 @@ static struct {
     stash st[MAXD][MAXG][MAXSLOT];
     /* calls per (model, stage): forward, backward (B or I), weight (B or W), step */
     long nf[MAXN][MAXG], nbi[MAXN][MAXG], nw[MAXN][MAXG], nstep[MAXN][MAXG];
+    long noverlap[MAXG]; /* overlapped pairs run through cb_overlap, by the forward's stage */
+    int split;           /* use_split(): an I runs backward_input (else the full backward, as the runtime does) */
     char err[MAXG][256]; /* the first problem a callback saw, per stage (the stage's own thread writes it) */
     /* fault injection */
     int fail_stage, fail_micro, fail_round;
@@ -283,6 +285,19 @@ TOY_FN int cb_backward_weight(avgpipe_op_ctx *op) {
     return 0;
 }
 
+/* An overlapped pair "(F;B)OVERLAP_F_B": the backward first, then the forward (their micro-batches
+   differ, so a trainer may interleave them any way; running them in the other order than F-then-B
+   checks that the runtime prepared both before the call). */
+TOY_FN int cb_overlap(avgpipe_op_ctx *f, avgpipe_op_ctx *b) {
+    int rc;
+    if (f->kind != AVGPIPE_OP_F || (b->kind != AVGPIPE_OP_B && b->kind != AVGPIPE_OP_I)) return bad(f->stage, 103, "overlap: not (F;B)");
+    if (f->rank != b->rank) return bad(f->stage, 104, "overlap: a pair from two ranks");
+    rc = b->kind == AVGPIPE_OP_I && T.split ? cb_backward_input(b) : cb_backward(b);
+    if (!rc) rc = cb_forward(f);
+    if (!rc) T.noverlap[f->stage]++;
+    return rc;
+}
+
 /* SGD on the mean gradient of the batch; gradients summed in micro-batch order. */
 TOY_FN void sgd_f(float *p, float (*gacc)[PMAX], int M, int n) {
     float gsum[PMAX];
@@ -363,6 +378,7 @@ TOY_FN void setup_init_d(setup *s, int G, int N, int D, int S) {
 TOY_FN void setup_init(setup *s, int G, int N) { setup_init_d(s, G, N, 1, G); }
 
 TOY_FN void use_split(setup *s, int keep_full) {
+    T.split = 1;
     s->d.cb.backward_input = cb_backward_input;
     s->d.cb.backward_weight = cb_backward_weight;
     if (!keep_full) s->d.cb.backward = NULL;
