@@ -4537,6 +4537,190 @@ done:
     return res;
 }
 
+/* The replay of a compute-only schedule, compiled: each rank's list becomes, a few units at a time,
+   the sequence of what vrun_compute does with other ranks, in its order (NEED: wait for message k
+   of channel c to arrive; POST: the receive of message k of c is posted; SEND: the next message of
+   c), and the replay runs these sequences with two counters per channel. A channel's messages are
+   sent in the order of their index (its one sender sends them in list order, the order the static
+   pass numbered them in), so message k has arrived once more than k have been sent: no per-cell
+   state in the lockstep. A waiting rank is woken only by the event it waits for. Gives vreplay_run's
+   verdict (its conditions in its order); on a deadlock the caller runs vreplay_run for the message. */
+enum { AVGPIPE__XNEED = 0, AVGPIPE__XPOST = 1, AVGPIPE__XSEND = 2 };
+
+typedef struct avgpipe__xent {
+    int32_t ck; /* channel << 2 | AVGPIPE__X* */
+    int32_t k;  /* message index (NEED, POST) */
+} avgpipe__xent;
+
+typedef struct avgpipe__xrank {
+    avgpipe__xent *e;   /* the compiled entries not yet run: e[at .. n) */
+    int at, n, cap;
+    int pos, look;      /* compile: the next unit, where post_acts searches from */
+    int started;        /* compile: the first post_acts done */
+    int wait_ck, wait_k; /* the entry it waits at (when waiting) */
+} avgpipe__xrank;
+
+static int avgpipe__xput(avgpipe_context *ctx, avgpipe__xrank *x, int ck, int k) {
+    if (x->n == x->cap) {
+        int cap = x->cap ? 2 * x->cap : 256;
+        avgpipe__xent *p = (avgpipe__xent *)avgpipe__realloc(ctx, x->e, (size_t)x->cap * sizeof *p, (size_t)cap * sizeof *p);
+        if (!p) return 0;
+        x->e = p;
+        x->cap = cap;
+    }
+    x->e[x->n].ck = ck;
+    x->e[x->n].k = k;
+    x->n++;
+    return 1;
+}
+
+/* The POSTs of post_acts: the activations of the next unit holding a forward, from x->look on. */
+static int avgpipe__xacts(const avgpipe__vstate *v, const avgpipe_op *o, int n, avgpipe__xrank *x) {
+    int i = x->look, hasf = 0, j, end, ok = 1;
+    while (!hasf) {
+        while (i < n && o[i].kind == AVGPIPE_OP_IDLE) i++;
+        if (i >= n) break;
+        end = avgpipe__unit_end(o, n, i);
+        for (j = i; j < end; j++)
+            if (o[j].kind == AVGPIPE_OP_F) {
+                int g = o[j].stage;
+                hasf = 1;
+                if (g > 0 && v->pl.up[g - 1] >= 0)
+                    ok &= avgpipe__xput(v->ctx, x, v->pl.up[g - 1] << 2 | AVGPIPE__XPOST, v->seqf[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+            }
+        i = end;
+    }
+    x->look = i;
+    return ok;
+}
+
+/* Refill rank r's entries (all run) with those of its next units. Returns 0 when out of memory. */
+static int avgpipe__xfill(const avgpipe__vstate *v, int r, avgpipe__xrank *x) {
+    const avgpipe_op *o = v->s->ops[r];
+    const int *up = v->pl.up, *down = v->pl.down;
+    int n = v->s->len[r], pos = x->pos, a, b, i, j, ok = 1;
+    avgpipe_context *ctx = v->ctx;
+    x->at = x->n = 0;
+    if (!x->started) {
+        x->started = 1;
+        ok &= avgpipe__xacts(v, o, n, x);
+    }
+    while (ok && x->n < 128) {
+        int hasf = 0;
+        while (pos < n && o[pos].kind == AVGPIPE_OP_IDLE) pos++;
+        if (pos >= n) break;
+        a = pos;
+        b = avgpipe__unit_end(o, n, pos);
+        if (b - a > 1) /* post_unit_grads */
+            for (j = a + 1; j < b; j++) {
+                int g = o[j].stage;
+                if (!avgpipe__is_backward(o[j].kind) || up[g] < 0) continue;
+                for (i = a; i < j; i++)
+                    if (o[i].kind == AVGPIPE_OP_F && o[i].stage == g && o[i].pipe == o[j].pipe && o[i].micro == o[j].micro)
+                        ok &= avgpipe__xput(ctx, x, down[g + 1] << 2 | AVGPIPE__XPOST, v->seqb[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+            }
+        for (i = a; i < b; i++) { /* vneeds */
+            int k = o[i].kind, g = o[i].stage;
+            if (k == AVGPIPE_OP_F) {
+                if (g > 0 && up[g - 1] >= 0)
+                    ok &= avgpipe__xput(ctx, x, up[g - 1] << 2 | AVGPIPE__XNEED, v->seqf[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+            } else if (avgpipe__is_backward(k) && up[g] >= 0) {
+                ok &= avgpipe__xput(ctx, x, down[g + 1] << 2 | AVGPIPE__XNEED, v->seqb[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+            }
+        }
+        for (i = a; i < b; i++) { /* the slot after the unit: its forwards' gradients */
+            int g = o[i].stage;
+            if (o[i].kind != AVGPIPE_OP_F) continue;
+            hasf = 1;
+            if (up[g] >= 0) ok &= avgpipe__xput(ctx, x, down[g + 1] << 2 | AVGPIPE__XPOST, v->seqb[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+        }
+        if (hasf) ok &= avgpipe__xacts(v, o, n, x); /* and the next forwards' activations */
+        for (i = a; i < b; i++) { /* the unit's sends */
+            int k = o[i].kind, g = o[i].stage;
+            if (k == AVGPIPE_OP_F && up[g] >= 0) ok &= avgpipe__xput(ctx, x, up[g] << 2 | AVGPIPE__XSEND, 0);
+            else if (avgpipe__is_backward(k) && down[g] >= 0) ok &= avgpipe__xput(ctx, x, down[g] << 2 | AVGPIPE__XSEND, 0);
+        }
+        pos = b;
+    }
+    x->pos = pos;
+    return ok;
+}
+
+/* The blocking replay of a compute-only schedule on the compiled sequences: AVGPIPE_OK, AVGPIPE_DEADLOCK
+   (no message: see vreplay_run) or AVGPIPE_OUT_OF_MEMORY. */
+static avgpipe_result avgpipe__xreplay(avgpipe__vstate *v) {
+    avgpipe_context *ctx = v->ctx;
+    int S = v->S, nc = v->pl.nchan, r, top = 0;
+    const int *src = v->pl.src, *dst = v->pl.dst;
+    avgpipe__xrank *X = (avgpipe__xrank *)avgpipe__calloc(ctx, (size_t)S, sizeof *X);
+    int *posted = (int *)avgpipe__calloc(ctx, 2 * (size_t)nc + 2 * (size_t)S + 1, sizeof(int)), *sent, *waiting, *stack;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!X || !posted) {
+        res = AVGPIPE_OUT_OF_MEMORY;
+        goto done;
+    }
+    sent = posted + nc;
+    waiting = sent + nc;
+    stack = waiting + S;
+    for (r = S - 1; r >= 0; r--) stack[top++] = r;
+    while (top > 0) {
+        avgpipe__xrank *x;
+        r = stack[--top];
+        x = &X[r];
+        for (;;) {
+            const avgpipe__xent *e = x->e + x->at, *stop = x->e + x->n;
+            for (; e < stop; e++) {
+                int c = e->ck >> 2, w;
+                switch (e->ck & 3) {
+                case AVGPIPE__XNEED:
+                    if (sent[c] > e->k) continue;
+                    break;
+                case AVGPIPE__XPOST:
+                    if (posted[c] <= e->k) {
+                        posted[c] = e->k + 1;
+                        w = src[c];
+                        if (waiting[w] && X[w].wait_ck == (c << 2 | AVGPIPE__XSEND) && posted[c] > sent[c]) {
+                            waiting[w] = 0;
+                            stack[top++] = w;
+                        }
+                    }
+                    continue;
+                default:
+                    if (posted[c] <= sent[c]) break;
+                    sent[c]++;
+                    w = dst[c];
+                    if (waiting[w] && X[w].wait_ck == (c << 2 | AVGPIPE__XNEED) && sent[c] > X[w].wait_k) {
+                        waiting[w] = 0;
+                        stack[top++] = w;
+                    }
+                    continue;
+                }
+                break; /* waits */
+            }
+            x->at = (int)(e - x->e);
+            if (e < stop) {
+                waiting[r] = 1;
+                x->wait_ck = e->ck;
+                x->wait_k = e->k;
+                break;
+            }
+            if (x->pos >= v->s->len[r] && x->started) break; /* done */
+            if (!avgpipe__xfill(v, r, x)) {
+                res = AVGPIPE_OUT_OF_MEMORY;
+                goto done;
+            }
+        }
+    }
+    for (r = 0; r < S; r++)
+        if (X[r].at < X[r].n || X[r].pos < v->s->len[r]) res = AVGPIPE_DEADLOCK;
+done:
+    if (X)
+        for (r = 0; r < S; r++) avgpipe_free(ctx, X[r].e);
+    avgpipe_free(ctx, X);
+    avgpipe_free(ctx, posted);
+    return res;
+}
+
 static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
     const char *how = v->s->has_comm ? "" : " (sends and receives where avgpipe_sched_lower puts them)";
     char detail[360], bdetail[360];
@@ -4552,6 +4736,11 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
         return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
                               "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)", v->N, v->G,
                               (long long)v->M * v->R);
+    if (!v->s->has_comm && v->seqf) { /* the compiled replay decides; a deadlock is explained below */
+        res = avgpipe__xreplay(v);
+        if (res == AVGPIPE_OUT_OF_MEMORY) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+        if (res == AVGPIPE_OK) return res;
+    }
     res = avgpipe__vreplay_run(v, 1, bdetail, sizeof bdetail, &brank, &bpos);
     if (res == AVGPIPE_DEADLOCK) { /* which semantics does it need? */
         res = avgpipe__vreplay_run(v, 0, detail, sizeof detail, &rank, &pos);
