@@ -547,8 +547,9 @@ AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_resul
    SEND after its producer, RECV before its consumer; STEP after all backward work of its batch on
    its stage and before the next batch's forwards, AVG after STEP; a lockstep replay under async and
    under blocking sends progresses (no deadlock); peak stashed activations per rank equal the memory
-   model when the schedule carries a generator's shape. Compute-only schedules are lowered first
-   for the replay. */
+   model when the schedule carries a generator's shape. The replay of a compute-only
+   schedule posts its receives and runs its sends where avgpipe_sched_lower puts them, without
+   building the lowered lists. */
 typedef struct avgpipe_validate_report {
     avgpipe_result result; /* AVGPIPE_OK, AVGPIPE_INVALID_SCHEDULE or AVGPIPE_DEADLOCK */
     int rank, pos;         /* the offending op (-1 if none); pos indexes the schedule's own list */
@@ -3952,6 +3953,24 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         goto done;
     }
     for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
+    if (desc->record_events) { /* room for every event at once: one per op, two per transfer */
+        size_t ne = 0;
+        int j;
+        for (r = 0; r < m.S; r++)
+            for (j = 0; j < s->len[r]; j++) {
+                int k = s->ops[r][j].kind;
+                if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) continue;
+                ne += k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B ? 2 : !s->has_comm && (k == AVGPIPE_OP_F || avgpipe__is_backward(k)) ? 3 : 1;
+            }
+        if (ne > 0) {
+            out->events = (avgpipe_event *)avgpipe_alloc(ctx, ne * sizeof *out->events);
+            if (!out->events) {
+                res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+                goto done;
+            }
+            out->events_cap = ne;
+        }
+    }
     if (!desc->cost_fn && !desc->stage_cost) {
         int k;
         for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
@@ -3990,7 +4009,7 @@ done:
     return res;
 }
 
-/* --- 5. Validation (its deadlock replay runs the simulator) ---------------------------------------- */
+/* --- 5. Validation (static checks, then a deadlock replay of its own) --------------------------------- */
 
 typedef struct avgpipe__msg {
     uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
@@ -4859,13 +4878,18 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
 /* --- 6. Rendering -------------------------------------------------------------------------------- */
 
 /* "F3", or "Fb3" (pipeline b = 1, micro-batch 3) when the events span several pipelines. */
+/* The kind part of an op's label. */
+static const char *avgpipe__label_kind(const avgpipe_op *op) {
+    if (op->kind == AVGPIPE_OP_STEP) return "S";
+    if (op->kind == AVGPIPE_OP_AVG) return "A";
+    if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) return ">";
+    if (op->kind == AVGPIPE_OP_SEND_B || op->kind == AVGPIPE_OP_RECV_B) return "<";
+    return avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
+}
+
 static void avgpipe__label(const avgpipe_op *op, int multi, char *out, size_t cap) {
-    const char *k = avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
+    const char *k = avgpipe__label_kind(op);
     char pipe[16] = "";
-    if (op->kind == AVGPIPE_OP_STEP) k = "S";
-    else if (op->kind == AVGPIPE_OP_AVG) k = "A";
-    else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) k = ">";
-    else if (op->kind == AVGPIPE_OP_SEND_B || op->kind == AVGPIPE_OP_RECV_B) k = "<";
     if (multi) {
         if (op->pipe < 26) snprintf(pipe, sizeof pipe, "%c", 'a' + op->pipe);
         else snprintf(pipe, sizeof pipe, "p%d.", op->pipe);
@@ -4898,30 +4922,36 @@ static avgpipe_result avgpipe__render_check(avgpipe_context *ctx, const avgpipe_
 
 /* Draw one lane: events of `rank` on `track` into row[0..width). A compute box shows its label
    (cut to the box); a transfer box is drawn with '>' (activation) or '<' (gradient). */
+static void avgpipe__ascii_draw(const avgpipe_event *e, double scale, int multi, char *row, int width) {
+    char lab[32];
+    int a, b, j, L;
+    if (e->end <= e->start) return;
+    a = (int)floor(e->start * scale + 0.5);
+    b = (int)floor(e->end * scale + 0.5);
+    if (b <= a) b = a + 1;
+    if (a >= width) return;
+    if (b > width) b = width;
+    if (e->track != 0) {
+        int grad = e->op.kind == AVGPIPE_OP_B || e->op.kind == AVGPIPE_OP_I || e->op.kind == AVGPIPE_OP_SEND_B ||
+                   e->op.kind == AVGPIPE_OP_RECV_B;
+        memset(row + a, grad ? '<' : '>', (size_t)(b - a));
+        return;
+    }
+    if (b - a == 1 && avgpipe__label_kind(&e->op)[0]) { /* one column: the label's first character */
+        row[a] = avgpipe__label_kind(&e->op)[0];
+        return;
+    }
+    avgpipe__label(&e->op, multi, lab, sizeof lab);
+    L = (int)strlen(lab);
+    for (j = a; j < b; j++) row[j] = j - a < L ? lab[j - a] : ' ';
+}
+
 static void avgpipe__ascii_lane(const avgpipe_event *ev, size_t n, int rank, int track, double scale, int multi, char *row,
                                 int width) {
     size_t i;
     memset(row, track == 0 ? '.' : ' ', (size_t)width);
-    for (i = 0; i < n; i++) {
-        const avgpipe_event *e = &ev[i];
-        char lab[32];
-        int a, b, j, L;
-        if (e->rank != rank || e->track != track || e->end <= e->start) continue;
-        a = (int)floor(e->start * scale + 0.5);
-        b = (int)floor(e->end * scale + 0.5);
-        if (b <= a) b = a + 1;
-        if (a >= width) continue;
-        if (b > width) b = width;
-        if (track != 0) {
-            int grad = e->op.kind == AVGPIPE_OP_B || e->op.kind == AVGPIPE_OP_I || e->op.kind == AVGPIPE_OP_SEND_B ||
-                       e->op.kind == AVGPIPE_OP_RECV_B;
-            memset(row + a, grad ? '<' : '>', (size_t)(b - a));
-            continue;
-        }
-        avgpipe__label(&e->op, multi, lab, sizeof lab);
-        L = (int)strlen(lab);
-        for (j = a; j < b; j++) row[j] = j - a < L ? lab[j - a] : ' ';
-    }
+    for (i = 0; i < n; i++)
+        if (ev[i].rank == rank && ev[i].track == track) avgpipe__ascii_draw(&ev[i], scale, multi, row, width);
 }
 
 /* A round tick step (1, 2 or 5 times a power of ten) of at least `min` time units. */
@@ -4934,9 +4964,9 @@ AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgp
                                                 const avgpipe_render_desc *desc, avgpipe_buf *out) {
     avgpipe__span sp;
     avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
-    int width = desc && desc->width > 0 ? desc->width : 120, r, ok = 1;
+    int width = desc && desc->width > 0 ? desc->width : 120, r, ok = 1, lanes;
     double scale;
-    char *row;
+    char *row, *grid = NULL;
     if (res) return res;
     if (width > 100000) width = 100000;
     if (sp.makespan <= 0) return avgpipe__buf_printf(ctx, out, "(empty timeline)\n") ? AVGPIPE_OK : AVGPIPE_OUT_OF_MEMORY;
@@ -4957,15 +4987,35 @@ AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgp
         }
         ok &= avgpipe__buf_printf(ctx, out, "time    %s\n", row);
     }
-    for (r = 0; r < nranks && ok; r++) {
-        avgpipe__ascii_lane(ev, n, r, 0, scale, sp.multi, row, width);
-        row[width] = 0;
-        ok &= avgpipe__buf_printf(ctx, out, "rank %-3d%s\n", r, row);
-        if (sp.has_comm) {
-            avgpipe__ascii_lane(ev, n, r, 1, scale, sp.multi, row, width);
-            ok &= avgpipe__buf_printf(ctx, out, "  send  %s\n", row);
+    /* every lane at once in one pass over the events when the grid is small (each lane sees its events
+       in the same order either way), else one pass per lane */
+    lanes = sp.has_comm ? 2 : 1;
+    if ((double)nranks * lanes * (width + 1) <= 64e6) grid = (char *)avgpipe_alloc(ctx, (size_t)nranks * lanes * ((size_t)width + 1));
+    if (grid) {
+        size_t i, w1 = (size_t)width + 1;
+        for (r = 0; r < nranks * lanes; r++) {
+            memset(grid + r * w1, r % lanes == 0 ? '.' : ' ', (size_t)width);
+            grid[r * w1 + width] = 0;
+        }
+        for (i = 0; i < n; i++) {
+            const avgpipe_event *e = &ev[i];
+            if (e->track >= lanes || e->track < 0) continue;
+            avgpipe__ascii_draw(e, scale, sp.multi, grid + ((size_t)e->rank * lanes + e->track) * w1, width);
         }
     }
+    for (r = 0; r < nranks && ok; r++) {
+        const char *line = row;
+        if (grid) line = grid + (size_t)r * lanes * ((size_t)width + 1);
+        else avgpipe__ascii_lane(ev, n, r, 0, scale, sp.multi, row, width);
+        row[width] = 0;
+        ok &= avgpipe__buf_printf(ctx, out, "rank %-3d%s\n", r, line);
+        if (sp.has_comm) {
+            if (grid) line = grid + ((size_t)r * lanes + 1) * ((size_t)width + 1);
+            else avgpipe__ascii_lane(ev, n, r, 1, scale, sp.multi, row, width);
+            ok &= avgpipe__buf_printf(ctx, out, "  send  %s\n", line);
+        }
+    }
+    avgpipe_free(ctx, grid);
     ok &= avgpipe__buf_printf(ctx, out, "(%.4g time units, %.3g per column; F/B/I/W + %smicro-batch, S step, A avg, '.' idle%s)\n",
                               sp.makespan, 1 / scale, sp.multi ? "pipeline letter + " : "",
                               sp.has_comm ? ", '>' activation and '<' gradient transfers" : "");

@@ -109,6 +109,6 @@ int main(int argc, char **argv) {
                    g * 1e3, v * 1e3, sm * 1e3, t * 1e3, range, p * 1e3, ops / sm, v / p, sm / p);
         }
     }
-    printf("(validate = static checks + lowering to SEND/RECV + a blocking-send deadlock replay of the lowered lists; checksum %lld)\n", sum % 10);
+    printf("(validate = static checks + a blocking-send deadlock replay, sends and receives placed as lowering places them; checksum %lld)\n", sum % 10);
     return 0;
 }
