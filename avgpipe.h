@@ -816,7 +816,8 @@ AVGPIPE_API avgpipe_result avgpipe_ea_memory_bytes(avgpipe_context *ctx, const a
                                                    avgpipe_ea_memory_info *out);
 
 /* Create the averaging state: resolve and validate desc, allocate the buffers, copy desc->initial
-   into the reference (z0 = initial; with momentum also z_prev = initial). Round 0 is open.
+   into the reference (z0 = initial; with momentum also z_prev = initial) and wait for that copy on the
+   device, so initial may change as soon as create returns. Round 0 is open.
    Errors: AVGPIPE_INVALID_ARG naming the field (count 0, pipes < 1, mode unknown, alpha outside [0, 1]
    or NaN, momentum outside [0, 1) or with MEAN, initial NULL, an
    incomplete device table, desc or out NULL), AVGPIPE_OUT_OF_MEMORY, AVGPIPE_BACKEND_ERROR. On error
@@ -1019,9 +1020,10 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
    recorded (the profile the tuner reads, and a Chrome trace through the simulator's renderers).
 
    Counting. sched.stages (S) counts ranks of one pipeline group; the model has G = S·V stage
-   partitions ("stages" everywhere else: op->stage, op->stages, param_count[G], act_bytes[G-1]); rank
-   s holds stages s, s+S, ... With replica groups there are D·S ranks: rank d·S + s is rank s of group
-   d. Samples, micro-batches and rounds: see "Data" below.
+   partitions ("stages" everywhere else: op->stage, op->stages, param_count[G], act_bytes[G-1]); the
+   schedule's placement says which rank holds which stage (avgpipe_stage_rank): loop placement puts
+   stages s, s+S, ... on rank s, V placement stages s and 2S-1-s. With replica groups there are D·S
+   ranks: rank d·S + s is rank s of group d. Samples, micro-batches and rounds: see "Data" below.
 
    Processes. By default one process runs every rank on its own threads (the in-process comm backend).
    With desc.local_ranks, a process runs only those ranks (one, typically: one process per rank over
@@ -1054,7 +1056,28 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
    depend neither on timing nor on the schedule (when the user's gradients are summed in micro-batch
    order) and are bitwise identical between runs, between processes and threads. The cost: a pipeline
    cannot run ahead of the averaging by a round. Without it, a pull uses the newest complete reference
-   (staleness at most 1 round), as in the paper. */
+   (staleness at most 1 round), as in the paper.
+
+   Devices and streams. With desc.device (a GPU: avgpipe_cuda.h) the runtime's buffers, the averaging
+   state and the stage parameters live in that device's memory, and the host threads only issue work:
+   each rank has one compute stream per pipeline (op->stream: enqueue the op's kernels there and
+   return) and one averaging stream. The runtime orders the streams with events, so no callback needs
+   to synchronize: a forward after its pipeline's averaging pass, the averaging pass after the STEP,
+   a consumer after the receive that filled its buffer (device-ordered transfers, comm.isend_on /
+   irecv_on, e.g. NCCL), a host-side send after the op that produced its data. The host waits only
+   where it must: before a slot's buffers are reused (for the slot's last op on the device), before
+   the host-side step() (use step_async to enqueue the optimizer instead, after the backward work, on
+   the pipeline's stream) and at the end of each iteration (every stream, the averaging's included:
+   after avgpipe_run_iteration returns, the parameters and references are final). Without isend_on and
+   irecv_on the comm backend moves device memory from the host (e.g. MPI over CUDA-aware buffers) and
+   the runtime waits for the producer before posting each send.
+   What a device run does not give: op->loss is read when the callback returns, before its kernels
+   ran; set it from the host (e.g. a previous micro-batch's loss copied back asynchronously) or leave
+   it 0 and compute the loss yourself. avgpipe_run_reference returns device memory; checkpoints and
+   avgpipe_run_gather_reference copy through the device table. With desc.profile the ops' times come
+   from device events (event_elapsed) when the table has them: the profile the tuner reads is the
+   device's, not the host's issue times. The CPU device (the default) runs everything on the calling
+   thread: streams are NULL and every ordering holds trivially. */
 
 typedef struct avgpipe_op_ctx {
     int rank, pipe, stage, micro, round; /* rank: global (replica · S + s); micro: within the batch;
@@ -1088,7 +1111,9 @@ typedef struct avgpipe_stage_callbacks {
        micro-batch and the backward b (kind B or I) of another, on the same or another stage of this
        rank, in one call, so a trainer can interleave their kernels (one's communication under the
        other's compute). Both inputs have arrived; it must leave what forward(f) and then backward(b)
-       (backward_input(b) for I) would. Without it the pair runs as F, then B. */
+       (backward_input(b) for I) would. Without it the pair runs as F, then B. On a device both contexts
+       carry the same stream (the forward's pipeline's; the runtime joins the two pipelines' streams
+       around the call), so the pair's kernels may be enqueued there in any interleaving. */
     int (*overlap)(avgpipe_op_ctx *f, avgpipe_op_ctx *b);
     /* The user's optimizer: update params of (pipe, stage) from the gradients it accumulated over the
        round's micro-batches. rank is global (its replica group is rank / S); round is global
@@ -5675,6 +5700,10 @@ static avgpipe_result avgpipe__ea_init_device(avgpipe_context *ctx, avgpipe_ea *
     if (r != AVGPIPE_OK) return avgpipe__ea_backend_fail(ctx, ea, fn, "copy", r);
     if ((r = ea->dev.event_record(ea->dev.user, ea->chain, NULL)) != AVGPIPE_OK)
         return avgpipe__ea_backend_fail(ctx, ea, fn, "event_record", r);
+    /* the copies are done before create returns: the caller may change `initial` right away (the
+       runtime's first step does, on another stream) */
+    if ((r = ea->dev.event_synchronize(ea->dev.user, ea->chain)) != AVGPIPE_OK)
+        return avgpipe__ea_backend_fail(ctx, ea, fn, "event_synchronize", r);
     return AVGPIPE_OK;
 }
 
@@ -6637,6 +6666,12 @@ typedef struct avgpipe__slot {
     int send_peer[2];
     int nsend;
     int flow_f, flow_b;                  /* trace flow ids of the pending receives */
+    int peer_f, peer_b;                  /* their peers */
+    int ordered_f, ordered_b;            /* device-ordered receives: the consumer waited on ev_recv_*, the
+                                            request is finished later (slot reuse, iteration end) */
+    /* Device events: after the last compute op that touched the slot's buffers (its reuse waits for
+       it; a send of its data is ordered after it), and the device-ordered transfers' completions. */
+    avgpipe_device_event ev_last, ev_recv_f, ev_recv_b, ev_send[2];
 } avgpipe__slot;
 
 /* A stage partition of one replica group; only those of local ranks get buffers and averaging. */
@@ -6647,6 +6682,9 @@ typedef struct avgpipe__stage {
     int *freeq, fq_head, fq_len; /* free slots, FIFO so a freed slot's sends get time to finish */
     avgpipe_ea *ea;
     int *avg_done; /* [pipe]: rounds whose AVG finished (global count) */
+    /* [pipe]: recorded after the pipeline's STEP on its compute stream (its AVG waits for it on the
+       averaging stream) and after its averaging pass (its next forward waits for it) */
+    avgpipe_device_event *ev_step, *ev_avg;
 } avgpipe__stage;
 
 typedef struct avgpipe__job {
@@ -6674,6 +6712,17 @@ typedef struct avgpipe__worker {
     double *evbytes;
     size_t nev, evcap;
     int *seq, *rseq; /* [P]: messages sent to / received from each rank, for trace flow ids */
+    avgpipe_device_stream *cs; /* [N]: a compute stream per parallel pipeline (NULL handles on the CPU) */
+    avgpipe_device_stream as;  /* the averaging stream */
+    int in_group;              /* between comm.group_begin and group_end */
+    /* device-timed profile: a pair of events around each compute op and STEP (npev pairs, used in
+       order), the base recorded when the iteration starts, which pair each record used (evdev, parallel
+       to ev; -1 for none) */
+    avgpipe_device_event *pev, base;
+    int npev, upev, cur_pev, *evdev;
+    double base_host;
+    avgpipe_device_event *ev_end; /* [N]: the end of an iteration on each compute stream */
+    avgpipe_device_event ev_pair[2]; /* an overlapped pair of two pipelines: its streams joined and parted */
 } avgpipe__worker;
 
 struct avgpipe_run {
@@ -6692,6 +6741,8 @@ struct avgpipe_run {
     int own_comm;
     avgpipe_device dev;
     int own_dev;
+    int ordered;          /* transfers through comm.isend_on / irecv_on (a device was given and the comm has them) */
+    int timed;            /* profile from device events (desc.profile and the device has event_elapsed) */
     avgpipe__stage *st;   /* [D * G] */
     int *slot_of;         /* [((d * G + g) * N + pipe) * U + micro] */
     avgpipe__worker *w;   /* [nlocal], by ascending global rank */
@@ -6715,7 +6766,7 @@ struct avgpipe_run {
     size_t mcap;
 };
 
-static int avgpipe__run_rank(const avgpipe_run *run, int g) { return run->place[g]; }
+static int avgpipe__run_rank(const avgpipe_run *run, int g) { AVGPIPE_ASSERT(g >= 0 && g < run->G); return run->place[g]; }
 /* The stages of stage-rank r: rst[roff[r]] .. rst[roff[r + 1] - 1], ascending. */
 #define AVGPIPE__RANK_STAGES(run, r, j, g) for ((j) = (run)->roff[r]; (j) < (run)->roff[(r) + 1] && ((g) = (run)->rst[j]) >= 0; (j)++)
 static avgpipe__stage *avgpipe__run_stage(avgpipe_run *run, int replica, int g) { return &run->st[replica * run->G + g]; }
@@ -6861,7 +6912,16 @@ static void avgpipe__free_plan(avgpipe_run *run) {
     avgpipe_run_plan_free(run->ctx, &run->plan);
     if (run->st)
         for (k = 0; k < run->D * run->G; k++) {
-            avgpipe_free(run->ctx, run->st[k].mem);
+            avgpipe__stage *st = &run->st[k];
+            int q, e;
+            for (q = 0; st->slot && q < st->nslots; q++) {
+                avgpipe_device_event *ev[5];
+                ev[0] = &st->slot[q].ev_last, ev[1] = &st->slot[q].ev_recv_f, ev[2] = &st->slot[q].ev_recv_b;
+                ev[3] = &st->slot[q].ev_send[0], ev[4] = &st->slot[q].ev_send[1];
+                for (e = 0; e < 5; e++)
+                    if (*ev[e]) run->dev.event_destroy(run->dev.user, *ev[e]);
+            }
+            if (st->mem) run->dev.free(run->dev.user, st->mem);
             avgpipe_free(run->ctx, run->st[k].slot);
             avgpipe_free(run->ctx, run->st[k].freeq);
             run->st[k].mem = NULL;
@@ -6881,12 +6941,26 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int replica, int g)
     int i, r = avgpipe__run_rank(run, g);
     size_t in = g > 0 ? run->act[g - 1] : 0, out = run->act[g], sz = run->plan.slot_bytes[g];
     int remote_next = g + 1 < run->G && avgpipe__run_rank(run, g + 1) != r;
+    avgpipe_result res = AVGPIPE_OK;
+    void *mem = NULL;
     st->nslots = run->plan.slots[g];
-    st->mem = sz ? (unsigned char *)avgpipe_alloc(run->ctx, sz * (size_t)st->nslots) : NULL; /* exactly the plan's bytes */
+    if (sz && (res = run->dev.alloc(run->dev.user, sz * (size_t)st->nslots, &mem)) != AVGPIPE_OK) /* exactly the plan's bytes */
+        return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot allocate %zu bytes for stage %d's buffers: %s", run->dev.name,
+                             sz * (size_t)st->nslots, g, run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+    st->mem = (unsigned char *)mem;
     st->slot = (avgpipe__slot *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(avgpipe__slot));
     st->freeq = (int *)avgpipe__calloc(run->ctx, (size_t)st->nslots, sizeof(int));
-    if ((sz && !st->mem) || !st->slot || !st->freeq)
-        return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
+    if (!st->slot || !st->freeq) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory for stage %d buffers", g);
+    for (i = 0; i < st->nslots && !res; i++) {
+        avgpipe__slot *sl = &st->slot[i];
+        avgpipe_device_event *ev[5];
+        int e;
+        ev[0] = &sl->ev_last, ev[1] = &sl->ev_recv_f, ev[2] = &sl->ev_recv_b, ev[3] = &sl->ev_send[0], ev[4] = &sl->ev_send[1];
+        for (e = 0; e < 5 && !res; e++) res = run->dev.event_create(run->dev.user, ev[e]);
+    }
+    if (res)
+        return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot create events for stage %d: %s", run->dev.name, g,
+                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
     for (i = 0; st->mem && i < st->nslots; i++) { /* no bytes: every buffer stays NULL */
         unsigned char *p = st->mem + (size_t)i * sz;
         avgpipe__slot *sl = &st->slot[i];
@@ -6930,13 +7004,19 @@ static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, 
         size_t cap = w->evcap ? 2 * w->evcap : 1024;
         avgpipe_event *e = (avgpipe_event *)avgpipe__realloc(run->ctx, w->ev, w->nev * sizeof *e, cap * sizeof *e);
         double *bb;
+        int *dd;
         if (!e) return 0;
         w->ev = e;
         bb = (double *)avgpipe__realloc(run->ctx, w->evbytes, w->nev * sizeof *bb, cap * sizeof *bb);
         if (!bb) return 0;
         w->evbytes = bb;
+        dd = (int *)avgpipe__realloc(run->ctx, w->evdev, w->nev * sizeof *dd, cap * sizeof *dd);
+        if (!dd) return 0;
+        w->evdev = dd;
         w->evcap = cap;
     }
+    w->evdev[w->nev] = track == 0 ? w->cur_pev : -1;
+    if (track == 0) w->cur_pev = -1;
     w->ev[w->nev].op = *op;
     w->ev[w->nev].rank = w->rank;
     w->ev[w->nev].track = track;
@@ -6947,6 +7027,38 @@ static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, 
     w->evbytes[w->nev] = bytes;
     w->nev++;
     return 1;
+}
+
+/* Device-timed profiles: record the start of an op on its stream (w->cur_pev names the pair for the
+   op's record); nothing unless run->timed. Pairs are created as needed and reused every iteration. */
+static avgpipe_result avgpipe__prof_begin(avgpipe__worker *w, avgpipe_device_stream stream) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res;
+    w->cur_pev = -1;
+    if (!run->timed) return AVGPIPE_OK;
+    if (w->upev == w->npev) {
+        int cap = w->npev ? 2 * w->npev : 256, i;
+        avgpipe_device_event *p = (avgpipe_device_event *)avgpipe__realloc(run->ctx, w->pev, 2 * (size_t)w->npev * sizeof *p, 2 * (size_t)cap * sizeof *p);
+        if (!p) return avgpipe__run_fail(run, AVGPIPE_OUT_OF_MEMORY, "rank %d: out of memory for the profile", w->rank);
+        w->pev = p;
+        for (i = 2 * w->npev; i < 2 * cap; i++) {
+            if ((res = run->dev.event_create(run->dev.user, &w->pev[i])) != AVGPIPE_OK) {
+                w->npev = i / 2;
+                return avgpipe__run_fail(run, res, "rank %d: device '%s': creating profile events failed: %s", w->rank, run->dev.name,
+                                         run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+            }
+        }
+        w->npev = cap;
+    }
+    if ((res = run->dev.event_record(run->dev.user, w->pev[2 * w->upev], stream)) != AVGPIPE_OK)
+        return avgpipe__run_fail(run, res, "rank %d: device '%s': recording a profile event failed", w->rank, run->dev.name);
+    w->cur_pev = w->upev++;
+    return AVGPIPE_OK;
+}
+static avgpipe_result avgpipe__prof_end(avgpipe__worker *w, avgpipe_device_stream stream) {
+    avgpipe_run *run = w->run;
+    if (w->cur_pev < 0 || run->dev.event_record(run->dev.user, w->pev[2 * w->cur_pev + 1], stream) == AVGPIPE_OK) return AVGPIPE_OK;
+    return avgpipe__run_fail(run, AVGPIPE_BACKEND_ERROR, "rank %d: device '%s': recording a profile event failed", w->rank, run->dev.name);
 }
 
 static avgpipe_result avgpipe__profile_oom(avgpipe__worker *w) {
@@ -7018,6 +7130,85 @@ static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_reques
 }
 
 /* Wait for the sends that still read slot sl's buffers. */
+/* A test build may leave out one of the runtime's device waits (AVGPIPE_TEST_SKIP_WAIT = its number
+   below) to check that the tests notice; never define it otherwise. */
+#ifndef AVGPIPE_TEST_SKIP_WAIT
+#define AVGPIPE_TEST_SKIP_WAIT 0
+#endif
+enum {
+    AVGPIPE__WAIT_SLOT_REUSE = 1, /* host: a slot's buffers are free once its last op ran */
+    AVGPIPE__WAIT_AVG_BEFORE_F,   /* device: a pipeline's forward after its averaging pass */
+    AVGPIPE__WAIT_STEP_BEFORE_AVG,/* device: the averaging pass after the pipeline's STEP */
+    AVGPIPE__WAIT_SEND_AFTER_OP,  /* host: a host-side send after the op that produced its data */
+    AVGPIPE__WAIT_RECV_BEFORE_OP, /* device: the consumer after a device-ordered receive */
+    AVGPIPE__WAIT_BACKWARD_BEFORE_STEP, /* host: a host-side step() after the round's backward work */
+    AVGPIPE__WAIT_ITERATION_END   /* host: every stream at the end of an iteration */
+};
+#define AVGPIPE__WAITS(which) (AVGPIPE_TEST_SKIP_WAIT != (which))
+
+/* The device's text for a failed entry, as the run's failure. */
+static avgpipe_result avgpipe__dev_fail(avgpipe__worker *w, avgpipe_result res, const avgpipe_op *op, const char *what) {
+    avgpipe_run *run = w->run;
+    char txt[64];
+    if (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run)) return res;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(run, res, "rank %d, op %s: device '%s': %s failed: %s", w->rank, txt, run->dev.name ? run->dev.name : "?", what,
+                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+}
+
+/* Wait on the host until the device passed `ev`, at most timeout_s (polling event_query, sleeping on
+   the run's condition so that a failure elsewhere ends the wait; without event_query the device's
+   event_synchronize, unbounded). AVGPIPE_TIMEOUT, AVGPIPE_ABORTED, or the device's error. */
+static avgpipe_result avgpipe__event_wait(avgpipe_run *run, avgpipe_device_event ev, double timeout_s) {
+    double t0 = avgpipe__now(), nap = 20e-6;
+    int done = 0;
+    avgpipe_result res;
+    if (!ev) return AVGPIPE_OK; /* the CPU device: its work finished when the call returned */
+    if (!run->dev.event_query) return run->dev.event_synchronize(run->dev.user, ev);
+    for (;;) {
+        struct timespec dl;
+        if ((res = run->dev.event_query(run->dev.user, ev, &done)) != AVGPIPE_OK) return res;
+        if (done) return AVGPIPE_OK;
+        if (avgpipe__run_aborted(run)) return AVGPIPE_ABORTED;
+        if (avgpipe__now() - t0 > timeout_s) return AVGPIPE_TIMEOUT;
+        dl = avgpipe__deadline(nap);
+        pthread_mutex_lock(&run->mu);
+        if (!run->aborted) pthread_cond_timedwait(&run->cv, &run->mu, &dl);
+        pthread_mutex_unlock(&run->mu);
+        nap = nap < 1e-3 ? 2 * nap : 1e-3;
+    }
+}
+
+/* The same on a worker, failing the run with a message naming rank, op and what it waited for. */
+static avgpipe_result avgpipe__dev_wait(avgpipe__worker *w, avgpipe_device_event ev, const avgpipe_op *op, const char *what) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res = avgpipe__event_wait(run, ev, run->d.timeout_s);
+    char txt[64];
+    if (!res || (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run))) return res;
+    if (res != AVGPIPE_TIMEOUT) return avgpipe__dev_fail(w, res, op, what);
+    if (avgpipe__watchdog(run, 0.5 * run->d.timeout_s)) return res;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(run, res, "rank %d, op %s: the device did not finish %s within %.3g s", w->rank, txt, what, run->d.timeout_s);
+}
+
+/* Order `stream` after `ev` on the device (nothing when either is the CPU's NULL handle). */
+static avgpipe_result avgpipe__dev_order(avgpipe__worker *w, avgpipe_device_stream stream, avgpipe_device_event ev, const avgpipe_op *op,
+                                         const char *what) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res;
+    if (!ev) return AVGPIPE_OK;
+    res = run->dev.stream_wait_event(run->dev.user, stream, ev);
+    return res ? avgpipe__dev_fail(w, res, op, what) : AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__dev_record(avgpipe__worker *w, avgpipe_device_event ev, avgpipe_device_stream stream, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res;
+    if (!ev) return AVGPIPE_OK;
+    res = run->dev.event_record(run->dev.user, ev, stream);
+    return res ? avgpipe__dev_fail(w, res, op, "recording an event") : AVGPIPE_OK;
+}
+
 static avgpipe_result avgpipe__slot_sends(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, const char *what) {
     int j;
     for (j = 0; j < sl->nsend; j++) {
@@ -7026,6 +7217,16 @@ static avgpipe_result avgpipe__slot_sends(avgpipe__worker *w, avgpipe__slot *sl,
     }
     sl->nsend = 0;
     return AVGPIPE_OK;
+}
+
+/* Finish the device-ordered receives of a slot's micro-batch (their consumers were ordered after them
+   on the device; the requests still belong to the backend until test/wait says so). */
+static avgpipe_result avgpipe__slot_receives(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op) {
+    avgpipe_result res = AVGPIPE_OK;
+    if (sl->ordered_f && sl->recv_f) res = avgpipe__comm_wait(w, &sl->recv_f, op, sl->peer_f, 0, "an earlier receive from");
+    if (!res && sl->ordered_b && sl->recv_b) res = avgpipe__comm_wait(w, &sl->recv_b, op, sl->peer_b, 0, "an earlier receive from");
+    if (!res) sl->ordered_f = sl->ordered_b = 0;
+    return res;
 }
 
 /* The slot of (g, pipe, micro) in this worker's replica group, taking a free one at the first touch. */
@@ -7043,8 +7244,11 @@ static avgpipe_result avgpipe__slot_get(avgpipe__worker *w, int g, const avgpipe
         st->fq_len--;
         sl = &st->slot[*k];
         res = avgpipe__slot_sends(w, sl, op, "an earlier send to"); /* an earlier owner's sends still read these buffers */
+        if (!res) res = avgpipe__slot_receives(w, sl, op);       /* and its device-ordered receives are still to finish */
+        if (!res && AVGPIPE__WAITS(AVGPIPE__WAIT_SLOT_REUSE)) res = avgpipe__dev_wait(w, sl->ev_last, op, "the slot's previous micro-batch");
         if (res) return res;
         sl->recv_f = sl->recv_b = NULL;
+        sl->ordered_f = sl->ordered_b = 0;
     }
     *out = &st->slot[*k];
     return AVGPIPE_OK;
@@ -7075,6 +7279,8 @@ static avgpipe_result avgpipe__wait_avg(avgpipe__worker *w, int g, int pipe, int
         avgpipe_op_format(op, 1, txt, sizeof txt);
         return avgpipe__run_fail(run, res, "rank %d, op %s: timed out waiting for the averaging of round %d", w->rank, txt, round - 1);
     }
+    if (!res && AVGPIPE__WAITS(AVGPIPE__WAIT_AVG_BEFORE_F)) /* the pass itself, on the averaging stream */
+        res = avgpipe__dev_order(w, w->cs[pipe], st->ev_avg[pipe], op, "ordering the forward after the averaging");
     return res;
 }
 
@@ -7135,11 +7341,16 @@ static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpi
 /* Wait for a posted receive of slot sl (activation: fwd) before its consumer runs; record it. */
 static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, int fwd) {
     avgpipe_run *run = w->run;
-    int g = op->stage, from = fwd ? g - 1 : g + 1, peer = w->replica * run->S + avgpipe__run_rank(run, from);
+    int g = op->stage, from = fwd ? g - 1 : g + 1, peer;
     avgpipe_comm_request *req = fwd ? &sl->recv_f : &sl->recv_b;
     double t = avgpipe__now();
     avgpipe_result res;
-    if (!*req) return AVGPIPE_OK;
+    if (!*req) return AVGPIPE_OK; /* nothing posted: the first stage's input, or a neighbour on this rank */
+    peer = w->replica * run->S + avgpipe__run_rank(run, from);
+    if (fwd ? sl->ordered_f : sl->ordered_b) { /* the device orders the consumer after the transfer; no host wait */
+        if (!AVGPIPE__WAITS(AVGPIPE__WAIT_RECV_BEFORE_OP)) return AVGPIPE_OK;
+        return avgpipe__dev_order(w, w->cs[op->pipe], fwd ? sl->ev_recv_f : sl->ev_recv_b, op, "ordering the op after its receive");
+    }
     res = avgpipe__comm_wait(w, req, op, peer, avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, from, op->micro),
                              fwd ? "receiving the activation from" : "receiving the gradient from");
     if (res) return res;
@@ -7158,6 +7369,7 @@ static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe
     avgpipe_result res = avgpipe__slot_get(w, g, op, &sl);
     if (res) return res;
     avgpipe__op_ctx_init(w, op, oc);
+    oc->stream = w->cs[op->pipe];
     oc->input = g > 0 ? sl->in_act : NULL;
     if (k == AVGPIPE_OP_F) {
         if ((res = avgpipe__recv_wait(w, sl, op, 1)) != AVGPIPE_OK) return res;
@@ -7185,9 +7397,18 @@ static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe
     return AVGPIPE_OK;
 }
 
-/* After the user's call: the loss of a last-stage forward, the event. */
+/* After the user's call: the slots' events (the op's slot, and the neighbouring stage's on this rank
+   that it wrote), the loss of a last-stage forward, the profile event. */
 static avgpipe_result avgpipe__compute_finish(avgpipe__worker *w, const avgpipe_op *op, const avgpipe_op_ctx *oc, double t, double e) {
-    if (op->kind == AVGPIPE_OP_F && op->stage == w->run->G - 1) {
+    avgpipe_run *run = w->run;
+    int g = op->stage, nbg = op->kind == AVGPIPE_OP_F ? g + 1 : op->kind == AVGPIPE_OP_W ? -1 : g - 1;
+    avgpipe_result res = avgpipe__dev_record(w, avgpipe__run_stage(run, w->replica, g)->slot[*avgpipe__slot_key(run, w->replica, g, op->pipe, op->micro)].ev_last,
+                                             oc->stream, op);
+    if (!res && nbg >= 0 && nbg < run->G && avgpipe__run_rank(run, nbg) == w->srank)
+        res = avgpipe__dev_record(w, avgpipe__run_stage(run, w->replica, nbg)->slot[*avgpipe__slot_key(run, w->replica, nbg, op->pipe, op->micro)].ev_last,
+                                  oc->stream, op);
+    if (res) return res;
+    if (op->kind == AVGPIPE_OP_F && op->stage == run->G - 1) {
         w->loss += oc->loss;
         w->nloss++;
     }
@@ -7200,24 +7421,38 @@ static avgpipe_result avgpipe__exec_compute(avgpipe__worker *w, const avgpipe_op
     avgpipe_op_ctx oc;
     avgpipe_result res = avgpipe__compute_prepare(w, op, &oc);
     double t, e;
-    if (res) return res;
+    if (res || (res = avgpipe__prof_begin(w, oc.stream)) != AVGPIPE_OK) return res;
     t = avgpipe__now();
     res = op->kind == AVGPIPE_OP_F ? avgpipe__callback(w, w->run->d.cb.forward, &oc, op) : avgpipe__backward(w, &oc, op);
     e = avgpipe__now();
     w->busy += e - t;
+    if (!res) res = avgpipe__prof_end(w, oc.stream);
     return res ? res : avgpipe__compute_finish(w, op, &oc, t, e);
 }
 
 /* An overlapped pair (f a forward, b a B or I) through the user's overlap callback: both prepared,
-   one call, both finished (each recorded over the call's span). */
+   one call, both finished (each recorded over the call's span). The pair's device work goes on one
+   stream, the forward's: when b belongs to another pipeline, that stream first waits for what b's
+   inputs wait on (its stream so far), and b's stream then waits for the pair. */
 static avgpipe_result avgpipe__exec_overlap(avgpipe__worker *w, const avgpipe_op *f, const avgpipe_op *b) {
     avgpipe_op_ctx of, ob;
     avgpipe_result res = avgpipe__compute_prepare(w, f, &of);
     double t, e;
     int rc;
     char tf[64], tb[64];
+    int pev;
+    avgpipe_device_stream bstream;
     if (!res) res = avgpipe__compute_prepare(w, b, &ob);
     if (res) return res;
+    bstream = ob.stream;
+    if (bstream != of.stream) { /* join: f's stream after b's inputs */
+        if ((res = avgpipe__dev_record(w, w->ev_pair[0], bstream, b)) != AVGPIPE_OK ||
+            (res = avgpipe__dev_order(w, of.stream, w->ev_pair[0], b, "joining an overlapped pair's streams")) != AVGPIPE_OK)
+            return res;
+        ob.stream = of.stream;
+    }
+    if ((res = avgpipe__prof_begin(w, of.stream)) != AVGPIPE_OK) return res;
+    pev = w->cur_pev;
     t = avgpipe__now();
     avgpipe__in_callback(w, f->kind, f);
     rc = w->run->d.cb.overlap(&of, &ob);
@@ -7225,12 +7460,18 @@ static avgpipe_result avgpipe__exec_overlap(avgpipe__worker *w, const avgpipe_op
     e = avgpipe__now();
     w->busy += e - t;
     if (avgpipe__run_aborted(w->run)) return AVGPIPE_ABORTED;
+    if ((res = avgpipe__prof_end(w, of.stream)) != AVGPIPE_OK) return res;
+    if (bstream != of.stream && /* part: b's stream after the pair */
+        ((res = avgpipe__dev_record(w, w->ev_pair[1], of.stream, b)) != AVGPIPE_OK ||
+         (res = avgpipe__dev_order(w, bstream, w->ev_pair[1], b, "parting an overlapped pair's streams")) != AVGPIPE_OK))
+        return res;
     if (rc != 0) {
         avgpipe_op_format(f, 1, tf, sizeof tf);
         avgpipe_op_format(b, 1, tb, sizeof tb);
         return avgpipe__run_fail(w->run, AVGPIPE_CALLBACK_ERROR, "rank %d, ops (%s;%s): the overlap callback returned %d", w->rank, tf, tb, rc);
     }
     res = avgpipe__compute_finish(w, f, &of, t, e);
+    w->cur_pev = pev; /* the backward's record spans the same call */
     return res ? res : avgpipe__compute_finish(w, b, &ob, t, e);
 }
 
@@ -7251,18 +7492,29 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
     int flow;
     if (res) return res;
     if (send) {
+        void *buf = fwd ? sl->out_act : sl->grad_in;
         flow = (w->rank * run->P + peer) * 1048576 + (w->seq[peer]++ & 1048575);
-        res = run->comm.isend(run->comm.user, w->rank, peer, fwd ? sl->out_act : sl->grad_in, bytes, tag, &req);
+        if (run->ordered) /* after the producer, on the device */
+            res = run->comm.isend_on(run->comm.user, w->rank, peer, buf, bytes, tag, sl->ev_last, sl->ev_send[sl->nsend], &req);
+        else if (!AVGPIPE__WAITS(AVGPIPE__WAIT_SEND_AFTER_OP) ||
+                 (res = avgpipe__dev_wait(w, sl->ev_last, op, "the op whose data the send carries")) == AVGPIPE_OK)
+            res = run->comm.isend(run->comm.user, w->rank, peer, buf, bytes, tag, &req);
+        else
+            return res;
         if (!res) {
             sl->send_peer[sl->nsend] = peer;
             sl->send[sl->nsend++] = req;
         }
     } else {
+        void *buf = fwd ? sl->in_act : sl->grad_out;
         flow = (peer * run->P + w->rank) * 1048576 + (w->rseq[peer]++ & 1048575);
-        res = run->comm.irecv(run->comm.user, w->rank, peer, fwd ? sl->in_act : sl->grad_out, bytes, tag, &req);
+        if (run->ordered)
+            res = run->comm.irecv_on(run->comm.user, w->rank, peer, buf, bytes, tag, sl->ev_last, fwd ? sl->ev_recv_f : sl->ev_recv_b, &req);
+        else
+            res = run->comm.irecv(run->comm.user, w->rank, peer, buf, bytes, tag, &req);
         if (!res) {
-            if (fwd) sl->recv_f = req, sl->flow_f = flow;
-            else sl->recv_b = req, sl->flow_b = flow;
+            if (fwd) sl->recv_f = req, sl->flow_f = flow, sl->peer_f = peer, sl->ordered_f = run->ordered;
+            else sl->recv_b = req, sl->flow_b = flow, sl->peer_b = peer, sl->ordered_b = run->ordered;
         }
     }
     if (res && res != AVGPIPE_ABORTED) {
@@ -7295,11 +7547,29 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
         pthread_mutex_unlock(&run->mu);
         return AVGPIPE_OK;
     }
-    if (run->d.cb.step) {
-        avgpipe__in_callback(w, AVGPIPE_OP_STEP, op);
-        rc = run->d.cb.step(w->rank, op->pipe, op->stage, round, avgpipe__run_params(run, w->replica, op->pipe, op->stage), run->d.cb.user);
-        avgpipe__in_callback(w, 0, NULL);
+    {
+        avgpipe_device_stream cs = w->cs[op->pipe];
+        float *params = avgpipe__run_params(run, w->replica, op->pipe, op->stage);
+        avgpipe_result res = AVGPIPE_OK;
+        if (run->d.cb.step_async) { /* enqueued on the pipeline's stream, after its backward work */
+            if ((res = avgpipe__prof_begin(w, cs)) != AVGPIPE_OK) return res;
+            avgpipe__in_callback(w, AVGPIPE_OP_STEP, op);
+            rc = run->d.cb.step_async(w->rank, op->pipe, op->stage, round, params, cs, run->d.cb.user);
+            avgpipe__in_callback(w, 0, NULL);
+            if (!rc) res = avgpipe__prof_end(w, cs);
+        } else if (run->d.cb.step) { /* on the host: once the device finished the round's backward work */
+            if (cs && AVGPIPE__WAITS(AVGPIPE__WAIT_BACKWARD_BEFORE_STEP)) {
+                res = run->dev.stream_synchronize(run->dev.user, cs);
+                if (res) return avgpipe__dev_fail(w, res, op, "waiting for the backward work before step()");
+            }
+            avgpipe__in_callback(w, AVGPIPE_OP_STEP, op);
+            rc = run->d.cb.step(w->rank, op->pipe, op->stage, round, params, run->d.cb.user);
+            avgpipe__in_callback(w, 0, NULL);
+        }
         if (avgpipe__run_aborted(run)) return AVGPIPE_ABORTED;
+        if (res) return res;
+        if (!rc && (res = avgpipe__dev_record(w, avgpipe__run_stage(run, w->replica, op->stage)->ev_step[op->pipe], cs, op)) != AVGPIPE_OK)
+            return res;
     }
     e = avgpipe__now();
     w->busy += e - t;
@@ -7311,6 +7581,24 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
     return AVGPIPE_OK;
 }
 
+/* Device-timed profiles, once the iteration's work finished: each record that used a pair of events
+   gets the device's times, from the base recorded when the iteration started (the host's clock then,
+   relative to the iteration's start, is the origin). */
+static void avgpipe__prof_times(avgpipe__worker *w) {
+    avgpipe_run *run = w->run;
+    double origin = w->base_host - run->t0, a, b;
+    size_t i;
+    for (i = 0; i < w->nev; i++) {
+        int p = w->evdev[i];
+        if (p < 0) continue;
+        if (run->dev.event_elapsed(run->dev.user, w->base, w->pev[2 * p], &a) != AVGPIPE_OK ||
+            run->dev.event_elapsed(run->dev.user, w->base, w->pev[2 * p + 1], &b) != AVGPIPE_OK)
+            continue; /* keep the host's times */
+        w->ev[i].start = origin + a;
+        w->ev[i].end = origin + b;
+    }
+}
+
 /* One iteration of this worker's rank: walk the lowered list of its rank in the group. */
 static void avgpipe__worker_iteration(avgpipe__worker *w) {
     avgpipe_run *run = w->run;
@@ -7318,10 +7606,27 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
     int j;
     int r = w->srank, i, g, q;
     avgpipe_result res = AVGPIPE_OK;
+    avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, 0, 0);
+    w->upev = 0;
+    w->cur_pev = -1;
+    if (run->timed) { /* the origin of the device times: every stream is idle now */
+        w->base_host = avgpipe__now();
+        res = avgpipe__dev_record(w, w->base, w->cs[0], &none);
+    }
     for (i = 0; i < s->len[r] && !res; i++) {
         const avgpipe_op *op = &s->ops[r][i];
         const int *rel = &run->plan.release[r][2 * i];
         int k = op->kind, pair = 0;
+        if (avgpipe__is_comm(k) != w->in_group && (avgpipe__is_comm(k) ? run->comm.group_begin : run->comm.group_end)) {
+            /* the sends and receives between two compute ops go to the backend as one group (NCCL) */
+            res = avgpipe__is_comm(k) ? run->comm.group_begin(run->comm.user, w->rank) : run->comm.group_end(run->comm.user, w->rank);
+            w->in_group = avgpipe__is_comm(k);
+            if (res) {
+                avgpipe__run_fail(run, res, "rank %d: comm '%s': %s failed: %s", w->rank, run->comm.name ? run->comm.name : "?",
+                                  w->in_group ? "group_begin" : "group_end", run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+                break;
+            }
+        }
         if (k == AVGPIPE_OP_F && (op->flags & AVGPIPE_OPF_OVERLAP_NEXT) && run->d.cb.overlap && i + 1 < s->len[r] &&
             avgpipe__is_backward(s->ops[r][i + 1].kind)) { /* lowering keeps a pair adjacent */
             pair = 1;
@@ -7346,12 +7651,26 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
                               run->comm.last_error ? ": " : "", run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
         }
     }
-    for (j = run->roff[r]; j < run->roff[r + 1] && !res; j++) { /* sends still in flight must finish inside the iteration */
-        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
-        avgpipe_op none = avgpipe__op(AVGPIPE_OP_IDLE, 0, g, 0);
-        for (q = 0; q < st->nslots && !res; q++) res = avgpipe__slot_sends(w, &st->slot[q], &none, "a send to");
-        if (res && !avgpipe__run_aborted(run)) avgpipe__run_fail(run, res, "rank %d: finishing its sends: %s", w->rank, avgpipe_result_string(res));
+    if (!res && w->in_group) {
+        w->in_group = 0;
+        if ((res = run->comm.group_end(run->comm.user, w->rank)) != AVGPIPE_OK)
+            avgpipe__run_fail(run, res, "rank %d: comm '%s': group_end failed: %s", w->rank, run->comm.name ? run->comm.name : "?",
+                              run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
     }
+    for (j = run->roff[r]; j < run->roff[r + 1] && !res; j++) { /* transfers still in flight must finish inside the iteration */
+        avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
+        none.stage = g;
+        for (q = 0; q < st->nslots && !res; q++) {
+            res = avgpipe__slot_sends(w, &st->slot[q], &none, "a send to");
+            if (!res) res = avgpipe__slot_receives(w, &st->slot[q], &none);
+        }
+        if (res && !avgpipe__run_aborted(run)) avgpipe__run_fail(run, res, "rank %d: finishing its transfers: %s", w->rank, avgpipe_result_string(res));
+    }
+    for (q = 0; q < run->N && !res && AVGPIPE__WAITS(AVGPIPE__WAIT_ITERATION_END); q++) { /* and the device its work */
+        res = avgpipe__dev_record(w, w->ev_end[q], w->cs[q], &none);
+        if (!res) res = avgpipe__dev_wait(w, w->ev_end[q], &none, "the iteration's work");
+    }
+    if (!res && run->timed) avgpipe__prof_times(w);
 }
 
 static void avgpipe__run_free(avgpipe_run *run);
@@ -7403,14 +7722,17 @@ static avgpipe_result avgpipe__replica_average(avgpipe__worker *w, avgpipe__stag
     size_t count = run->d.param_count[g];
     avgpipe_result res;
     if (!z) return AVGPIPE_OK;
+    if (w->as && (res = run->dev.stream_synchronize(run->dev.user, w->as)) != AVGPIPE_OK) /* the held reference is final */
+        return avgpipe__fail(&w->avg_ctx, res, "device '%s': waiting for the averaging before the replica allreduce failed: %s", run->dev.name,
+                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
     res = w->group.allreduce_sum(w->group.user, w->replica, z, count, run->d.timeout_s);
     if (res)
         return avgpipe__fail(&w->avg_ctx, res, "averaging the reference across the %d replica groups (round %llu) %s: %s", run->D,
                              (unsigned long long)round, res == AVGPIPE_TIMEOUT ? "timed out" : "failed",
                              w->group.last_error ? w->group.last_error(w->group.user, w->replica) : "");
-    res = run->dev.scale(run->dev.user, z, 1.0f / (float)run->D, count, NULL);
+    res = run->dev.scale(run->dev.user, z, 1.0f / (float)run->D, count, w->as);
     if (res) return avgpipe__fail(&w->avg_ctx, res, "device '%s': scale failed", run->dev.name ? run->dev.name : "?");
-    return avgpipe_ea_publish(&w->avg_ctx, st->ea, NULL);
+    return avgpipe_ea_publish(&w->avg_ctx, st->ea, w->as);
 }
 
 /* The averaging thread of a rank: pull + contribute, in the order the AVG ops came. */
@@ -7435,9 +7757,16 @@ static void *avgpipe__avg_main(void *arg) {
         if (!avgpipe__run_aborted(run)) {
             if (run->d.deterministic && j.round > 0)
                 res = avgpipe_ea_wait(&w->avg_ctx, st->ea, (uint64_t)j.round - 1, (int64_t)(run->d.timeout_s * 1000));
+            if (!res && st->ev_step[j.pipe] && AVGPIPE__WAITS(AVGPIPE__WAIT_STEP_BEFORE_AVG) &&
+                (res = run->dev.stream_wait_event(run->dev.user, w->as, st->ev_step[j.pipe])) != AVGPIPE_OK)
+                avgpipe__fail(&w->avg_ctx, res, "device '%s': ordering the averaging after the step failed: %s", run->dev.name,
+                              run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
             if (!res)
                 res = avgpipe_ea_contribute(&w->avg_ctx, st->ea, j.pipe, (uint64_t)j.round, avgpipe__run_params(run, w->replica, j.pipe, j.g),
-                                            NULL);
+                                            w->as);
+            if (!res && st->ev_avg[j.pipe] && (res = run->dev.event_record(run->dev.user, st->ev_avg[j.pipe], w->as)) != AVGPIPE_OK)
+                avgpipe__fail(&w->avg_ctx, res, "device '%s': recording the averaging's event failed: %s", run->dev.name,
+                              run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
             if (!res && run->D > 1) res = avgpipe__replica_average(w, st, j.g);
             if (res && !avgpipe__run_aborted(run))
                 avgpipe__run_fail(run, res, "rank %d, averaging of pipeline %d stage %d round %d: %s", w->rank, j.pipe, j.g, j.round,
@@ -7689,27 +8018,60 @@ AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *value
     return res;
 }
 
+/* Between the host and the run's device memory (parameters, references), waited for; a plain memcpy
+   on the CPU device. Only between iterations: every stream is idle then. */
+static avgpipe_result avgpipe__run_copy(avgpipe_run *run, avgpipe_context *ctx, void *dst, const void *src, size_t n,
+                                        avgpipe_device_copy_kind kind, const char *what) {
+    avgpipe_result res;
+    if (!run->d.device) {
+        if (n) memcpy(dst, src, n);
+        return AVGPIPE_OK;
+    }
+    res = run->dev.copy(run->dev.user, dst, src, n, kind, NULL);
+    if (!res) res = run->dev.stream_synchronize(run->dev.user, NULL);
+    if (res)
+        return avgpipe__fail(ctx, res, "%s: device '%s': copying %zu bytes %s failed: %s", what, run->dev.name, n,
+                             kind == AVGPIPE_DEVICE_COPY_D2H ? "to the host" : "to the device",
+                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst) {
     avgpipe__ctl c;
     avgpipe_result res = AVGPIPE_OK;
     int g, root = 0;
+    unsigned char *stage = NULL; /* on a device: the local references, copied to the host for sending */
+    size_t at = 0, total = 0;
     const char *what = "avgpipe_run_gather_reference";
     if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "%s: run is NULL", what);
     if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "%s: the run failed earlier (%s)", what, run->abort_msg);
     root = avgpipe_run_is_local(run, 0);
     if (root && !dst) return avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst is NULL on the process that runs rank 0", what);
     c.n = 0;
+    for (g = 0; g < run->G && !root && run->d.device; g++)
+        if (avgpipe_run_is_local(run, avgpipe__run_rank(run, g))) total += run->d.param_count[g] * sizeof(float);
+    if (total && !(stage = (unsigned char *)avgpipe_alloc(run->ctx, total)))
+        return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "%s: out of memory", what);
     for (g = 0; g < run->G && !res; g++) {
         int r = avgpipe__run_rank(run, g), mine = avgpipe_run_is_local(run, r);
         size_t bytes = run->d.param_count[g] * sizeof(float);
         const float *z = mine ? avgpipe_run_replica_reference(run, 0, g, NULL) : NULL;
-        if (root && !dst[g]) res = avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst[%d] is NULL", what, g);
-        else if (root && mine) memcpy(dst[g], z, bytes);
-        else if (root) res = avgpipe__ctl_post(run, &c, 0, 0, r, dst[g], bytes, AVGPIPE__TAG_CTL + 16 + (uint32_t)(g & 0xffff), what);
-        else if (mine) res = avgpipe__ctl_post(run, &c, 1, r, 0, (void *)(uintptr_t)z, bytes, AVGPIPE__TAG_CTL + 16 + (uint32_t)(g & 0xffff), what);
+        uint32_t tag = AVGPIPE__TAG_CTL + 16 + (uint32_t)(g & 0xffff);
+        if (root && !dst[g]) {
+            res = avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst[%d] is NULL", what, g);
+        } else if (root && mine) {
+            res = avgpipe__run_copy(run, run->ctx, dst[g], z, bytes, AVGPIPE_DEVICE_COPY_D2H, what);
+        } else if (root) {
+            res = avgpipe__ctl_post(run, &c, 0, 0, r, dst[g], bytes, tag, what);
+        } else if (mine) {
+            if (stage && (res = avgpipe__run_copy(run, run->ctx, stage + at, z, bytes, AVGPIPE_DEVICE_COPY_D2H, what)) == AVGPIPE_OK)
+                z = (const float *)(const void *)(stage + at), at += bytes;
+            if (!res) res = avgpipe__ctl_post(run, &c, 1, r, 0, (void *)(uintptr_t)z, bytes, tag, what);
+        }
     }
     if (!res) res = avgpipe__ctl_wait(run, &c, what);
     avgpipe__ctl_wait(run, &c, what);
+    avgpipe_free(run->ctx, stage);
     return res;
 }
 
@@ -7805,7 +8167,9 @@ static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, 
         res = avgpipe_ea_save_state(ctx, st->ea, &rounds, (float *)(void *)(b->data + at + 16),
                                     momentum ? (float *)(void *)(b->data + at + 16 + n) : NULL);
         avgpipe__put_u64((unsigned char *)b->data + at, rounds);
-        for (p = 0; p < run->N && !res; p++) memcpy(b->data + at + 16 + n * (size_t)(1 + momentum + p), avgpipe__run_params(run, w->replica, p, g), n);
+        for (p = 0; p < run->N && !res; p++)
+            res = avgpipe__run_copy(run, ctx, b->data + at + 16 + n * (size_t)(1 + momentum + p), avgpipe__run_params(run, w->replica, p, g), n,
+                                    AVGPIPE_DEVICE_COPY_D2H, "checkpoint");
         b->len = at + 16 + n * (size_t)(1 + momentum + run->N);
     }
     if (ok && !res && run->d.cb.save_state && run->d.cb.save_state(w->rank, &user, run->d.cb.user) != 0)
@@ -8021,7 +8385,8 @@ static avgpipe_result avgpipe__ckpt_apply(avgpipe_run *run, avgpipe__worker *w, 
         res = avgpipe_ea_load_state(ctx, st->ea, rounds, (const float *)(const void *)(q + 16),
                                     momentum ? (const float *)(const void *)(q + 16 + n) : NULL);
         for (p = 0; p < run->N && !res; p++) {
-            memcpy(avgpipe__run_params(run, w->replica, p, g), q + 16 + n * (size_t)(1 + momentum + p), n);
+            res = avgpipe__run_copy(run, ctx, avgpipe__run_params(run, w->replica, p, g), q + 16 + n * (size_t)(1 + momentum + p), n,
+                                    AVGPIPE_DEVICE_COPY_H2D, "checkpoint");
             st->avg_done[p] = (int)rounds;
         }
     }
@@ -8186,8 +8551,47 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
     return res;
 }
 
+/* A local rank's streams (one compute stream per parallel pipeline, one for averaging) and events. */
+static avgpipe_result avgpipe__worker_streams(avgpipe_run *run, avgpipe__worker *w) {
+    avgpipe_result res = AVGPIPE_OK;
+    int p;
+    w->cs = (avgpipe_device_stream *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof *w->cs);
+    w->ev_end = (avgpipe_device_event *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof *w->ev_end);
+    if (!w->cs || !w->ev_end) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    for (p = 0; p < run->N && !res; p++) {
+        res = run->dev.stream_create(run->dev.user, &w->cs[p]);
+        if (!res) res = run->dev.event_create(run->dev.user, &w->ev_end[p]);
+    }
+    for (p = 0; p < 2 && !res; p++) res = run->dev.event_create(run->dev.user, &w->ev_pair[p]);
+    if (!res) res = run->dev.stream_create(run->dev.user, &w->as);
+    if (!res && run->timed) res = run->dev.event_create(run->dev.user, &w->base);
+    if (res)
+        return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot create rank %d's streams: %s", run->dev.name, w->rank,
+                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+    return AVGPIPE_OK;
+}
+
+static void avgpipe__worker_streams_free(avgpipe_run *run, avgpipe__worker *w) {
+    int p;
+    for (p = 0; p < 2 * w->npev; p++)
+        if (w->pev[p]) run->dev.event_destroy(run->dev.user, w->pev[p]);
+    for (p = 0; w->cs && p < run->N; p++) {
+        if (w->cs[p]) run->dev.stream_destroy(run->dev.user, w->cs[p]);
+        if (w->ev_end[p]) run->dev.event_destroy(run->dev.user, w->ev_end[p]);
+    }
+    for (p = 0; p < 2; p++)
+        if (w->ev_pair[p]) run->dev.event_destroy(run->dev.user, w->ev_pair[p]), w->ev_pair[p] = NULL;
+    if (w->as) run->dev.stream_destroy(run->dev.user, w->as);
+    if (w->base) run->dev.event_destroy(run->dev.user, w->base);
+    avgpipe_free(run->ctx, w->pev);
+    avgpipe_free(run->ctx, w->cs);
+    avgpipe_free(run->ctx, w->ev_end);
+    avgpipe_free(run->ctx, w->evdev);
+    w->pev = NULL, w->cs = NULL, w->ev_end = NULL, w->evdev = NULL, w->as = NULL, w->base = NULL, w->npev = 0;
+}
+
 static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
-    int k, g, j;
+    int k, g, j, p;
     avgpipe_result res;
     for (k = 0; k < run->nlocal; k++) /* averaging: one module per local stage partition */
         AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g) {
@@ -8205,8 +8609,16 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
             ed.hold_every = run->D > 1 ? run->H : 0;
             if ((res = avgpipe_ea_create(run->ctx, &ed, &st->ea)) != AVGPIPE_OK) return res;
             st->avg_done = (int *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof(int));
-            if (!st->avg_done) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+            st->ev_step = (avgpipe_device_event *)avgpipe__calloc(run->ctx, 2 * (size_t)run->N, sizeof(avgpipe_device_event));
+            if (!st->avg_done || !st->ev_step) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+            st->ev_avg = st->ev_step + run->N;
+            for (p = 0; p < 2 * run->N; p++)
+                if ((res = run->dev.event_create(run->dev.user, &st->ev_step[p])) != AVGPIPE_OK)
+                    return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot create events: %s", run->dev.name,
+                                         run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
         }
+    for (k = 0; k < run->nlocal; k++)
+        if ((res = avgpipe__worker_streams(run, &run->w[k])) != AVGPIPE_OK) return res;
     for (k = 0; k < run->nlocal; k++) {
         avgpipe__worker *w = &run->w[k];
         pthread_mutex_init(&w->cbmu, NULL);
@@ -8298,7 +8710,14 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     run->best_k = run->K;
     run->ckpt_prev = -1;
     if (!res) res = avgpipe__run_comm(ctx, run);
-    if (!res && (res = avgpipe_device_cpu_create(ctx, NULL, &run->dev)) == AVGPIPE_OK) run->own_dev = 1;
+    if (!res && run->d.device) {
+        if ((res = avgpipe_device_check(ctx, run->d.device)) == AVGPIPE_OK) run->dev = *run->d.device;
+    } else if (!res && (res = avgpipe_device_cpu_create(ctx, NULL, &run->dev)) == AVGPIPE_OK)
+        run->own_dev = 1;
+    if (!res) {
+        run->ordered = run->d.device && run->comm.isend_on && run->comm.irecv_on;
+        run->timed = run->d.profile && run->dev.event_elapsed != NULL;
+    }
     if (!res) res = avgpipe__run_prepare(run);
     if (!res) res = avgpipe__run_agree(run);
     if (!res) res = avgpipe__run_groups(ctx, run);
@@ -8316,9 +8735,24 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
 /* Free everything a run owns; its threads have ended (or this is the last of them, see below). */
 static void avgpipe__run_free(avgpipe_run *run) {
     avgpipe_context *ctx = run->ctx;
-    int k, g;
+    int k, g, p;
+    for (k = 0; run->w && k < run->nlocal; k++) { /* the device's work first (after a failure some may be queued) */
+        avgpipe__worker *w = &run->w[k];
+        for (p = 0; w->cs && p < run->N; p++)
+            if (w->cs[p]) run->dev.stream_synchronize(run->dev.user, w->cs[p]);
+        if (w->as) run->dev.stream_synchronize(run->dev.user, w->as);
+    }
+    if (run->st) /* then the averaging modules, whose last event may be on a worker's averaging stream */
+        for (g = 0; g < run->D * run->G; g++) {
+            avgpipe_ea_destroy(run->st[g].ea);
+            for (p = 0; run->st[g].ev_step && p < 2 * run->N; p++)
+                if (run->st[g].ev_step[p]) run->dev.event_destroy(run->dev.user, run->st[g].ev_step[p]);
+            avgpipe_free(ctx, run->st[g].avg_done);
+            avgpipe_free(ctx, run->st[g].ev_step);
+        }
     for (k = 0; run->w && k < run->nlocal; k++) {
         avgpipe__worker *w = &run->w[k];
+        avgpipe__worker_streams_free(run, w);
         avgpipe_free(ctx, w->jobs);
         avgpipe_free(ctx, w->seq);
         avgpipe_free(ctx, w->rseq);
@@ -8327,11 +8761,6 @@ static void avgpipe__run_free(avgpipe_run *run) {
         if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
     }
     avgpipe__free_plan(run);
-    if (run->st)
-        for (g = 0; g < run->D * run->G; g++) {
-            avgpipe_ea_destroy(run->st[g].ea);
-            avgpipe_free(ctx, run->st[g].avg_done);
-        }
     if (run->own_comm) avgpipe_comm_destroy(&run->comm);
     if (run->own_dev) avgpipe_device_destroy(&run->dev);
     avgpipe_free(ctx, run->st);
@@ -8484,6 +8913,12 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     for (k = 0; k < run->nlocal; k++) /* and the averaging of this iteration */
         while ((run->w[k].jlen > 0 || run->w[k].avg_busy) && !run->aborted) pthread_cond_wait(&run->cv, &run->mu);
     pthread_mutex_unlock(&run->mu);
+    for (k = 0; k < run->nlocal && !avgpipe__run_aborted(run) && AVGPIPE__WAITS(AVGPIPE__WAIT_ITERATION_END); k++) {
+        avgpipe__worker *w = &run->w[k]; /* the averaging's device work too: the models and references are final */
+        if (w->as && (res = run->dev.stream_synchronize(run->dev.user, w->as)) != AVGPIPE_OK)
+            avgpipe__run_fail(run, res, "rank %d: device '%s': waiting for the averaging at the end of the iteration failed: %s", w->rank,
+                              run->dev.name, run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+    }
     t1 = avgpipe__now();
     run->iter++;
     if (avgpipe__run_aborted(run)) {
@@ -8558,7 +8993,14 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
     ed.mode = d->ea_mode;
     ed.alpha = d->alpha;
     ed.momentum = d->momentum;
+    ed.device = d->device;
     return avgpipe_ea_memory_bytes(ctx, &ed, &mi) == AVGPIPE_OK ? (double)mi.device_bytes : -1;
+}
+
+/* The boundary buffers of stage g: the plan's bytes in one device allocation (its overhead included). */
+static double avgpipe__slot_bytes(const avgpipe_run_desc *d, const avgpipe_run_plan *plan, int g) {
+    double b = (double)plan->slot_bytes[g] * plan->slots[g];
+    return b > 0 ? b + (double)(d->device ? d->device->alloc_overhead : AVGPIPE__CPU_OVERHEAD) : 0;
 }
 
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
@@ -8569,7 +9011,7 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
     if (!run || !avgpipe_run_is_local(run, rank)) return -1;
     avgpipe_context_init(&quiet, NULL);
     AVGPIPE__RANK_STAGES(run, rank % run->S, j, g)
-        bytes += (double)run->plan.slot_bytes[g] * run->plan.slots[g] + avgpipe__ea_bytes(&quiet, &run->d, run->N, run->d.param_count[g]);
+        bytes += avgpipe__slot_bytes(&run->d, &run->plan, g) + avgpipe__ea_bytes(&quiet, &run->d, run->N, run->d.param_count[g]);
     return bytes;
 }
 
@@ -8595,7 +9037,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
         for (g = 0; g < run.G && !res; g++) {
             double ea = avgpipe__ea_bytes(ctx, desc, run.N, desc->param_count[g]);
             if (ea < 0) res = avgpipe_last_result(avgpipe__ctx(ctx));
-            per_rank[run.place[g]] += (double)plan.slot_bytes[g] * plan.slots[g] + ea;
+            per_rank[run.place[g]] += avgpipe__slot_bytes(desc, &plan, g) + ea;
         }
         avgpipe_run_plan_free(ctx, &plan);
     }

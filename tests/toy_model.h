@@ -294,7 +294,7 @@ TOY_FN int cb_overlap(avgpipe_op_ctx *f, avgpipe_op_ctx *b) {
     if (f->rank != b->rank) return bad(f->stage, 104, "overlap: a pair from two ranks");
     rc = b->kind == AVGPIPE_OP_I && T.split ? cb_backward_input(b) : cb_backward(b);
     if (!rc) rc = cb_forward(f);
-    if (!rc) T.noverlap[f->stage]++;
+    if (!rc) __atomic_add_fetch(&T.noverlap[f->stage], 1, __ATOMIC_RELAXED); /* replica groups share stages */
     return rc;
 }
 
