@@ -4712,8 +4712,9 @@ static avgpipe_result avgpipe__xreplay(avgpipe__vstate *v) {
         r = stack[--top];
         x = &X[r];
         for (;;) {
-            const avgpipe__xent *e = x->e + x->at, *stop = x->e + x->n;
-            for (; e < stop; e++) {
+            int at = x->at, stop = x->n;
+            for (; at < stop; at++) {
+                const avgpipe__xent *e = &x->e[at];
                 int c = e->ck >> 2, w;
                 switch (e->ck & 3) {
                 case AVGPIPE__XNEED:
@@ -4741,11 +4742,11 @@ static avgpipe_result avgpipe__xreplay(avgpipe__vstate *v) {
                 }
                 break; /* waits */
             }
-            x->at = (int)(e - x->e);
-            if (e < stop) {
+            x->at = at;
+            if (at < stop) {
                 waiting[r] = 1;
-                x->wait_ck = e->ck;
-                x->wait_k = e->k;
+                x->wait_ck = x->e[at].ck;
+                x->wait_k = x->e[at].k;
                 break;
             }
             if (x->pos >= v->s->len[r] && x->started) break; /* done */
