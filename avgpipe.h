@@ -547,8 +547,9 @@ AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_resul
    SEND after its producer, RECV before its consumer; STEP after all backward work of its batch on
    its stage and before the next batch's forwards, AVG after STEP; a lockstep replay under async and
    under blocking sends progresses (no deadlock); peak stashed activations per rank equal the memory
-   model when the schedule carries a generator's shape. Compute-only schedules are lowered first
-   for the replay. */
+   model when the schedule carries a generator's shape. The replay of a compute-only
+   schedule posts its receives and runs its sends where avgpipe_sched_lower puts them, without
+   building the lowered lists. */
 typedef struct avgpipe_validate_report {
     avgpipe_result result; /* AVGPIPE_OK, AVGPIPE_INVALID_SCHEDULE or AVGPIPE_DEADLOCK */
     int rank, pos;         /* the offending op (-1 if none); pos indexes the schedule's own list */
@@ -1521,6 +1522,14 @@ AVGPIPE_API void avgpipe_plan_free(avgpipe_context *ctx, avgpipe_plan *p);
 #define AVGPIPE_FREE(p) free(p)
 #endif
 
+/* A hint that *p will be read soon (the simulator and the validator walk many op lists at once, a
+   few ops at a time each, too many streams for the hardware to follow). */
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE__PREFETCH(p) __builtin_prefetch(p)
+#else
+#define AVGPIPE__PREFETCH(p) ((void)0)
+#endif
+
 #if defined(__cplusplus)
 #define AVGPIPE__THREAD_LOCAL thread_local
 #elif defined(_MSC_VER)
@@ -2106,8 +2115,10 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
 }
 
 /* Check every op's kind, stage placement, pipeline and micro-batch, and count the pipelines and the
-   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep. */
-static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, int *npipes, long long *nmicro) {
+   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep.
+   home (may be NULL) is the rank of each of the s->nstages stages, as avgpipe_stage_rank gives it. */
+static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
+                                          long long *nmicro) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
     long long U = 1, nops = 0;
     *npipes = 1;
@@ -2116,9 +2127,10 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
             char txt[64];
+            int home;
             if (op->kind == AVGPIPE_OP_IDLE) continue;
             nops++;
-            int home = avgpipe_stage_rank(s, op->stage);
+            home = !home_of ? avgpipe_stage_rank(s, op->stage) : op->stage >= 0 && op->stage < s->nstages ? home_of[op->stage] : -1;
             if (op->kind >= AVGPIPE_OP_KIND_COUNT || home != r || op->pipe < 0 || (avgpipe__has_micro(op->kind) && op->micro < 0))
                 avgpipe_op_format(op, 0, txt, sizeof txt); /* only for the messages below */
             if (op->kind >= AVGPIPE_OP_KIND_COUNT)
@@ -3530,9 +3542,12 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
     memset(&L, 0, sizeof L);
-    res = avgpipe__sched_scan(ctx, in, &L.N, &L.U);
-    if (!res) res = avgpipe__place_build(ctx, in, &L.pl);
-    if (res) return res;
+    res = avgpipe__place_build(ctx, in, &L.pl);
+    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U);
+    if (res) {
+        avgpipe__place_free(ctx, &L.pl);
+        return res;
+    }
     L.in = in;
     L.S = in->nranks;
     L.G = in->nstages;
@@ -3702,6 +3717,16 @@ typedef struct avgpipe__chan {
     double *post; /* post time of each receive, for blocking sends */
 } avgpipe__chan;
 
+/* What the simulator keeps per (pipeline, stage, micro-batch) cell: when the stage's input activation
+   and its output gradient arrive (-1: not yet), and whether the cell's forward and backward (B or I)
+   ran. An op's producer on its own rank ran at or before the rank's current time (the rank's clock
+   only moves forward), so "ran" is all its consumers need: the times they wait for are arrivals. */
+typedef struct avgpipe__cell {
+    double act, grad;
+} avgpipe__cell;
+
+enum { AVGPIPE__RAN_F = 1, AVGPIPE__RAN_B = 2 };
+
 typedef struct avgpipe__sim {
     avgpipe_context *ctx;
     const avgpipe_schedule *s;
@@ -3709,7 +3734,8 @@ typedef struct avgpipe__sim {
     avgpipe_sim_result *res;
     int S, G, N;
     long long U;
-    double *f_end, *b_end, *act_in, *grad_in; /* [pipe][stage][micro], -1 = not yet */
+    avgpipe__cell *cell;                      /* [pipe][stage][micro] */
+    uint8_t *ran;                             /* [pipe][stage][micro]: AVGPIPE__RAN_* */
     avgpipe__place pl;
     avgpipe__chan *chan;                      /* [pl.nchan] */
     int *pos, *waiting, *stack, nstack, *stash;
@@ -3757,7 +3783,6 @@ static void avgpipe__wake(avgpipe__sim *m, int r) {
 static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int track, int peer, int flow, double a, double b) {
     avgpipe_sim_result *R = m->res;
     avgpipe_event *e;
-    if (!m->d->record_events) return 1;
     if (R->nevents == R->events_cap) {
         size_t cap = R->events_cap ? 2 * R->events_cap : 1024;
         avgpipe_event *p = (avgpipe_event *)avgpipe__realloc(m->ctx, R->events, R->nevents * sizeof *p, cap * sizeof *p);
@@ -3779,13 +3804,13 @@ static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int t
 /* A transfer on channel ch (src -> dst), ready at `ready`. Returns its end. */
 static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
     avgpipe__chan *c = &m->chan[ch];
-    int src = m->pl.src[ch], dst = m->pl.dst[ch];
     double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
     int flow = (int)(m->flows++ & 0x7fffffff);
     c->link_free = xe;
     if (xe > m->makespan) m->makespan = xe;
     m->res->transfers++;
     if (m->d->record_events) {
+        int src = m->pl.src[ch], dst = m->pl.dst[ch];
         *ok &= avgpipe__event(m, op, src, 1, dst, flow, xs, xe);
         *ok &= avgpipe__event(m, op, dst, 2, src, flow, xs, xe);
     }
@@ -3795,99 +3820,109 @@ static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, d
 /* Deliver data produced at `end` by op on rank r to the stage that consumes it. */
 static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
-    double *slot;
+    avgpipe__cell *c;
     if (g2 < 0 || g2 >= m->G) return;
     r2 = m->pl.rank[g2];
-    slot = fwd ? &m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] : &m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)];
-    if (r2 == r) *slot = end;
+    c = &m->cell[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    if (r2 == r) *(fwd ? &c->act : &c->grad) = end;
     else if (!m->s->has_comm) {
-        *slot = avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
+        *(fwd ? &c->act : &c->grad) =
+            avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
         avgpipe__wake(m, r2);
     }
+}
+
+/* A SEND op of rank r at time *t: 1 sent, 0 a blocking send finds no receive posted yet (wait), -1
+   the op names no channel (the rank stops there; the validator reports such ops). */
+static int avgpipe__sim_send(avgpipe__sim *m, int r, const avgpipe_op *op, double *t, int *ok) {
+    int fwd = op->kind == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), c;
+    avgpipe__chan *ch;
+    avgpipe__cell *cl;
+    double ready = *t, xe;
+    c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
+    if (g2 < 0 || g2 >= m->G || c < 0) return -1;
+    ch = &m->chan[c];
+    if (m->d->blocking_send) {
+        if (ch->nrecv <= ch->nsend) return 0;
+        if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
+    }
+    ch->nsend++;
+    xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, ok);
+    cl = &m->cell[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    if (fwd) cl->act = xe;
+    else cl->grad = xe;
+    avgpipe__wake(m, m->pl.rank[g2]);
+    if (m->d->blocking_send) {
+        m->res->rank[r].blocked += xe - *t;
+        *t = xe;
+    }
+    return 1;
+}
+
+/* A RECV op at time t: 1 the receive is posted, -1 the op names no channel (the rank stops there),
+   0 out of memory (*ok = 0). */
+static int avgpipe__sim_recv(avgpipe__sim *m, const avgpipe_op *op, double t, int *ok) {
+    int k = op->kind, g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), c;
+    avgpipe__chan *ch;
+    if (g2 < 0 || g2 >= m->G) return -1;
+    c = k == AVGPIPE_OP_RECV_F ? m->pl.up[g2] : m->pl.down[g2];
+    if (c < 0) return -1;
+    ch = &m->chan[c];
+    if (ch->nrecv == ch->post_cap) {
+        int cap = ch->post_cap ? 2 * ch->post_cap : 64;
+        double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
+        if (!p) return *ok = 0;
+        ch->post = p;
+        ch->post_cap = cap;
+    }
+    ch->post[ch->nrecv++] = t;
+    avgpipe__wake(m, m->pl.rank[g2]);
+    return 1;
 }
 
 /* Run rank r as far as it can go. Returns 0 on allocation failure. */
 static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     const avgpipe_op *ops = m->s->ops[r];
-    int n = m->s->len[r], ok = 1;
+    int n = m->s->len[r], ok = 1, pos = m->pos[r];
     avgpipe_rank_stats *st = &m->res->rank[r];
     const avgpipe_sim_desc *d = m->d;
-    while (m->pos[r] < n && ok) {
-        const avgpipe_op *op = &ops[m->pos[r]];
-        double t = m->t[r], dep = 0, c, end;
+    double t = m->t[r];
+    for (; pos < n && ok; pos++) {
+        const avgpipe_op *op = &ops[pos];
+        double dep = 0, c, end;
         size_t ix = 0;
-        int k = op->kind;
+        int k = op->kind, how;
+        AVGPIPE__PREFETCH(op + 12);
         if (avgpipe__has_micro(k) && k != AVGPIPE_OP_STEP && k != AVGPIPE_OP_AVG) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
         switch (k) {
         case AVGPIPE_OP_F:
-            dep = op->stage > 0 ? m->act_in[ix] : 0;
+            dep = op->stage > 0 ? m->cell[ix].act : 0;
             break;
         case AVGPIPE_OP_B:
         case AVGPIPE_OP_I:
-            dep = op->stage < m->G - 1 ? m->grad_in[ix] : 0;
-            if (m->f_end[ix] < 0) dep = -1;
+            dep = op->stage < m->G - 1 ? m->cell[ix].grad : 0;
+            if (!(m->ran[ix] & AVGPIPE__RAN_F)) dep = -1;
             break;
-        case AVGPIPE_OP_W: dep = m->b_end[ix]; break;
-        case AVGPIPE_OP_SEND_F: dep = m->f_end[ix]; break;
-        case AVGPIPE_OP_SEND_B: dep = m->b_end[ix]; break;
+        case AVGPIPE_OP_W:
+        case AVGPIPE_OP_SEND_B: dep = m->ran[ix] & AVGPIPE__RAN_B ? t : -1; break;
+        case AVGPIPE_OP_SEND_F: dep = m->ran[ix] & AVGPIPE__RAN_F ? t : -1; break;
+        case AVGPIPE_OP_RECV_F:
+        case AVGPIPE_OP_RECV_B:
+            if ((how = avgpipe__sim_recv(m, op, t, &ok)) <= 0) goto stop;
+            continue;
         default: break;
         }
-        if (dep < 0) { /* input not there yet: sleep until a producer wakes us */
-            m->waiting[r] = 1;
-            return 1;
-        }
+        if (dep < 0) goto wait; /* input not there yet: sleep until a producer wakes us */
         if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
-            int fwd = k == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), dst, c;
-            avgpipe__chan *ch;
-            double ready = dep > t ? dep : t, xe;
-            c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
-            if (g2 < 0 || g2 >= m->G || c < 0) return 1; /* validator reports it; cannot happen after validation */
-            dst = m->pl.rank[g2];
-            ch = &m->chan[c];
-            if (d->blocking_send) {
-                if (ch->nrecv <= ch->nsend) {
-                    m->waiting[r] = 1;
-                    return 1;
-                }
-                if (ch->post[ch->nsend] > ready) ready = ch->post[ch->nsend];
-            }
-            ch->nsend++;
-            xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, &ok);
-            if (fwd) m->act_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
-            else m->grad_in[avgpipe__idx(m, op->pipe, g2, op->micro)] = xe;
-            avgpipe__wake(m, dst);
-            if (d->blocking_send) {
-                st->blocked += xe - t;
-                m->t[r] = xe;
-            }
-            m->pos[r]++;
+            if ((how = avgpipe__sim_send(m, r, op, &t, &ok)) == 0) goto wait;
+            if (how < 0) goto stop;
             continue;
         }
-        if (k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) {
-            int g2 = op->stage + (k == AVGPIPE_OP_RECV_F ? -1 : 1), src, c;
-            avgpipe__chan *ch;
-            if (g2 < 0 || g2 >= m->G) return 1;
-            c = k == AVGPIPE_OP_RECV_F ? m->pl.up[g2] : m->pl.down[g2];
-            if (c < 0) return 1;
-            src = m->pl.rank[g2];
-            ch = &m->chan[c];
-            if (ch->nrecv == ch->post_cap) {
-                int cap = ch->post_cap ? 2 * ch->post_cap : 64;
-                double *p = (double *)avgpipe__realloc(m->ctx, ch->post, (size_t)ch->post_cap * sizeof(double), (size_t)cap * sizeof(double));
-                if (!p) return 0;
-                ch->post = p;
-                ch->post_cap = cap;
-            }
-            ch->post[ch->nrecv++] = t;
-            avgpipe__wake(m, src);
-            m->pos[r]++;
-            continue;
-        }
-        c = avgpipe__cost(m, op);
+        c = m->kind_cost_ready ? m->kind_cost[k] : avgpipe__cost(m, op);
         if (dep < t) dep = t;
         end = dep + c;
         st->busy += c;
-        m->t[r] = end;
+        t = end;
         m->res->ops++;
         if (k != AVGPIPE_OP_IDLE && d->record_events) ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
         if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
@@ -3899,14 +3934,21 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             if (m->bytes[r] > st->peak_bytes) st->peak_bytes = m->bytes[r];
         }
         if (k == AVGPIPE_OP_F) {
-            m->f_end[ix] = end;
+            m->ran[ix] |= AVGPIPE__RAN_F;
             avgpipe__deliver(m, op, r, end, &ok);
         } else if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_I) {
-            m->b_end[ix] = end;
+            m->ran[ix] |= AVGPIPE__RAN_B;
             avgpipe__deliver(m, op, r, end, &ok);
         }
-        m->pos[r]++;
     }
+    m->pos[r] = pos;
+    m->t[r] = t;
+    return ok;
+wait:
+    m->waiting[r] = 1;
+stop:
+    m->pos[r] = pos;
+    m->t[r] = t;
     return ok;
 }
 
@@ -3924,10 +3966,8 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
         for (i = 0; i < m->pl.nchan; i++) avgpipe_free(ctx, m->chan[i].post);
     avgpipe_free(ctx, m->chan);
     avgpipe__place_free(ctx, &m->pl);
-    avgpipe_free(ctx, m->f_end);
-    avgpipe_free(ctx, m->b_end);
-    avgpipe_free(ctx, m->act_in);
-    avgpipe_free(ctx, m->grad_in);
+    avgpipe_free(ctx, m->cell);
+    avgpipe_free(ctx, m->ran);
     avgpipe_free(ctx, m->pos);
     avgpipe_free(ctx, m->waiting);
     avgpipe_free(ctx, m->stack);
@@ -4000,11 +4040,14 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         }
         avgpipe_sched_free(ctx, &low); /* nothing crosses ranks: blocking changes nothing */
     }
-    res = avgpipe__sched_scan(ctx, s, &N, &U);
-    if (res) return res;
     memset(&m, 0, sizeof m);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
+    res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U);
+    if (res) {
+        avgpipe__place_free(ctx, &m.pl);
+        return res;
+    }
     m.ctx = ctx;
     m.s = s;
     m.d = desc;
@@ -4014,10 +4057,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.N = N;
     m.U = U;
     cells = (size_t)N * (size_t)m.G * (size_t)U;
-    m.f_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.b_end = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.act_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
-    m.grad_in = (double *)avgpipe_alloc(ctx, cells * sizeof(double));
+    m.cell = (avgpipe__cell *)avgpipe_alloc(ctx, cells * sizeof *m.cell);
+    m.ran = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     m.chan = (avgpipe__chan *)avgpipe__calloc(ctx, (size_t)m.pl.nchan + 1, sizeof(avgpipe__chan));
     m.pos = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.waiting = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
@@ -4027,12 +4068,30 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.bytes = (double *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(double));
     out->rank = (avgpipe_rank_stats *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(avgpipe_rank_stats));
     out->nranks = m.S;
-    if (!m.f_end || !m.b_end || !m.act_in || !m.grad_in || !m.chan || !m.pos || !m.waiting || !m.stack || !m.stash || !m.t ||
+    if (!m.cell || !m.ran || !m.chan || !m.pos || !m.waiting || !m.stack || !m.stash || !m.t ||
         !m.bytes || !out->rank) {
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
         goto done;
     }
-    for (i = 0; i < (long long)cells; i++) m.f_end[i] = m.b_end[i] = m.act_in[i] = m.grad_in[i] = -1;
+    for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
+    if (desc->record_events) { /* room for every event at once: one per op, two per transfer */
+        size_t ne = 0;
+        int j;
+        for (r = 0; r < m.S; r++)
+            for (j = 0; j < s->len[r]; j++) {
+                int k = s->ops[r][j].kind;
+                if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_RECV_F || k == AVGPIPE_OP_RECV_B) continue;
+                ne += k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B ? 2 : !s->has_comm && (k == AVGPIPE_OP_F || avgpipe__is_backward(k)) ? 3 : 1;
+            }
+        if (ne > 0) {
+            out->events = (avgpipe_event *)avgpipe_alloc(ctx, ne * sizeof *out->events);
+            if (!out->events) {
+                res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+                goto done;
+            }
+            out->events_cap = ne;
+        }
+    }
     if (!desc->cost_fn && !desc->stage_cost) {
         int k;
         for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
@@ -4071,7 +4130,7 @@ done:
     return res;
 }
 
-/* --- 5. Validation (its deadlock replay runs the simulator) ---------------------------------------- */
+/* --- 5. Validation (static checks, then a deadlock replay of its own) --------------------------------- */
 
 typedef struct avgpipe__msg {
     uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
@@ -4107,9 +4166,18 @@ typedef struct avgpipe__vstate {
     avgpipe__place pl;
     avgpipe__msgs *sendq, *recvq; /* [pl.nchan] */
     int any_step;
+    /* For the replay of a compute-only schedule: each message's index on its channel (the order in
+       which its sender produces it), by the cell it feeds: seqf for the activation into (p, g, u),
+       seqb for the gradient into it; nseq counts the messages per channel. NULL when not needed. */
+    int32_t *seqf, *seqb;
+    int *nseq;
+    int fsdp; /* the lists hold UNSHARD, RESHARD or REDUCE_GRAD ops */
 } avgpipe__vstate;
 
-enum { AVGPIPE__VF = 1, AVGPIPE__VB = 2, AVGPIPE__VI = 4, AVGPIPE__VW = 8, AVGPIPE__VRF = 16, AVGPIPE__VRB = 32 };
+/* Bits of avgpipe__vstate.st: what the static pass saw (F, B, I, W, RECV_F, RECV_B), then what the
+   replay delivered (the activation, the gradient). */
+enum { AVGPIPE__VF = 1, AVGPIPE__VB = 2, AVGPIPE__VI = 4, AVGPIPE__VW = 8, AVGPIPE__VRF = 16, AVGPIPE__VRB = 32,
+       AVGPIPE__VA = 64, AVGPIPE__VG = 128 };
 
 static avgpipe_result avgpipe__vfail(avgpipe__vstate *v, avgpipe_result res, int rank, int pos, const char *fmt, ...) {
     va_list ap;
@@ -4141,8 +4209,11 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
     uint8_t *x;
     avgpipe__msg msg;
-    if (k == AVGPIPE_OP_IDLE || k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD)
+    if (k == AVGPIPE_OP_IDLE) return AVGPIPE_OK;
+    if (k == AVGPIPE_OP_UNSHARD || k == AVGPIPE_OP_RESHARD || k == AVGPIPE_OP_REDUCE_GRAD) {
+        v->fsdp = 1; /* no-ops here; the replay checks their ranks as the simulator does */
         return AVGPIPE_OK;
+    }
     if (k >= AVGPIPE_OP_KIND_COUNT) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "unknown op kind %d", k);
     if (g < 0 || g >= G) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "stage %d out of range 0..%d", g, G - 1);
     if (v->pl.rank[g] != r)
@@ -4188,6 +4259,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "forward of round %d before STEP of round %d", u / v->M,
                                   u / v->M - 1);
         *x |= AVGPIPE__VF;
+        if (v->seqf && v->pl.up[g] >= 0) v->seqf[avgpipe__vix(v, p, g + 1, u)] = v->nseq[v->pl.up[g]]++;
         break;
     case AVGPIPE_OP_B:
     case AVGPIPE_OP_I:
@@ -4198,6 +4270,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
         if (v->s->has_comm && g < G - 1 && v->pl.rank[g + 1] != r && !(*x & AVGPIPE__VRB))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "backward without a RECV_B posted before it");
         *x |= k == AVGPIPE_OP_B ? AVGPIPE__VB : AVGPIPE__VI;
+        if (v->seqb && v->pl.down[g] >= 0) v->seqb[avgpipe__vix(v, p, g - 1, u)] = v->nseq[v->pl.down[g]]++;
         break;
     case AVGPIPE_OP_W:
         if (!(*x & AVGPIPE__VI)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "W before its I");
@@ -4207,6 +4280,7 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_SEND_F:
     case AVGPIPE_OP_SEND_B: {
         int fwd = k == AVGPIPE_OP_SEND_F, g2 = g + (fwd ? 1 : -1);
+        if (!v->s->has_comm) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send in a compute-only schedule (has_comm is 0)");
         if (fwd ? !(*x & AVGPIPE__VF) : !(*x & (AVGPIPE__VB | AVGPIPE__VI)))
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
         if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
@@ -4220,6 +4294,8 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     case AVGPIPE_OP_RECV_F:
     case AVGPIPE_OP_RECV_B: {
         int fwd = k == AVGPIPE_OP_RECV_F, g2 = g + (fwd ? -1 : 1);
+        if (!v->s->has_comm)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive in a compute-only schedule (has_comm is 0)");
         if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
         if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
@@ -4330,61 +4406,489 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     return AVGPIPE_OK;
 }
 
-/* Position in rank r's list of `s` of the op a lowered op stands for: itself, or the compute op that
-   produces (SEND) or consumes (RECV) its data. -1 if none. */
-static int avgpipe__find_origin(const avgpipe_schedule *s, int r, const avgpipe_op *lo) {
-    int i, k = lo->kind;
-    for (i = 0; i < s->len[r]; i++) {
-        const avgpipe_op *op = &s->ops[r][i];
-        int match = op->kind == k;
-        if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_RECV_F) match = op->kind == AVGPIPE_OP_F;
-        if (k == AVGPIPE_OP_SEND_B || k == AVGPIPE_OP_RECV_B) match = avgpipe__is_backward(op->kind);
-        if (match && op->pipe == lo->pipe && op->stage == lo->stage && op->micro == lo->micro) return i;
+/* ---- the deadlock replay ----
+   Every rank runs its list in order; an op waits only for what it needs from another rank (the
+   static pass has already put each rank's own dependencies in order): a forward or backward waits
+   for its input to arrive, and a blocking send waits until the receiver has posted the matching
+   receive. Every condition, once true, stays true, so running each rank as far as it can go until
+   nothing moves reaches the same final state in any order: the replay needs no times. A blocking
+   replay that finishes proves the asynchronous one too (blocking sends only add waits).
+   A lowered schedule (has_comm = 1) is replayed as given: receives are counted per channel and the
+   k-th send on a channel waits for the k-th receive (the static pass checked that they carry the same
+   message). A compute-only schedule is replayed as avgpipe_sched_lower would lower it, without
+   building the lowered lists: its compute units (an op with the ops it overlaps; idle slots
+   dropped) run in order, each unit's sends follow it, and the receives are posted in the slot
+   between two units that the lowering gives them: a unit's forwards' gradients right after it, the
+   activations of the next unit holding a forward right after the previous unit holding one (or at
+   the start), a gradient whose forward shares its backward's unit before that unit. The lowering
+   keeps each channel's order by moving receives earlier (slot_k = min(desired_k, slot_k+1)), so
+   message k's receive is posted once the receive of any message >= k on its channel would be: the
+   replay keeps, per channel, one past the highest message index whose receive's own slot has been
+   reached (the indices come from the static pass, seqf and seqb). */
+typedef struct avgpipe__vrank {
+    int pos;            /* next op to run */
+    int ustart, uend;   /* compute-only: the unit being run; uend -1 between units */
+    int send, send_end; /* compute-only: ops of the finished unit whose sends are pending */
+    int look;           /* compute-only: where the next unit holding a forward is searched from */
+    int done;
+} avgpipe__vrank;
+
+typedef struct avgpipe__vreplay {
+    avgpipe__vstate *v;
+    int blocking;
+    avgpipe__vrank *rk;  /* [S] */
+    int *posted, *sent;  /* [nchan]: receives posted (compute-only: one past the highest message index), sends done */
+    int *waiting, *stack, nstack;
+} avgpipe__vreplay;
+
+static void avgpipe__vwake(avgpipe__vreplay *P, int r) {
+    if (P->waiting[r]) {
+        P->waiting[r] = 0;
+        P->stack[P->nstack++] = r;
     }
-    return -1;
+}
+
+/* The receive of message k on channel c is posted, and with it those of the messages before it. */
+static void avgpipe__vpost(avgpipe__vreplay *P, int c, int k) {
+    if (P->posted[c] > k) return;
+    P->posted[c] = k + 1;
+    avgpipe__vwake(P, P->v->pl.src[c]);
+}
+
+/* End of the unit that starts at op i (not an idle slot). */
+static int avgpipe__unit_end(const avgpipe_op *o, int n, int i) {
+    while (i < n && (o[i].flags & AVGPIPE_OPF_OVERLAP_NEXT)) i++;
+    return i < n ? i + 1 : n;
+}
+
+/* Post the activations' receives of rank r's next unit holding a forward (from rk.look on). */
+static void avgpipe__post_acts(avgpipe__vreplay *P, int r) {
+    const avgpipe__vstate *v = P->v;
+    const avgpipe_op *o = v->s->ops[r];
+    int n = v->s->len[r], i = P->rk[r].look, e, j, hasf = 0;
+    while (!hasf) {
+        while (i < n && o[i].kind == AVGPIPE_OP_IDLE) i++;
+        if (i >= n) break;
+        e = avgpipe__unit_end(o, n, i);
+        for (j = i; j < e; j++)
+            if (o[j].kind == AVGPIPE_OP_F) {
+                int g = o[j].stage;
+                hasf = 1;
+                if (g > 0 && v->pl.up[g - 1] >= 0) avgpipe__vpost(P, v->pl.up[g - 1], v->seqf[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+            }
+        i = e;
+    }
+    P->rk[r].look = i;
+}
+
+/* The message op sends, if any: its channel, the cell it feeds and the bit that marks its arrival. */
+static int avgpipe__vmsg(const avgpipe__vstate *v, const avgpipe_op *op, int *c, size_t *cell, int *bit) {
+    int k = op->kind, g = op->stage;
+    if ((k == AVGPIPE_OP_F || k == AVGPIPE_OP_SEND_F) && v->pl.up[g] >= 0) {
+        *c = v->pl.up[g];
+        *cell = avgpipe__vix(v, op->pipe, g + 1, op->micro);
+        *bit = AVGPIPE__VA;
+        return 1;
+    }
+    if ((avgpipe__is_backward(k) || k == AVGPIPE_OP_SEND_B) && v->pl.down[g] >= 0) {
+        *c = v->pl.down[g];
+        *cell = avgpipe__vix(v, op->pipe, g - 1, op->micro);
+        *bit = AVGPIPE__VG;
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether op (a forward or backward) still waits for its input from another rank. */
+static int avgpipe__vneeds(const avgpipe__vstate *v, const avgpipe_op *op) {
+    int k = op->kind, g = op->stage;
+    if (k == AVGPIPE_OP_F) return g > 0 && v->pl.up[g - 1] >= 0 && !(v->st[avgpipe__vix(v, op->pipe, g, op->micro)] & AVGPIPE__VA);
+    if (avgpipe__is_backward(k)) return v->pl.up[g] >= 0 && !(v->st[avgpipe__vix(v, op->pipe, g, op->micro)] & AVGPIPE__VG);
+    return 0;
+}
+
+/* Send the message of op (a producer, or a SEND op) unless a blocking send finds no receive posted
+   (then 0). k is the message's index on its channel. */
+static int avgpipe__vsend(avgpipe__vreplay *P, const avgpipe_op *op, int explicit_comm) {
+    avgpipe__vstate *v = P->v;
+    int c, bit, k;
+    size_t cell;
+    if (!avgpipe__vmsg(v, op, &c, &cell, &bit)) return 1;
+    k = explicit_comm ? P->sent[c] : bit == AVGPIPE__VA ? v->seqf[cell] : v->seqb[cell];
+    if (P->blocking && P->posted[c] <= k) return 0;
+    P->sent[c]++;
+    v->st[cell] |= (uint8_t)bit;
+    avgpipe__vwake(P, v->pl.dst[c]);
+    return 1;
+}
+
+/* Run rank r of a lowered schedule as far as it goes. */
+static void avgpipe__vrun_comm(avgpipe__vreplay *P, int r) {
+    avgpipe__vstate *v = P->v;
+    avgpipe__vrank *x = &P->rk[r];
+    const avgpipe_op *o = v->s->ops[r];
+    int n = v->s->len[r];
+    for (; x->pos < n; x->pos++) {
+        const avgpipe_op *op = &o[x->pos];
+        if (op->kind == AVGPIPE_OP_RECV_F || op->kind == AVGPIPE_OP_RECV_B) {
+            int c = op->kind == AVGPIPE_OP_RECV_F ? v->pl.up[op->stage - 1] : v->pl.down[op->stage + 1];
+            P->posted[c]++;
+            avgpipe__vwake(P, v->pl.src[c]);
+        } else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_SEND_B) {
+            if (!avgpipe__vsend(P, op, 1)) break;
+        } else if (avgpipe__vneeds(v, op)) {
+            break;
+        }
+    }
+    if (x->pos < n) P->waiting[r] = 1;
+    else x->done = 1;
+}
+
+/* Before unit [a, e) runs: the gradients whose forward is in the same unit (their receive goes in
+   the slot before the unit, where the backward's own bound puts it). */
+static void avgpipe__post_unit_grads(avgpipe__vreplay *P, const avgpipe_op *o, int a, int e) {
+    const avgpipe__vstate *v = P->v;
+    int i, j;
+    for (j = a + 1; j < e; j++) {
+        int g = o[j].stage;
+        if (!avgpipe__is_backward(o[j].kind) || v->pl.up[g] < 0) continue;
+        for (i = a; i < j; i++)
+            if (o[i].kind == AVGPIPE_OP_F && o[i].stage == g && o[i].pipe == o[j].pipe && o[i].micro == o[j].micro)
+                avgpipe__vpost(P, v->pl.down[g + 1], v->seqb[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+    }
+}
+
+/* Run rank r of a compute-only schedule as far as it goes, as its lowered list would run. */
+static void avgpipe__vrun_compute(avgpipe__vreplay *P, int r) {
+    avgpipe__vstate *v = P->v;
+    avgpipe__vrank *x = &P->rk[r];
+    const avgpipe_op *o = v->s->ops[r];
+    int n = v->s->len[r];
+    for (;;) {
+        int i, hasf = 0;
+        for (; x->send < x->send_end; x->send++)
+            if (!avgpipe__vsend(P, &o[x->send], 0)) {
+                P->waiting[r] = 1;
+                return;
+            }
+        if (x->uend < 0) {
+            while (x->pos < n && o[x->pos].kind == AVGPIPE_OP_IDLE) x->pos++;
+            if (x->pos >= n) {
+                x->done = 1;
+                return;
+            }
+            x->ustart = x->pos;
+            x->uend = avgpipe__unit_end(o, n, x->pos);
+            if (x->uend - x->ustart > 1) avgpipe__post_unit_grads(P, o, x->ustart, x->uend);
+        }
+        for (; x->pos < x->uend; x->pos++)
+            if (avgpipe__vneeds(v, &o[x->pos])) {
+                P->waiting[r] = 1;
+                return;
+            }
+        /* the slot after the unit: its forwards' gradients, and the next forwards' activations */
+        for (i = x->ustart; i < x->uend; i++) {
+            int g = o[i].stage;
+            if (o[i].kind != AVGPIPE_OP_F) continue;
+            hasf = 1;
+            if (v->pl.up[g] >= 0) avgpipe__vpost(P, v->pl.down[g + 1], v->seqb[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+        }
+        if (hasf) avgpipe__post_acts(P, r);
+        x->send = x->ustart;
+        x->send_end = x->uend;
+        x->uend = -1;
+    }
+}
+
+/* "deadlock (blocking sends): rank 0 waits at position 3 (0F1, to send to rank 1); ..." for the first
+   eight stuck ranks; *rank, *pos get the first. Positions are in the schedule's own lists. */
+static void avgpipe__vdeadlock(const avgpipe__vreplay *P, char *msg, size_t cap, int *rank, int *pos) {
+    const avgpipe__vstate *v = P->v;
+    size_t n = (size_t)snprintf(msg, cap, "deadlock (%s sends):", P->blocking ? "blocking" : "async");
+    int r, shown = 0;
+    *rank = *pos = -1;
+    for (r = 0; r < v->S && n < cap; r++) {
+        const avgpipe__vrank *x = &P->rk[r];
+        const avgpipe_op *op;
+        int at, c, bit, sending = 0;
+        size_t cell;
+        char txt[64], why[48];
+        if (x->done) continue;
+        sending = v->s->has_comm ? avgpipe__is_comm(v->s->ops[r][x->pos].kind) : x->send < x->send_end;
+        at = !v->s->has_comm && sending ? x->send : x->pos;
+        if (shown++ == 8) {
+            n += (size_t)snprintf(msg + n, cap - n, " ...");
+            break;
+        }
+        if (*rank < 0) {
+            *rank = r;
+            *pos = at;
+        }
+        op = &v->s->ops[r][at];
+        avgpipe_op_format(op, 0, txt, sizeof txt);
+        if (sending && avgpipe__vmsg(v, op, &c, &cell, &bit)) snprintf(why, sizeof why, ", to send to rank %d", v->pl.dst[c]);
+        else if (op->kind == AVGPIPE_OP_F) snprintf(why, sizeof why, ", for rank %d's activation", v->pl.rank[op->stage - 1]);
+        else snprintf(why, sizeof why, ", for rank %d's gradient", v->pl.rank[op->stage + 1]);
+        n += (size_t)snprintf(msg + n, cap - n, " rank %d waits at position %d (%s%s);", r, at, txt, why);
+    }
+}
+
+/* One replay (blocking or asynchronous sends). Returns AVGPIPE_OK, AVGPIPE_DEADLOCK with the message
+   in msg and the first stuck op in *rank, *pos, or AVGPIPE_OUT_OF_MEMORY. */
+static avgpipe_result avgpipe__vreplay_run(avgpipe__vstate *v, int blocking, char *msg, size_t cap, int *rank, int *pos) {
+    avgpipe__vreplay P;
+    avgpipe_context *ctx = v->ctx;
+    avgpipe_result res = AVGPIPE_OK;
+    size_t cells = (size_t)v->N * v->G * v->M * v->R, i;
+    int r, nc = v->pl.nchan;
+    memset(&P, 0, sizeof P);
+    P.v = v;
+    P.blocking = blocking;
+    P.rk = (avgpipe__vrank *)avgpipe__calloc(ctx, (size_t)v->S, sizeof *P.rk);
+    P.posted = (int *)avgpipe__calloc(ctx, 2 * (size_t)nc + 1, sizeof(int));
+    P.waiting = (int *)avgpipe__calloc(ctx, 2 * (size_t)v->S, sizeof(int));
+    if (!P.rk || !P.posted || !P.waiting) {
+        res = AVGPIPE_OUT_OF_MEMORY;
+        goto done;
+    }
+    P.sent = P.posted + nc;
+    P.stack = P.waiting + v->S;
+    for (i = 0; i < cells; i++) v->st[i] &= (uint8_t)~(AVGPIPE__VA | AVGPIPE__VG);
+    for (r = 0; r < v->S; r++) {
+        P.rk[r].uend = -1;
+        if (!v->s->has_comm) avgpipe__post_acts(&P, r); /* the receives of the first unit holding a forward */
+    }
+    for (r = v->S - 1; r >= 0; r--) P.stack[P.nstack++] = r;
+    while (P.nstack > 0) {
+        r = P.stack[--P.nstack];
+        if (v->s->has_comm) avgpipe__vrun_comm(&P, r);
+        else avgpipe__vrun_compute(&P, r);
+    }
+    for (r = 0; r < v->S; r++)
+        if (!P.rk[r].done) {
+            avgpipe__vdeadlock(&P, msg, cap, rank, pos);
+            res = AVGPIPE_DEADLOCK;
+            break;
+        }
+done:
+    avgpipe_free(ctx, P.rk);
+    avgpipe_free(ctx, P.posted);
+    avgpipe_free(ctx, P.waiting);
+    return res;
+}
+
+/* The replay of a compute-only schedule, compiled: each rank's list becomes, a few units at a time,
+   the sequence of what vrun_compute does with other ranks, in its order (NEED: wait for message k
+   of channel c to arrive; POST: the receive of message k of c is posted; SEND: the next message of
+   c), and the replay runs these sequences with two counters per channel. A channel's messages are
+   sent in the order of their index (its one sender sends them in list order, the order the static
+   pass numbered them in), so message k has arrived once more than k have been sent: no per-cell
+   state in the lockstep. A waiting rank is woken only by the event it waits for. Gives vreplay_run's
+   verdict (its conditions in its order); on a deadlock the caller runs vreplay_run for the message. */
+enum { AVGPIPE__XNEED = 0, AVGPIPE__XPOST = 1, AVGPIPE__XSEND = 2 };
+
+typedef struct avgpipe__xent {
+    int32_t ck; /* channel << 2 | AVGPIPE__X* */
+    int32_t k;  /* message index (NEED, POST) */
+} avgpipe__xent;
+
+typedef struct avgpipe__xrank {
+    avgpipe__xent *e;   /* the compiled entries not yet run: e[at .. n) */
+    int at, n, cap;
+    int pos, look;      /* compile: the next unit, where post_acts searches from */
+    int started;        /* compile: the first post_acts done */
+    int wait_ck, wait_k; /* the entry it waits at (when waiting) */
+} avgpipe__xrank;
+
+static int avgpipe__xput(avgpipe_context *ctx, avgpipe__xrank *x, int ck, int k) {
+    if (x->n == x->cap) {
+        int cap = x->cap ? 2 * x->cap : 256;
+        avgpipe__xent *p = (avgpipe__xent *)avgpipe__realloc(ctx, x->e, (size_t)x->cap * sizeof *p, (size_t)cap * sizeof *p);
+        if (!p) return 0;
+        x->e = p;
+        x->cap = cap;
+    }
+    x->e[x->n].ck = ck;
+    x->e[x->n].k = k;
+    x->n++;
+    return 1;
+}
+
+/* The POSTs of post_acts: the activations of the next unit holding a forward, from x->look on. */
+static int avgpipe__xacts(const avgpipe__vstate *v, const avgpipe_op *o, int n, avgpipe__xrank *x) {
+    int i = x->look, hasf = 0, j, end, ok = 1;
+    while (!hasf) {
+        while (i < n && o[i].kind == AVGPIPE_OP_IDLE) i++;
+        if (i >= n) break;
+        end = avgpipe__unit_end(o, n, i);
+        for (j = i; j < end; j++)
+            if (o[j].kind == AVGPIPE_OP_F) {
+                int g = o[j].stage;
+                hasf = 1;
+                if (g > 0 && v->pl.up[g - 1] >= 0)
+                    ok &= avgpipe__xput(v->ctx, x, v->pl.up[g - 1] << 2 | AVGPIPE__XPOST, v->seqf[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+            }
+        i = end;
+    }
+    x->look = i;
+    return ok;
+}
+
+/* Refill rank r's entries (all run) with those of its next units. Returns 0 when out of memory. */
+static int avgpipe__xfill(const avgpipe__vstate *v, int r, avgpipe__xrank *x) {
+    const avgpipe_op *o = v->s->ops[r];
+    const int *up = v->pl.up, *down = v->pl.down;
+    int n = v->s->len[r], pos = x->pos, a, b, i, j, ok = 1;
+    avgpipe_context *ctx = v->ctx;
+    x->at = x->n = 0;
+    if (!x->started) {
+        x->started = 1;
+        ok &= avgpipe__xacts(v, o, n, x);
+    }
+    while (ok && x->n < 128) {
+        int hasf = 0;
+        while (pos < n && o[pos].kind == AVGPIPE_OP_IDLE) pos++;
+        if (pos >= n) break;
+        a = pos;
+        b = avgpipe__unit_end(o, n, pos);
+        if (b - a > 1) /* post_unit_grads */
+            for (j = a + 1; j < b; j++) {
+                int g = o[j].stage;
+                if (!avgpipe__is_backward(o[j].kind) || up[g] < 0) continue;
+                for (i = a; i < j; i++)
+                    if (o[i].kind == AVGPIPE_OP_F && o[i].stage == g && o[i].pipe == o[j].pipe && o[i].micro == o[j].micro)
+                        ok &= avgpipe__xput(ctx, x, down[g + 1] << 2 | AVGPIPE__XPOST, v->seqb[avgpipe__vix(v, o[j].pipe, g, o[j].micro)]);
+            }
+        for (i = a; i < b; i++) { /* vneeds */
+            int k = o[i].kind, g = o[i].stage;
+            if (k == AVGPIPE_OP_F) {
+                if (g > 0 && up[g - 1] >= 0)
+                    ok &= avgpipe__xput(ctx, x, up[g - 1] << 2 | AVGPIPE__XNEED, v->seqf[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+            } else if (avgpipe__is_backward(k) && up[g] >= 0) {
+                ok &= avgpipe__xput(ctx, x, down[g + 1] << 2 | AVGPIPE__XNEED, v->seqb[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+            }
+        }
+        for (i = a; i < b; i++) { /* the slot after the unit: its forwards' gradients */
+            int g = o[i].stage;
+            if (o[i].kind != AVGPIPE_OP_F) continue;
+            hasf = 1;
+            if (up[g] >= 0) ok &= avgpipe__xput(ctx, x, down[g + 1] << 2 | AVGPIPE__XPOST, v->seqb[avgpipe__vix(v, o[i].pipe, g, o[i].micro)]);
+        }
+        if (hasf) ok &= avgpipe__xacts(v, o, n, x); /* and the next forwards' activations */
+        for (i = a; i < b; i++) { /* the unit's sends */
+            int k = o[i].kind, g = o[i].stage;
+            if (k == AVGPIPE_OP_F && up[g] >= 0) ok &= avgpipe__xput(ctx, x, up[g] << 2 | AVGPIPE__XSEND, 0);
+            else if (avgpipe__is_backward(k) && down[g] >= 0) ok &= avgpipe__xput(ctx, x, down[g] << 2 | AVGPIPE__XSEND, 0);
+        }
+        pos = b;
+    }
+    x->pos = pos;
+    return ok;
+}
+
+/* The blocking replay of a compute-only schedule on the compiled sequences: AVGPIPE_OK, AVGPIPE_DEADLOCK
+   (no message: see vreplay_run) or AVGPIPE_OUT_OF_MEMORY. */
+static avgpipe_result avgpipe__xreplay(avgpipe__vstate *v) {
+    avgpipe_context *ctx = v->ctx;
+    int S = v->S, nc = v->pl.nchan, r, top = 0;
+    const int *src = v->pl.src, *dst = v->pl.dst;
+    avgpipe__xrank *X = (avgpipe__xrank *)avgpipe__calloc(ctx, (size_t)S, sizeof *X);
+    int *posted = (int *)avgpipe__calloc(ctx, 2 * (size_t)nc + 2 * (size_t)S + 1, sizeof(int)), *sent, *waiting, *stack;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!X || !posted) {
+        res = AVGPIPE_OUT_OF_MEMORY;
+        goto done;
+    }
+    sent = posted + nc;
+    waiting = sent + nc;
+    stack = waiting + S;
+    for (r = S - 1; r >= 0; r--) stack[top++] = r;
+    while (top > 0) {
+        avgpipe__xrank *x;
+        r = stack[--top];
+        x = &X[r];
+        for (;;) {
+            int at = x->at, stop = x->n;
+            for (; at < stop; at++) {
+                const avgpipe__xent *e = &x->e[at];
+                int c = e->ck >> 2, w;
+                switch (e->ck & 3) {
+                case AVGPIPE__XNEED:
+                    if (sent[c] > e->k) continue;
+                    break;
+                case AVGPIPE__XPOST:
+                    if (posted[c] <= e->k) {
+                        posted[c] = e->k + 1;
+                        w = src[c];
+                        if (waiting[w] && X[w].wait_ck == (c << 2 | AVGPIPE__XSEND) && posted[c] > sent[c]) {
+                            waiting[w] = 0;
+                            stack[top++] = w;
+                        }
+                    }
+                    continue;
+                default:
+                    if (posted[c] <= sent[c]) break;
+                    sent[c]++;
+                    w = dst[c];
+                    if (waiting[w] && X[w].wait_ck == (c << 2 | AVGPIPE__XNEED) && sent[c] > X[w].wait_k) {
+                        waiting[w] = 0;
+                        stack[top++] = w;
+                    }
+                    continue;
+                }
+                break; /* waits */
+            }
+            x->at = at;
+            if (at < stop) {
+                waiting[r] = 1;
+                x->wait_ck = x->e[at].ck;
+                x->wait_k = x->e[at].k;
+                break;
+            }
+            if (x->pos >= v->s->len[r] && x->started) break; /* done */
+            if (!avgpipe__xfill(v, r, x)) {
+                res = AVGPIPE_OUT_OF_MEMORY;
+                goto done;
+            }
+        }
+    }
+    for (r = 0; r < S; r++)
+        if (X[r].at < X[r].n || X[r].pos < v->s->len[r]) res = AVGPIPE_DEADLOCK;
+done:
+    if (X)
+        for (r = 0; r < S; r++) avgpipe_free(ctx, X[r].e);
+    avgpipe_free(ctx, X);
+    avgpipe_free(ctx, posted);
+    return res;
 }
 
 static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
-    avgpipe_schedule low;
-    const avgpipe_schedule *x = v->s;
-    avgpipe_sim_desc d;
-    avgpipe_sim_result sr;
-    avgpipe_result res = AVGPIPE_OK;
-    int blocking, brank = -1, bpos = -1;
-    char detail[360];
-    memset(&low, 0, sizeof low);
-    if (!x->has_comm) {
-        res = avgpipe_sched_lower(v->ctx, x, &low);
+    const char *how = v->s->has_comm ? "" : " (sends and receives where avgpipe_sched_lower puts them)";
+    char detail[360], bdetail[360];
+    int rank, pos, brank, bpos;
+    avgpipe_result res;
+    if (v->fsdp) { /* the static pass takes them as no-ops; the simulator wants them on their stage's rank */
+        int N;
+        long long U;
+        res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
-        x = &low;
     }
-    /* Blocking sends only add waits to asynchronous ones, so a blocking replay that finishes
-       proves both; after a deadlock, an asynchronous replay tells which semantics it needs. */
-    for (blocking = 1; blocking >= 0; blocking--) {
-        int stuck[2] = {-1, -1}, rank = -1, pos = -1;
-        memset(&d, 0, sizeof d);
-        d.blocking_send = blocking;
-        res = avgpipe__sim_core(v->ctx, x, &d, &sr, stuck);
-        if (!res) {
-            avgpipe_sim_result_free(v->ctx, &sr);
-            if (blocking) break;
-            res = avgpipe__vfail(v, AVGPIPE_DEADLOCK, brank, bpos, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
-            continue;
-        }
-        snprintf(detail, sizeof detail, "%.359s", avgpipe_last_error(v->ctx));
-        if (stuck[0] >= 0) { /* point at the stuck op in the schedule's own list */
-            rank = stuck[0];
-            pos = x == &low ? avgpipe__find_origin(v->s, rank, &low.ops[rank][stuck[1]]) : stuck[1];
-            if (pos < 0) rank = -1;
-        }
-        if (blocking) {
-            brank = rank;
-            bpos = pos;
-        }
-        res = avgpipe__vfail(v, res, rank, pos, "%s%s", detail, x == &low ? " (in the lowered schedule)" : "");
-        if (res != AVGPIPE_DEADLOCK) break;
+    if ((long long)v->N * v->G * v->M * v->R > 200000000LL) /* the simulator's tables (its scan refuses more) */
+        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
+                              "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)", v->N, v->G,
+                              (long long)v->M * v->R);
+    if (!v->s->has_comm && v->seqf) { /* the compiled replay decides; a deadlock is explained below */
+        res = avgpipe__xreplay(v);
+        if (res == AVGPIPE_OUT_OF_MEMORY) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+        if (res == AVGPIPE_OK) return res;
     }
-    avgpipe_sched_free(v->ctx, &low);
+    res = avgpipe__vreplay_run(v, 1, bdetail, sizeof bdetail, &brank, &bpos);
+    if (res == AVGPIPE_DEADLOCK) { /* which semantics does it need? */
+        res = avgpipe__vreplay_run(v, 0, detail, sizeof detail, &rank, &pos);
+        if (res == AVGPIPE_OK) return avgpipe__vfail(v, AVGPIPE_DEADLOCK, brank, bpos, "%s%s", bdetail, how);
+        if (res == AVGPIPE_DEADLOCK) return avgpipe__vfail(v, AVGPIPE_DEADLOCK, rank, pos, "%s%s", detail, how);
+    }
+    if (res == AVGPIPE_OUT_OF_MEMORY) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
     return res;
 }
 
@@ -4395,7 +4899,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
     long long nops = 0;
-    int c, i;
+    int c, i, oom = 0;
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -4428,8 +4932,15 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     if (v.st && v.step && avgpipe__place_build(ctx, s, &v.pl) == AVGPIPE_OK) {
         v.sendq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
         v.recvq = (avgpipe__msgs *)avgpipe__calloc(ctx, (size_t)v.pl.nchan + 1, sizeof(avgpipe__msgs));
+        if (!s->has_comm && v.pl.nchan > 0 && !(desc && desc->skip_replay)) { /* message order per channel, for the replay */
+            v.seqf = (int32_t *)avgpipe_alloc(ctx, cells * sizeof(int32_t));
+            v.seqb = (int32_t *)avgpipe_alloc(ctx, cells * sizeof(int32_t));
+            v.nseq = (int *)avgpipe__calloc(ctx, (size_t)v.pl.nchan, sizeof(int));
+            oom = !v.seqf || !v.seqb || !v.nseq;
+        }
     }
-    if (!v.st || !v.step || !v.sendq || !v.recvq) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    if (oom || !v.st || !v.step || !v.sendq || !v.recvq)
+        res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
     for (c = 0; c < v.G && !res; c++)
         if (v.pl.rank[c] < 0)
             res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
@@ -4447,6 +4958,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__place_free(ctx, &v.pl);
     avgpipe_free(ctx, v.st);
     avgpipe_free(ctx, v.step);
+    avgpipe_free(ctx, v.seqf);
+    avgpipe_free(ctx, v.seqb);
+    avgpipe_free(ctx, v.nseq);
     report->result = res;
     return res;
 }
@@ -4486,13 +5000,18 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
 /* --- 6. Rendering -------------------------------------------------------------------------------- */
 
 /* "F3", or "Fb3" (pipeline b = 1, micro-batch 3) when the events span several pipelines. */
+/* The kind part of an op's label. */
+static const char *avgpipe__label_kind(const avgpipe_op *op) {
+    if (op->kind == AVGPIPE_OP_STEP) return "S";
+    if (op->kind == AVGPIPE_OP_AVG) return "A";
+    if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) return ">";
+    if (op->kind == AVGPIPE_OP_SEND_B || op->kind == AVGPIPE_OP_RECV_B) return "<";
+    return avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
+}
+
 static void avgpipe__label(const avgpipe_op *op, int multi, char *out, size_t cap) {
-    const char *k = avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
+    const char *k = avgpipe__label_kind(op);
     char pipe[16] = "";
-    if (op->kind == AVGPIPE_OP_STEP) k = "S";
-    else if (op->kind == AVGPIPE_OP_AVG) k = "A";
-    else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) k = ">";
-    else if (op->kind == AVGPIPE_OP_SEND_B || op->kind == AVGPIPE_OP_RECV_B) k = "<";
     if (multi) {
         if (op->pipe < 26) snprintf(pipe, sizeof pipe, "%c", 'a' + op->pipe);
         else snprintf(pipe, sizeof pipe, "p%d.", op->pipe);
@@ -4525,30 +5044,36 @@ static avgpipe_result avgpipe__render_check(avgpipe_context *ctx, const avgpipe_
 
 /* Draw one lane: events of `rank` on `track` into row[0..width). A compute box shows its label
    (cut to the box); a transfer box is drawn with '>' (activation) or '<' (gradient). */
+static void avgpipe__ascii_draw(const avgpipe_event *e, double scale, int multi, char *row, int width) {
+    char lab[32];
+    int a, b, j, L;
+    if (e->end <= e->start) return;
+    a = (int)floor(e->start * scale + 0.5);
+    b = (int)floor(e->end * scale + 0.5);
+    if (b <= a) b = a + 1;
+    if (a >= width) return;
+    if (b > width) b = width;
+    if (e->track != 0) {
+        int grad = e->op.kind == AVGPIPE_OP_B || e->op.kind == AVGPIPE_OP_I || e->op.kind == AVGPIPE_OP_SEND_B ||
+                   e->op.kind == AVGPIPE_OP_RECV_B;
+        memset(row + a, grad ? '<' : '>', (size_t)(b - a));
+        return;
+    }
+    if (b - a == 1 && avgpipe__label_kind(&e->op)[0]) { /* one column: the label's first character */
+        row[a] = avgpipe__label_kind(&e->op)[0];
+        return;
+    }
+    avgpipe__label(&e->op, multi, lab, sizeof lab);
+    L = (int)strlen(lab);
+    for (j = a; j < b; j++) row[j] = j - a < L ? lab[j - a] : ' ';
+}
+
 static void avgpipe__ascii_lane(const avgpipe_event *ev, size_t n, int rank, int track, double scale, int multi, char *row,
                                 int width) {
     size_t i;
     memset(row, track == 0 ? '.' : ' ', (size_t)width);
-    for (i = 0; i < n; i++) {
-        const avgpipe_event *e = &ev[i];
-        char lab[32];
-        int a, b, j, L;
-        if (e->rank != rank || e->track != track || e->end <= e->start) continue;
-        a = (int)floor(e->start * scale + 0.5);
-        b = (int)floor(e->end * scale + 0.5);
-        if (b <= a) b = a + 1;
-        if (a >= width) continue;
-        if (b > width) b = width;
-        if (track != 0) {
-            int grad = e->op.kind == AVGPIPE_OP_B || e->op.kind == AVGPIPE_OP_I || e->op.kind == AVGPIPE_OP_SEND_B ||
-                       e->op.kind == AVGPIPE_OP_RECV_B;
-            memset(row + a, grad ? '<' : '>', (size_t)(b - a));
-            continue;
-        }
-        avgpipe__label(&e->op, multi, lab, sizeof lab);
-        L = (int)strlen(lab);
-        for (j = a; j < b; j++) row[j] = j - a < L ? lab[j - a] : ' ';
-    }
+    for (i = 0; i < n; i++)
+        if (ev[i].rank == rank && ev[i].track == track) avgpipe__ascii_draw(&ev[i], scale, multi, row, width);
 }
 
 /* A round tick step (1, 2 or 5 times a power of ten) of at least `min` time units. */
@@ -4561,9 +5086,9 @@ AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgp
                                                 const avgpipe_render_desc *desc, avgpipe_buf *out) {
     avgpipe__span sp;
     avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
-    int width = desc && desc->width > 0 ? desc->width : 120, r, ok = 1;
+    int width = desc && desc->width > 0 ? desc->width : 120, r, ok = 1, lanes;
     double scale;
-    char *row;
+    char *row, *grid = NULL;
     if (res) return res;
     if (width > 100000) width = 100000;
     if (sp.makespan <= 0) return avgpipe__buf_printf(ctx, out, "(empty timeline)\n") ? AVGPIPE_OK : AVGPIPE_OUT_OF_MEMORY;
@@ -4584,15 +5109,35 @@ AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgp
         }
         ok &= avgpipe__buf_printf(ctx, out, "time    %s\n", row);
     }
-    for (r = 0; r < nranks && ok; r++) {
-        avgpipe__ascii_lane(ev, n, r, 0, scale, sp.multi, row, width);
-        row[width] = 0;
-        ok &= avgpipe__buf_printf(ctx, out, "rank %-3d%s\n", r, row);
-        if (sp.has_comm) {
-            avgpipe__ascii_lane(ev, n, r, 1, scale, sp.multi, row, width);
-            ok &= avgpipe__buf_printf(ctx, out, "  send  %s\n", row);
+    /* every lane at once in one pass over the events when the grid is small (each lane sees its events
+       in the same order either way), else one pass per lane */
+    lanes = sp.has_comm ? 2 : 1;
+    if ((double)nranks * lanes * (width + 1) <= 64e6) grid = (char *)avgpipe_alloc(ctx, (size_t)nranks * lanes * ((size_t)width + 1));
+    if (grid) {
+        size_t i, w1 = (size_t)width + 1;
+        for (r = 0; r < nranks * lanes; r++) {
+            memset(grid + r * w1, r % lanes == 0 ? '.' : ' ', (size_t)width);
+            grid[r * w1 + width] = 0;
+        }
+        for (i = 0; i < n; i++) {
+            const avgpipe_event *e = &ev[i];
+            if (e->track >= lanes || e->track < 0) continue;
+            avgpipe__ascii_draw(e, scale, sp.multi, grid + ((size_t)e->rank * lanes + e->track) * w1, width);
         }
     }
+    for (r = 0; r < nranks && ok; r++) {
+        const char *line = row;
+        if (grid) line = grid + (size_t)r * lanes * ((size_t)width + 1);
+        else avgpipe__ascii_lane(ev, n, r, 0, scale, sp.multi, row, width);
+        row[width] = 0;
+        ok &= avgpipe__buf_printf(ctx, out, "rank %-3d%s\n", r, line);
+        if (sp.has_comm) {
+            if (grid) line = grid + ((size_t)r * lanes + 1) * ((size_t)width + 1);
+            else avgpipe__ascii_lane(ev, n, r, 1, scale, sp.multi, row, width);
+            ok &= avgpipe__buf_printf(ctx, out, "  send  %s\n", line);
+        }
+    }
+    avgpipe_free(ctx, grid);
     ok &= avgpipe__buf_printf(ctx, out, "(%.4g time units, %.3g per column; F/B/I/W + %smicro-batch, S step, A avg, '.' idle%s)\n",
                               sp.makespan, 1 / scale, sp.multi ? "pipeline letter + " : "",
                               sp.has_comm ? ", '>' activation and '<' gradient transfers" : "");
@@ -6184,7 +6729,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const 
     if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: the schedule has no SEND/RECV ops (lower it first)");
-    if ((res = avgpipe__sched_scan(ctx, s, &N, &U)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
     out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));

@@ -1,7 +1,9 @@
 /* bench_sched: generate + validate + simulate a large schedule (S=64, M=1024, N=8 by default).
    Prints medians of several repetitions, simulator throughput in ops/s, and a ratio against a
    baseline measured in the same run: one plain read pass over the same op arrays (the floor for
-   any algorithm that looks at every op once).
+   any algorithm that looks at every op once). Every schedule kind runs (interleaved with two
+   chunks; ZB-V and DualPipeV on their V placement); each time is the median of the repetitions,
+   and the total's spread (min-max) follows it: the machines are shared and noisy.
    Usage: bench_sched [S M N [reps]] */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
@@ -25,6 +27,12 @@ static double median(double *v, int n) {
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+/* Smallest and largest of v[0..n) (call after median: v is sorted). */
+static void spread(const double *v, int n, double *lo, double *hi) {
+    *lo = v[0];
+    *hi = v[n - 1];
+}
+
 /* Baseline: one pass reading every op (checksum so the compiler keeps it). */
 static double plain_pass(const avgpipe_schedule *s, long long *sum) {
     double t0 = now();
@@ -39,15 +47,17 @@ static double plain_pass(const avgpipe_schedule *s, long long *sum) {
 int main(int argc, char **argv) {
     int S = argc > 3 ? atoi(argv[1]) : 64, M = argc > 3 ? atoi(argv[2]) : 1024, N = argc > 3 ? atoi(argv[3]) : 8;
     int reps = argc > 4 ? atoi(argv[4]) : 5, k;
-    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_ZBH1};
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_AFAB,        AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
+                                               AVGPIPE_SCHED_INTERLEAVED, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV,
+                                               AVGPIPE_SCHED_DUALPIPEV};
     long long sum = 0;
     if (S < 1 || M < 1 || N < 1 || reps < 1 || reps > REPS_MAX) {
         fprintf(stderr, "usage: bench_sched [S M N [reps 1..%d]]\n", REPS_MAX);
         return 2;
     }
     printf("bench_sched: S=%d M=%d N=%d, median of %d runs (ms)\n", S, M, N, reps);
-    printf("%-9s %10s %8s %9s %9s %9s %9s %12s %10s\n", "schedule", "ops", "gen", "validate", "simulate", "total", "pass", "sim ops/s",
-           "sim/pass");
+    printf("%-11s %10s %7s %9s %9s %7s %13s %7s %11s %8s %8s\n", "schedule", "ops", "gen", "validate", "simulate", "total",
+           "total min-max", "pass", "sim ops/s", "val/pass", "sim/pass");
     for (k = 0; k < (int)(sizeof kinds / sizeof kinds[0]); k++) {
         double tg[REPS_MAX], tv[REPS_MAX], ts[REPS_MAX], tt[REPS_MAX], tp[REPS_MAX];
         long long ops = 0;
@@ -62,7 +72,8 @@ int main(int argc, char **argv) {
             d.stages = S;
             d.micro = M;
             d.pipes = N;
-            d.advance = S - 1;
+            d.advance = d.kind == AVGPIPE_SCHED_ADVANCE ? S - 1 : 0;
+            d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 0;
             t0 = now();
             if (avgpipe_sched_generate(NULL, &d, &s)) {
                 fprintf(stderr, "generate: %s\n", avgpipe_last_error(NULL));
@@ -90,11 +101,14 @@ int main(int argc, char **argv) {
             avgpipe_sched_free(NULL, &s);
         }
         {
-            double g = median(tg, reps), v = median(tv, reps), sm = median(ts, reps), t = median(tt, reps), p = median(tp, reps);
-            printf("%-9s %10lld %8.1f %9.1f %9.1f %9.1f %9.2f %12.3g %9.0fx\n", avgpipe_sched_kind_name(kinds[k]), ops, g * 1e3, v * 1e3,
-                   sm * 1e3, t * 1e3, p * 1e3, ops / sm, sm / p);
+            double g = median(tg, reps), v = median(tv, reps), sm = median(ts, reps), t = median(tt, reps), p = median(tp, reps), lo, hi;
+            char range[32];
+            spread(tt, reps, &lo, &hi);
+            snprintf(range, sizeof range, "%.1f-%.1f", lo * 1e3, hi * 1e3);
+            printf("%-11s %10lld %7.1f %9.1f %9.1f %7.1f %13s %7.2f %11.3g %7.0fx %7.0fx\n", avgpipe_sched_kind_name(kinds[k]), ops,
+                   g * 1e3, v * 1e3, sm * 1e3, t * 1e3, range, p * 1e3, ops / sm, v / p, sm / p);
         }
     }
-    printf("(validate = static checks + lowering to SEND/RECV + a blocking-send deadlock replay of the lowered lists; checksum %lld)\n", sum % 10);
+    printf("(validate = static checks + a blocking-send deadlock replay, sends and receives placed as lowering places them; checksum %lld)\n", sum % 10);
     return 0;
 }

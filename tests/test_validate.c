@@ -12,6 +12,7 @@
 
 #include <criterion/criterion.h>
 #include "tests/sched_helpers.h"
+#include "tests/ref_validator.h"
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -58,11 +59,26 @@ static int copy_rank(const avgpipe_schedule *s, int r, avgpipe_op *buf, int cap)
     return s->len[r];
 }
 
+/* The reference validator (tests/ref_validator.h, the one that lowered the schedule for its replay)
+   gives the same verdict and points at the same op; tests/test_validate_ref.c compares the two at
+   length. */
+static void expect_same_as_reference(const avgpipe_schedule *s, const avgpipe_validate_report *rep) {
+    avgpipe_validate_report ref;
+    avgpipe_result r = ref_validate(NULL, s, NULL, &ref);
+    cr_assert_eq(r, rep->result, "reference: %s (%s), fast: %s", avgpipe_result_string(r), ref.message, rep->message);
+    cr_assert_eq(ref.rank, rep->rank, "reference rank %d, fast %d (%s)", ref.rank, rep->rank, rep->message);
+    cr_assert_eq(ref.pos, rep->pos, "reference position %d, fast %d (%s)", ref.pos, rep->pos, rep->message);
+    if (r != AVGPIPE_DEADLOCK) cr_assert_str_eq(ref.message, rep->message);
+}
+
 /* The schedule must fail validation with `res`, a message containing `needle`, and (when rank >= 0)
    the report pointing at (rank, pos), whose op the grid marks as ">op<". */
 static void expect_broken(const avgpipe_schedule *s, avgpipe_result res, const char *needle, int rank, int pos) {
     avgpipe_validate_report rep;
-    avgpipe_result got = avgpipe_sched_validate(NULL, s, NULL, &rep);
+    avgpipe_result got;
+    got = avgpipe_sched_validate(NULL, s, NULL, &rep);
+    expect_same_as_reference(s, &rep);
+    got = avgpipe_sched_validate(NULL, s, NULL, &rep); /* again: the reference changed the last error */
     cr_assert_eq(got, res, "validate returned %s (expected %s): %s", avgpipe_result_string(got), avgpipe_result_string(res),
                  rep.message);
     cr_assert_eq(rep.result, res, "report.result %d", rep.result);
@@ -457,6 +473,7 @@ static void expect_deadlock_points_at(const char *text, const int (*stuck)[2], i
     int i, ok = 0;
     import_text(text, &s);
     cr_assert_eq(avgpipe_sched_validate(NULL, &s, NULL, &rep), AVGPIPE_DEADLOCK, "%s", rep.message);
+    expect_same_as_reference(&s, &rep);
     for (i = 0; i < nstuck; i++) ok |= rep.rank == stuck[i][0] && rep.pos == stuck[i][1];
     cr_assert(ok, "deadlock report points at rank %d position %d ('%s'), not at a stuck op (e.g. rank %d position %d); message: %s",
               rep.rank, rep.pos, rep.op_text, stuck[0][0], stuck[0][1], rep.message);
