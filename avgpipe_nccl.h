@@ -114,7 +114,9 @@
      when `ready` has passed.
    - Waits: wait polls cudaEventQuery of the transfer's own completion event and ncclCommGetAsyncError of
      its communicator, spinning for desc.spin_us, then sleeping with a back-off up to desc.max_sleep_us,
-     until the timeout. AVGPIPE_TIMEOUT leaves the request pending (wait again, or cancel it). An NCCL
+     until the timeout. AVGPIPE_TIMEOUT leaves the request pending (wait again, or cancel it). The backend's
+     own copies (staged host buffers, the deterministic allreduce's gather) are waited for the same way,
+     within desc.timeout_s or the call's timeout: nothing blocks in cudaStreamSynchronize. An NCCL
      error (ncclCommGetAsyncError, or a failing NCCL call) or a CUDA error aborts every communicator the
      table owns (ncclCommAbort) and reports the error, with ncclGetErrorString and ncclGetLastError's text
      (cudaGetErrorString for CUDA), through last_error; the request is released. After an abort, every
@@ -574,6 +576,21 @@ static avgpipe_result avgpipe__nccl_wait_event(avgpipe__nccl *m, cudaEvent_t ev,
     }
 }
 
+/* Wait for the work queued on stream s (our own copies and frees, never queued behind an NCCL call) within
+   timeout_s, polling cudaStreamQuery: no wait of this backend is unbounded, even on a GPU that hangs. */
+static avgpipe_result avgpipe__nccl_drain(avgpipe__nccl *m, cudaStream_t s, double timeout_s, const char *what) {
+    double t0 = avgpipe__nccl_now(), sleep_us = 1;
+    for (;;) {
+        cudaError_t e = cudaStreamQuery(s);
+        if (e == cudaSuccess) return AVGPIPE_OK;
+        if (e != cudaErrorNotReady) return avgpipe__nccl_cuda_error(m, e, what);
+        (void)cudaGetLastError(); /* not ready is an answer */
+        if (avgpipe__nccl_now() - t0 >= timeout_s)
+            return avgpipe__nccl_errf(m, AVGPIPE_TIMEOUT, "%s: the GPU did not finish within %.3g s", what, timeout_s);
+        avgpipe__nccl_nap(m, t0, &sleep_us);
+    }
+}
+
 static cudaEvent_t avgpipe__nccl_cuda_event(avgpipe__nccl *m, avgpipe_device_event e) {
     if (!e) return NULL;
     return m->desc.cuda_event ? m->desc.cuda_event(e, m->desc.cuda_event_user) : (cudaEvent_t)(void *)e;
@@ -804,9 +821,9 @@ static avgpipe_result avgpipe__nccl_irecv_on(void *user, int self, int peer, voi
 static avgpipe_result avgpipe__nccl_finish(avgpipe__nccl *m, avgpipe__nccl_req *r, avgpipe_comm_status *status) {
     avgpipe_result res = AVGPIPE_OK;
     if (r->host && r->bytes) {
+        static const char what[] = "copying a received message to its host buffer";
         cudaError_t e = cudaMemcpyAsync(r->host, r->bounce, r->bytes, cudaMemcpyDeviceToHost, m->staging);
-        if (e == cudaSuccess) e = cudaStreamSynchronize(m->staging);
-        if (e != cudaSuccess) res = avgpipe__nccl_cuda_error(m, e, "copying a received message to its host buffer");
+        res = e == cudaSuccess ? avgpipe__nccl_drain(m, m->staging, m->desc.timeout_s, what) : avgpipe__nccl_cuda_error(m, e, what);
     }
     if (status && !r->send) status->tag = r->tag, status->bytes = r->bytes;
     avgpipe__nccl_release(m, r);
@@ -1009,9 +1026,9 @@ static avgpipe_result avgpipe__nccl_allreduce_ordered(avgpipe__nccl *m, float *b
     pthread_mutex_unlock(&avgpipe__nccl_issue_mu);
     res = avgpipe__nccl_coll_finish(m, nr, detail, timeout_s, "allreduce_sum (ncclAllGather)");
     if (res == AVGPIPE_OK) {
+        static const char what[] = "allreduce_sum: copying the gathered floats to the host";
         e = cudaMemcpyAsync(all_h, all_d, bytes * (size_t)m->size, cudaMemcpyDeviceToHost, s);
-        if (e == cudaSuccess) e = cudaStreamSynchronize(s);
-        if (e != cudaSuccess) res = avgpipe__nccl_cuda_error(m, e, "allreduce_sum: copying the gathered floats to the host");
+        res = e == cudaSuccess ? avgpipe__nccl_drain(m, s, timeout_s, what) : avgpipe__nccl_cuda_error(m, e, what);
     }
     if (res == AVGPIPE_OK) {
         float *sum = on_device ? all_h : buf; /* on the device: sum into rank 0's part, then copy it up */
@@ -1021,9 +1038,9 @@ static avgpipe_result avgpipe__nccl_allreduce_ordered(avgpipe__nccl *m, float *b
             sum[i] = acc;
         }
         if (on_device) {
+            static const char what[] = "allreduce_sum: copying the sum to the device";
             e = cudaMemcpyAsync(buf, all_h, bytes, cudaMemcpyHostToDevice, s);
-            if (e == cudaSuccess) e = cudaStreamSynchronize(s);
-            if (e != cudaSuccess) res = avgpipe__nccl_cuda_error(m, e, "allreduce_sum: copying the sum to the device");
+            res = e == cudaSuccess ? avgpipe__nccl_drain(m, s, timeout_s, what) : avgpipe__nccl_cuda_error(m, e, what);
         }
     }
     if (res != AVGPIPE_TIMEOUT) cudaFreeAsync(all_d, s); /* else NCCL may still write it */
@@ -1068,9 +1085,9 @@ static avgpipe_result avgpipe__nccl_allreduce(void *user, int self, float *buf, 
     pthread_mutex_unlock(&avgpipe__nccl_issue_mu);
     res = avgpipe__nccl_coll_finish(m, nr, detail, timeout_s, "allreduce_sum");
     if (!on_device && res == AVGPIPE_OK) {
+        static const char what[] = "allreduce_sum: copying the sum to host memory";
         e = cudaMemcpyAsync(buf, dbuf, count * sizeof(float), cudaMemcpyDeviceToHost, s);
-        if (e == cudaSuccess) e = cudaStreamSynchronize(s);
-        if (e != cudaSuccess) res = avgpipe__nccl_cuda_error(m, e, "allreduce_sum: copying the sum to host memory");
+        res = e == cudaSuccess ? avgpipe__nccl_drain(m, s, timeout_s, what) : avgpipe__nccl_cuda_error(m, e, what);
     }
     if (!on_device && res != AVGPIPE_TIMEOUT) cudaFreeAsync(dbuf, s);
     return res;
@@ -1103,7 +1120,7 @@ static void avgpipe__nccl_free(avgpipe__nccl *m) {
         if (m->stream[i]) cudaStreamDestroy(m->stream[i]);
     if (m->staging) {
         if (m->scratch) cudaFreeAsync(m->scratch, m->staging);
-        cudaStreamSynchronize(m->staging); /* the frees of the bounce buffers and the scratch bytes */
+        (void)avgpipe__nccl_drain(m, m->staging, m->desc.timeout_s, "destroy"); /* the frees of the bounce buffers and scratch */
         cudaStreamDestroy(m->staging);
     }
     pthread_mutex_destroy(&m->mu);
@@ -1218,7 +1235,7 @@ AVGPIPE_API avgpipe_result avgpipe_nccl_id_file_write(avgpipe_context *ctx, cons
 
 /* One look at the file: 0 the id is in `id`; 1 a failure record (text in why); -1 nothing usable yet
    (why says what is there). */
-static int avgpipe__nccl_file_look(const char *path, const char *token, int nranks, void *id, size_t bytes, double not_before,
+static int avgpipe__nccl_file_look(const char *path, const char *token, int nranks, void *id, size_t bytes, double t0, double max_age_s,
                                    char *why, size_t cap) {
     unsigned char rec[AVGPIPE__NCCL_FILE_HEAD + AVGPIPE__NCCL_FILE_PAYLOAD + 16];
     char tok[AVGPIPE_NCCL_TOKEN_MAX + 2];
@@ -1264,8 +1281,9 @@ static int avgpipe__nccl_file_look(const char *path, const char *token, int nran
         snprintf(why, cap, "a file of another job (token \"%.64s\", this job's \"%.64s\")", tok, token);
         return -1;
     }
-    if (stamp < not_before) {
-        snprintf(why, cap, "a stale file, written %.1f s before this rank began to wait (an earlier job's?)", not_before - stamp);
+    if (max_age_s > 0 && stamp < t0 - max_age_s) {
+        snprintf(why, cap, "a stale file, written %.1f s before this rank began to wait (more than %.3g s: an earlier job's?)", t0 - stamp,
+                 max_age_s);
         return -1;
     }
     if (flen) {
@@ -1299,7 +1317,7 @@ AVGPIPE_API avgpipe_result avgpipe_nccl_id_file_read(avgpipe_context *ctx, const
     pthread_mutex_init(&mu, NULL);
     pthread_cond_init(&cv, NULL);
     for (;;) {
-        k = avgpipe__nccl_file_look(path, token, nranks, id, bytes, max_age_s > 0 ? t0 - max_age_s : -1e300, why, sizeof why);
+        k = avgpipe__nccl_file_look(path, token, nranks, id, bytes, t0, max_age_s, why, sizeof why);
         if (k >= 0 || avgpipe__nccl_now() - t0 >= timeout_s) break;
         pthread_mutex_lock(&mu);
         avgpipe__nccl_timedwait(&cv, &mu, sleep_ms * 1e3);
@@ -1416,8 +1434,8 @@ static avgpipe_result avgpipe__nccl_open_device(avgpipe__nccl *m, int local_rank
     /* stream-ordered: nothing here waits for the rest of the device (a split is made while transfers run) */
     if (e == cudaSuccess) e = cudaMallocAsync((void **)&m->scratch, AVGPIPE__NCCL_SCRATCH + (size_t)m->size, m->staging);
     if (e == cudaSuccess) e = cudaMemsetAsync(m->scratch, 0, AVGPIPE__NCCL_SCRATCH + (size_t)m->size, m->staging);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(m->staging);
-    return e == cudaSuccess ? AVGPIPE_OK : avgpipe__nccl_cuda_error(m, e, "setting up streams and buffers");
+    if (e != cudaSuccess) return avgpipe__nccl_cuda_error(m, e, "setting up streams and buffers");
+    return avgpipe__nccl_drain(m, m->staging, m->desc.timeout_s, "setting up streams and buffers");
 }
 
 static ncclConfig_t avgpipe__nccl_config(void) {
@@ -1584,6 +1602,7 @@ AVGPIPE_API avgpipe_result avgpipe_nccl_create(avgpipe_context *ctx, const avgpi
     avgpipe__nccl *m;
     avgpipe_result res;
     ncclUniqueId id;
+    int published = 0;
     if (!out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "%s: out is NULL", fn);
     memset(out, 0, sizeof *out);
     if (!desc) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "%s: desc is NULL (it says where the communicator comes from)", fn);
@@ -1599,7 +1618,10 @@ AVGPIPE_API avgpipe_result avgpipe_nccl_create(avgpipe_context *ctx, const avgpi
     m = avgpipe__nccl_new(ctx, &d);
     if (!m) return avgpipe_set_error(ctx, AVGPIPE_OUT_OF_MEMORY, "%s: out of memory", fn);
     res = avgpipe__nccl_open_device(m, avgpipe_nccl_local_rank());
-    if (d.id_file) res = avgpipe__nccl_file_id(m, &d, res, &id);
+    if (d.id_file) {
+        res = avgpipe__nccl_file_id(m, &d, res, &id);
+        published = res == AVGPIPE_OK && m->rank == 0;
+    }
     if (res == AVGPIPE_OK) {
         if (d.comm) {
             ncclComm_t user = d.comm;
@@ -1609,7 +1631,14 @@ AVGPIPE_API avgpipe_result avgpipe_nccl_create(avgpipe_context *ctx, const avgpi
         }
     }
     if (res == AVGPIPE_OK) res = avgpipe__nccl_complete(m, d.peers, d.npeers, d.lazy_connect);
-    if (res != AVGPIPE_OK) return avgpipe__nccl_fail(ctx, m, res, fn);
+    if (res != AVGPIPE_OK) {
+        if (published) { /* the ranks that have not read the id yet stop at once, with this text */
+            avgpipe_context fctx;
+            avgpipe_context_init(&fctx, NULL);
+            avgpipe_nccl_id_file_write(&fctx, d.id_file, d.file_token, m->size, NULL, 0, m->err[0] ? m->err : "rank 0 failed");
+        }
+        return avgpipe__nccl_fail(ctx, m, res, fn);
+    }
     if (d.id_file && m->rank == 0) remove(d.id_file); /* every rank has joined: no later job may read this id */
     avgpipe__nccl_table(m, out);
     return AVGPIPE_OK;
