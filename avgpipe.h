@@ -6591,11 +6591,12 @@ static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpi
 /* Wait for a posted receive of slot sl (activation: fwd) before its consumer runs; record it. */
 static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, int fwd) {
     avgpipe_run *run = w->run;
-    int g = op->stage, from = fwd ? g - 1 : g + 1, peer = w->replica * run->S + avgpipe__run_rank(run, from);
+    int g = op->stage, from = fwd ? g - 1 : g + 1, peer;
     avgpipe_comm_request *req = fwd ? &sl->recv_f : &sl->recv_b;
     double t = avgpipe__now();
     avgpipe_result res;
-    if (!*req) return AVGPIPE_OK;
+    if (!*req) return AVGPIPE_OK; /* nothing posted: the first stage's forward, the last's backward, a local neighbour */
+    peer = w->replica * run->S + avgpipe__run_rank(run, from); /* from is a stage only when something was posted */
     res = avgpipe__comm_wait(w, req, op, peer, avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, from, op->micro),
                              fwd ? "receiving the activation from" : "receiving the gradient from");
     if (res) return res;
