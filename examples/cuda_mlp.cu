@@ -857,8 +857,8 @@ static int count_gpus(void) {
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n < 1) {
-        fprintf(stderr, PROG ": no CUDA device: %s; nothing to run (exit status %d: skipped)\n",
-                e != cudaSuccess ? cudaGetErrorString(e) : "cudaGetDeviceCount found none", EXIT_NO_GPU);
+        fprintf(stderr, PROG ": no usable CUDA device (cudaGetDeviceCount: %s); nothing to run (exit status %d: skipped)\n",
+                e != cudaSuccess ? cudaGetErrorString(e) : "0 devices", EXIT_NO_GPU);
         return 0;
     }
     return n;
