@@ -421,6 +421,7 @@ static const char *rank_path(const app *A, const char *path, char *buf, size_t c
     return buf;
 }
 
+#ifdef CUDA_MLP_NCCL /* --backend nccl: once the rank is known */
 static void check_outputs(const app *A) {
     char b1[4096], b2[4096];
     check_output("--trace", rank_path(A, A->opt.trace, b1, sizeof b1));
@@ -428,6 +429,7 @@ static void check_outputs(const app *A) {
     if (A->me == 0) check_output("--save", A->opt.save);
     if (A->me == 0) check_output("--profile-tune", A->opt.profile_tune);
 }
+#endif
 
 /* ---- Device helpers (host side, between iterations) -------------------------------------------- */
 
@@ -624,6 +626,12 @@ static int launched(const avgpipe_op_ctx *op, const char *what) {
     return op_failed(op, msg);
 }
 
+static int cuda_failed(const avgpipe_op_ctx *op, const char *what, cudaError_t e) {
+    char msg[512];
+    snprintf(msg, sizeof msg, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+    return op_failed(op, msg);
+}
+
 static int blas_failed(const avgpipe_op_ctx *op, const char *what, cublasStatus_t s) {
     char msg[512];
     snprintf(msg, sizeof msg, "%s: cuBLAS: %s", what, cublasGetStatusString(s));
@@ -653,12 +661,13 @@ static cublasStatus_t gemm_dw(cublasHandle_t h, int in, int out, int n, const fl
 static int load_samples(app *A, const avgpipe_op_ctx *op, dev_stash *st, cudaStream_t s) {
     const uint32_t *idx = mlp_order_micro(&A->order, &A->perm[op->replica][op->stage], model_of(A, op), op->round, op->micro, A->mb);
     int i, first = op->stage == 0, last = op->stage == A->G - 1;
+    cudaError_t e;
     if (!idx) return op_failed(op, "cannot load the samples");
     for (i = 0; i < A->mb; i++)
         if (idx[i] >= (uint32_t)A->train.n) return op_failed(op, "sample index outside the training set");
     if ((first && !A->d_pixels) || (last && !A->d_labels)) return op_failed(op, "the training set is not on this GPU");
-    if (cudaMemcpyAsync(st->idx, idx, sizeof(uint32_t) * (size_t)A->mb, cudaMemcpyHostToDevice, s) != cudaSuccess)
-        return launched(op, "copying the sample indices");
+    if ((e = cudaMemcpyAsync(st->idx, idx, sizeof(uint32_t) * (size_t)A->mb, cudaMemcpyHostToDevice, s)) != cudaSuccess)
+        return cuda_failed(op, "copying the sample indices", e);
     k_gather<<<grid_for((size_t)A->mb * (first ? (size_t)A->train.dim : 1)), BLOCK, 0, s>>>(
         first ? st->x : NULL, last ? st->labels : NULL, A->d_pixels, A->d_labels, st->idx, A->mb, A->train.dim);
     return launched(op, "gathering the samples");
@@ -693,8 +702,8 @@ static int cb_forward(avgpipe_op_ctx *op) {
     }
     if (!last) {
         if (!op->output) return op_failed(op, "forward without an output buffer");
-        if (cudaMemcpyAsync(op->output, st->act[top], A->act_bytes[op->stage], cudaMemcpyDeviceToDevice, s) != cudaSuccess)
-            return launched(op, "copying the stage's output");
+        cudaError_t e = cudaMemcpyAsync(op->output, st->act[top], A->act_bytes[op->stage], cudaMemcpyDeviceToDevice, s);
+        if (e != cudaSuccess) return cuda_failed(op, "copying the stage's output", e);
         return launched(op, "forward");
     }
     /* The loss goes to the model's accumulator, read by the host after the iteration (op->loss stays 0). */
