@@ -8,7 +8,8 @@
 #      nvcc, with --bench: the averaging kernel's bandwidth against cudaMemcpy device-to-device (target >= 0.9),
 #      the other kernels', and boundary-buffer ("slot") transfers through the device table's copy entry
 #      against cudaMemcpyAsync; the reference model over the GPU bit for bit against the CPU's;
-#   5. the NCCL smoke test for the ranks the machine has (one process per GPU), where built.
+#   5. the NCCL smoke test for the ranks the machine has (one process per GPU), where built;
+#   6. the CUDA trainer: its first steps against the CPU example, and samples/s with N = 1..4 pipelines.
 # Each step is bounded by `timeout`, and all of them together by AVGPIPE_GPU_TOTAL_S (default 470 s: under 8
 # minutes; a fresh build takes most of it, a second run reuses the build). A failing
 # step stops the run with "run.sh: FAILED: <step>" and exit status 1; a GPU check that skips (no device seen)
@@ -94,6 +95,30 @@ else
     say "nccl_check: not in this build (no avgpipe_nccl.h in this checkout, or NCCL not found): skipped"
 fi
 
+# 6. the CUDA trainer (examples/cuda_mlp.cu), where built: its first steps against the CPU example (the same
+#    flags; every parameter within 1e-4 relative of the CPU's, compared as floats with od), then samples/s with
+#    N = 1..4 pipelines on one GPU at small micro-batches (AvgPipe's effect: N > 1 should beat N = 1)
+if [ -x "$B/cuda_mlp" ] && [ -x "$B/fashion_mnist" ]; then
+    FLAGS="--micro 4 --pipes 1 --schedule 1f1b --epochs 1 --limit-train 2048 --rounds 2 --seed 7"
+    # shellcheck disable=SC2086
+    step "fashion_mnist (CPU), first steps" 120 cpu-steps.txt "$B/fashion_mnist" $FLAGS --save "$LOGS/cpu.params"
+    # shellcheck disable=SC2086
+    step "cuda_mlp (GPU), the same steps" 120 gpu-steps.txt "$B/cuda_mlp" $FLAGS --save "$LOGS/gpu.params"
+    od -An -v -f "$LOGS/cpu.params" | tr -s ' ' '\n' | grep -v '^$' > "$LOGS/cpu.floats"
+    od -An -v -f "$LOGS/gpu.params" | tr -s ' ' '\n' | grep -v '^$' > "$LOGS/gpu.floats"
+    paste "$LOGS/cpu.floats" "$LOGS/gpu.floats" | awk '
+        { n++; d = $1 - $2; if (d < 0) d = -d; s = ($1 < 0 ? -$1 : $1); if (s < 1e-3) s = 1e-3; if (d / s > m) m = d / s }
+        END { printf "run.sh: CUDA trainer vs CPU example after the same steps: %d floats, max relative difference %.3g (target <= 1e-4)\n", n, m;
+              exit (n == 0 || m > 1e-4) }' > "$LOGS/steps-compare.txt" || { cat "$LOGS/steps-compare.txt"; fail "cuda_mlp differs from the CPU example"; }
+    cat "$LOGS/steps-compare.txt"
+    for n in 1 2 3 4; do
+        step "cuda_mlp N = $n pipelines, micro-batches of 8 samples" 90 pipes-$n.txt \
+            "$B/cuda_mlp" --micro 4 --batch 32 --pipes "$n" --schedule 1f1b --epochs 1 --limit-train 16384
+    done
+else
+    say "cuda_mlp or fashion_mnist: not in this build (cuBLAS, OpenBLAS or the data set missing): skipped"
+fi
+
 # Figures
 say "== figures ($(($(date +%s) - T0)) s in all)"
 for f in device-nvrtc device-nvcc; do
@@ -101,4 +126,8 @@ for f in device-nvrtc device-nvcc; do
     grep -Ev '^  (first difference|round|find_nonfinite)|^FAIL' "$LOGS/$f.txt" || true
 done
 [ -f "$LOGS/nccl.txt" ] && { echo "-- nccl"; grep -Ei 'GB/s|bandwidth|passed|refused|ok' "$LOGS/nccl.txt" | head -n 40 || true; }
+[ -f "$LOGS/steps-compare.txt" ] && { echo "-- cuda_mlp"; cat "$LOGS/steps-compare.txt"; }
+for n in 1 2 3 4; do
+    [ -f "$LOGS/pipes-$n.txt" ] && echo "N = $n: $(grep -Eo 'trained .*samples/s\)' "$LOGS/pipes-$n.txt" || echo '?')"
+done
 say "all steps passed"
