@@ -1319,6 +1319,13 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
    takes cores from the stage threads (its time per parameter, from 'averaging' lines the trainer
    measures with avgpipe_tune_measure_averaging).
 
+   Pipelines sharing a device. On a GPU the N pipelines' kernels of one rank run concurrently (a stream
+   each), so N pipelines get through a rank's ops faster than N times one pipeline's. Profile N = 1 and
+   N = 2 (sections of both in one profile): the fit takes the ops' own costs from the N = 1 sections and
+   the share of an op that overlaps (cost_model.overlap) from how much less time the ranks were busy at
+   N = 2 than those costs add up to; predictions with N pipelines then charge each compute op
+   (N (1 - overlap) + overlap) / N of its cost. On CPU threads the ops of a rank never overlap: 0.
+
    The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
    backward time as a + b x samples, its parameters and output bytes, the stage that held it),
    avgpipe_tune_plan chooses the contiguous split of the L layers into S (or S·V) partitions jointly
@@ -1397,6 +1404,12 @@ typedef struct avgpipe_cost_model {
     double op_overhead;         /* runtime time per compute or STEP op outside the callback (trimmed mean) */
     double avg_per_float;       /* one averaging contribution per parameter float ('averaging' lines) */
     double step_a, step_b;      /* STEP = step_a + step_b x parameters of the partition, over the stages */
+    /* Concurrency on one device (GPU streams): the share p of a compute op's time that overlaps with the
+       other pipelines' ops on the same rank. N pipelines' ops then take (N (1 - p) + p) / N of their
+       isolated time each (Amdahl). Fitted when the profile has sections with N = 1 (the isolated op
+       times) and N >= 2 (the ranks' busy time, the union of their compute ops' intervals, against the
+       isolated time of the same ops); 0 on CPU threads, whose ops never overlap. */
+    double overlap;
     int nlayers;                /* per-layer costs ('layer' lines), for avgpipe_tune_split / _plan */
     avgpipe_layer_cost *layers; /* [nlayers]; .stage = the partition that holds the layer in this model */
 } avgpipe_cost_model;
@@ -9794,6 +9807,56 @@ static avgpipe_result avgpipe__fit_extras(avgpipe_context *ctx, const avgpipe_pr
     return avgpipe__fit_overhead(ctx, p, &m->op_overhead);
 }
 
+/* Has the profile a section with lo <= pipes <= hi? */
+static int avgpipe__profile_has_pipes(const avgpipe_profile *p, int lo, int hi) {
+    int s;
+    for (s = 0; s < p->nsections; s++)
+        if (p->sections[s].shape.pipes >= lo && p->sections[s].shape.pipes <= hi) return 1;
+    return 0;
+}
+
+/* m->overlap from the sections with N >= 2 (needs the isolated op costs fitted from N = 1): per rank,
+   the isolated time of its compute ops (a + b x samples) against the union of their intervals, h =
+   isolated / busy, so N (1 - 1/h) / (N - 1) per section; the mean weighted by isolated time, in [0, 1]. */
+static avgpipe_result avgpipe__fit_overlap(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *m) {
+    avgpipe__ev *ev;
+    double wsum = 0, psum = 0;
+    int s, r, K = AVGPIPE_OP_KIND_COUNT;
+    m->overlap = 0;
+    if (!avgpipe__profile_has_pipes(p, 1, 1) || !avgpipe__profile_has_pipes(p, 2, INT_MAX)) return AVGPIPE_OK;
+    if (!(ev = (avgpipe__ev *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof *ev))) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+    for (s = 0; s < p->nsections; s++) {
+        const avgpipe_profile_section *sec = &p->sections[s];
+        double iso = 0, busy = 0, h, q;
+        int N = sec->shape.pipes;
+        if (N < 2) continue;
+        for (r = 0; r < sec->shape.stages; r++) {
+            size_t i, n = 0, j;
+            double end = -1e300;
+            for (i = 0; i < p->nops; i++) {
+                const avgpipe_profile_op *o = &p->ops[i];
+                if (o->section != s || o->rank != r || !avgpipe__is_compute(o->kind) || o->stage >= m->nstages) continue;
+                iso += m->a[o->stage * K + o->kind] + m->b[o->stage * K + o->kind] * sec->samples;
+                ev[n].start = o->start, ev[n++].end = o->end;
+            }
+            qsort(ev, n, sizeof *ev, avgpipe__cmp_ev);
+            for (j = 0; j < n; j++) { /* the union of the intervals */
+                double a = ev[j].start > end ? ev[j].start : end;
+                if (ev[j].end > a) busy += ev[j].end - a;
+                if (ev[j].end > end) end = ev[j].end;
+            }
+        }
+        if (!(iso > 0) || !(busy > 0)) continue;
+        h = iso / busy;
+        q = (double)N * (1 - 1 / h) / (double)(N - 1);
+        psum += iso * (q < 0 ? 0 : q > 1 ? 1 : q);
+        wsum += iso;
+    }
+    avgpipe_free(ctx, ev);
+    m->overlap = wsum > 0 ? psum / wsum : 0;
+    return AVGPIPE_OK;
+}
+
 typedef struct avgpipe__obs {
     int g, k;
     double x, y;
@@ -9813,10 +9876,12 @@ static int avgpipe__cmp_obs(const void *x, const void *y) {
 static avgpipe_result avgpipe__fit_medians(avgpipe_context *ctx, const avgpipe_profile *p, int G, double *sums) {
     avgpipe__obs *o = (avgpipe__obs *)avgpipe_alloc(ctx, (p->nops + 1) * sizeof *o);
     size_t n = 0, i, j;
+    int isolated = avgpipe__profile_has_pipes(p, 1, 1); /* the ops' own times: from N = 1 where there is one */
     if (!o) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
     for (i = 0; i < p->nops; i++) {
         const avgpipe_profile_op *op = &p->ops[i];
         if ((!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) || op->stage >= G) continue;
+        if (isolated && p->sections[op->section].shape.pipes > 1) continue;
         o[n].g = op->stage, o[n].k = op->kind, o[n].x = p->sections[op->section].samples, o[n++].y = op->end - op->start;
     }
     qsort(o, n, sizeof *o, avgpipe__cmp_obs);
@@ -9884,6 +9949,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
     avgpipe_free(ctx, sums);
     res = avgpipe__fit_latency(ctx, p, &out->latency);
     if (!res) res = avgpipe__fit_extras(ctx, p, out);
+    if (!res) res = avgpipe__fit_overlap(ctx, p, out);
     if (res) avgpipe_cost_model_free(ctx, out);
     return res;
 }
@@ -9892,6 +9958,7 @@ typedef struct avgpipe__pred {
     const avgpipe_cost_model *m;
     double samples;
     int avg_on_rank; /* N = 1: the next round's forward waits for the averaging, on the rank's timeline */
+    double util;     /* compute ops' share of their isolated time with N pipelines on a device (m->overlap) */
 } avgpipe__pred;
 
 /* One averaging contribution of stage g. */
@@ -9903,7 +9970,7 @@ static double avgpipe__pred_cost(const avgpipe_op *op, void *user) {
     if (op->stage < 0 || op->stage >= p->m->nstages) return 0;
     if (op->kind == AVGPIPE_OP_AVG) return p->avg_on_rank ? avgpipe__avg_cost(p->m, op->stage) : 0;
     if (!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) return 0;
-    return p->m->a[ix] + p->m->b[ix] * p->samples + p->m->op_overhead;
+    return (p->m->a[ix] + p->m->b[ix] * p->samples) * (op->kind == AVGPIPE_OP_STEP ? 1 : p->util) + p->m->op_overhead;
 }
 
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
@@ -9925,6 +9992,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     pr.m = m;
     pr.samples = samples;
     pr.avg_on_rank = s.shape.pipes == 1;
+    pr.util = 1 - m->overlap * (double)(s.shape.pipes - 1) / (double)s.shape.pipes;
     sd.cost_fn = avgpipe__pred_cost;
     sd.cost_user = &pr;
     sd.latency = m->latency;
@@ -9967,6 +10035,7 @@ static avgpipe_result avgpipe__model_like(avgpipe_context *ctx, const avgpipe_co
     out->samples_lo = m->samples_lo, out->samples_hi = m->samples_hi;
     out->cores = m->cores;
     out->op_overhead = m->op_overhead;
+    out->overlap = m->overlap;
     out->avg_per_float = m->avg_per_float;
     out->step_a = m->step_a, out->step_b = m->step_b;
     return AVGPIPE_OK;

@@ -1338,7 +1338,7 @@ static int profile_sizes(const options *o, int min_micro, int *m) {
 
 /* One profile run on this process's GPU, every stage a thread (also rank 0 of an NCCL job): 1 pipeline of
    `micro` micro-batches, advance forward with K = S-1, throwaway weights. */
-static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path, int append, double *seconds) {
+static int profile_run(app *A, avgpipe_context *ctx, int micro, int pipes, const char *path, int append, double *seconds) {
     options saved = A->opt;
     avgpipe_run *run = NULL;
     avgpipe_run_desc d;
@@ -1346,7 +1346,7 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, const char *path
     int i, rc = -1, me = A->me;
     A->me = -1;
     A->opt.replicas = 1;
-    A->opt.pipes = 1;
+    A->opt.pipes = pipes;
     A->opt.micro = micro;
     A->opt.schedule = AVGPIPE_SCHED_ADVANCE;
     A->opt.chunks = 1;
@@ -1395,6 +1395,8 @@ static void print_cost_model(const avgpipe_cost_model *m) {
                 1e6 * b[AVGPIPE_OP_F], 1e6 * a[AVGPIPE_OP_B], 1e6 * b[AVGPIPE_OP_B], 1e6 * a[AVGPIPE_OP_STEP]);
     }
     fprintf(stderr, "  transfer latency %.1f us\n", 1e6 * m->latency);
+    fprintf(stderr, "  pipelines overlap on the GPU: %.0f%% of a compute op (2 pipelines: %.2fx the ops per second of 1)\n", 100 * m->overlap,
+            2 / (2 - m->overlap));
 }
 
 static void print_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_profile *p, int section,
@@ -1425,7 +1427,7 @@ static int tune(app *A, avgpipe_context *ctx) {
     char tmp[512];
     const char *path = o->profile_tune, *dir = getenv("TMPDIR");
     int sizes[2], nsizes, i, ncand = 0, nok = 0, shown = 0, chosen = -1, best = -1, min_micro, rc = -1, have_tmp = 0;
-    double t0 = now_s(), t1, meas[2][TUNE_PROFILED];
+    double t0 = now_s(), t1, meas[3][TUNE_PROFILED];
     avgpipe_profile prof;
     avgpipe_cost_model cm;
     avgpipe_tune_desc td;
@@ -1448,11 +1450,14 @@ static int tune(app *A, avgpipe_context *ctx) {
     }
     nsizes = profile_sizes(o, min_micro, sizes);
     for (i = 0; i < nsizes; i++)
-        if (profile_run(A, ctx, sizes[i], path, i > 0, meas[i]) != 0) goto done;
+        if (profile_run(A, ctx, sizes[i], 1, path, i > 0, meas[i]) != 0) goto done;
+    /* and 2 pipelines at the first size: how much their kernels overlap on the GPU (the cost model's
+       overlap, fitted against the 1-pipeline op times) */
+    if (profile_run(A, ctx, sizes[0], 2, path, 1, meas[2]) != 0) goto done;
     t1 = now_s();
     r = avgpipe_profile_load(ctx, path, &prof);
-    if (r == AVGPIPE_OK && prof.nsections != nsizes * TUNE_PROFILED) {
-        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, nsizes * TUNE_PROFILED);
+    if (r == AVGPIPE_OK && prof.nsections != (nsizes + 1) * TUNE_PROFILED) {
+        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, (nsizes + 1) * TUNE_PROFILED);
         goto done;
     }
     if (r == AVGPIPE_OK) r = avgpipe_tune_fit(ctx, &prof, &cm);
@@ -1464,10 +1469,12 @@ static int tune(app *A, avgpipe_context *ctx) {
     fprintf(stderr, PROG ": tuner: profiled 1 pipeline on cuda:%d (advance, K = %d, %d rounds/iteration) at M = %d", A->gpu_ordinal,
             o->stages - 1, prof.sections[0].shape.rounds, sizes[0]);
     if (nsizes > 1) fprintf(stderr, " and M = %d", sizes[1]);
+    fprintf(stderr, ", and 2 pipelines at M = %d", sizes[0]);
     fprintf(stderr, ", %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", TUNE_PROFILED, TUNE_WARMUP, t1 - t0,
             o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
     print_cost_model(&cm);
     for (i = 0; i < nsizes; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
+    print_check(ctx, &cm, &prof, nsizes * TUNE_PROFILED, meas[2]);
 
     memset(&td, 0, sizeof td);
     td.batch = o->batch;

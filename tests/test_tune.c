@@ -521,6 +521,85 @@ Test(search, fit_recovers_the_synthetic_costs) {
     avgpipe_cost_model_free(&ctx, &m);
 }
 
+/* A profile of 2 stages: 1 pipeline at 4 and 8 samples per micro-batch, then 2 pipelines at 4 whose
+   forwards (and backwards) of one micro-batch run concurrently on the rank's device, the pair taking
+   (2 (1 - p) + p) x one op's time (share p of each op overlaps); serial: the 2-pipeline ops laid end to
+   end at their own times instead, as CPU threads run them. */
+static char *overlap_profile(double p, int serial) {
+    const double fa = 50e-6, fb = 4e-6, ba = 90e-6, bb = 8e-6;
+    sbuf b = {NULL, 0, 0};
+    int k, g, u, q;
+    sb_printf(&b, "# avgpipe profile v1\n");
+    for (k = 0; k < 3; k++) {
+        double x = k == 1 ? 8 : 4, f = fa + fb * x, bw = ba + bb * x, t = 0;
+        int M = 4, N = k == 2 ? 2 : 1;
+        sb_printf(&b, "shape kind=afab stages=2 chunks=1 micro=%d pipes=%d rounds=1 advance=0 continuous=0 samples=%g seconds=1\n", M, N, x);
+        for (g = 0; g < 2; g++) sb_printf(&b, "stage %d param_floats=1000 act_bytes=%.0f slots=%d\n", g, g == 0 ? 64 * x : 0, M);
+        for (g = 0; g < 2; g++, t = 0)
+            for (u = 0; u < M; u++) {
+                const char *kind[2] = {"F", "B"};
+                double d[2] = {f, bw};
+                int j;
+                for (j = 0; j < 2; j++) {
+                    if (N == 1 || serial) {
+                        for (q = 0; q < N; q++, t += d[j])
+                            sb_printf(&b, "op rank=%d kind=%s pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, kind[j], q, g, u, t,
+                                      t + d[j]);
+                    } else { /* the pair together */
+                        double pair = d[j] * (2 * (1 - p) + p);
+                        for (q = 0; q < 2; q++)
+                            sb_printf(&b, "op rank=%d kind=%s pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, kind[j], q, g, u, t,
+                                      t + pair);
+                        t += pair;
+                    }
+                }
+            }
+    }
+    return b.p;
+}
+
+static void fit_overlap(avgpipe_context *ctx, double p, int serial, avgpipe_cost_model *m) {
+    char *text = overlap_profile(p, serial);
+    avgpipe_profile pr;
+    cr_assert_eq(avgpipe_profile_parse(ctx, text, strlen(text), &pr), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    cr_assert_eq(avgpipe_tune_fit(ctx, &pr, m), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+    avgpipe_profile_free(ctx, &pr);
+    free(text);
+}
+
+/* The utilisation factor: the overlap of two pipelines on one device is recovered from the profile
+   (the 2-pipeline ops do not bend the 1-pipeline op costs), and a prediction with N pipelines takes
+   (N (1 - p) + p) / N of the compute time; CPU-like serial ops give no overlap. */
+Test(search, overlap_of_pipelines_on_a_device_is_fitted_and_predicted) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, m0;
+    avgpipe_sched_desc sd;
+    double with, without;
+    int N, K = AVGPIPE_OP_KIND_COUNT;
+    avgpipe_context_init(&ctx, NULL);
+    fit_overlap(&ctx, 0.6, 0, &m);
+    cr_expect(fabs(m.overlap - 0.6) < 1e-6, "fitted overlap %.9f, made with 0.6", m.overlap);
+    cr_expect(close_rel(m.a[AVGPIPE_OP_F], 50e-6) && close_rel(m.b[AVGPIPE_OP_F], 4e-6), "F %g + %g x: the 2-pipeline ops bent the fit",
+              m.a[AVGPIPE_OP_F], m.b[AVGPIPE_OP_F]);
+    cr_expect(close_rel(m.a[K + AVGPIPE_OP_B], 90e-6) && close_rel(m.b[K + AVGPIPE_OP_B], 8e-6), "B %g + %g x", m.a[K + AVGPIPE_OP_B],
+              m.b[K + AVGPIPE_OP_B]);
+    cr_expect(m.op_overhead < 1e-9 && m.latency < 1e-9, "overhead %g, latency %g: the ops were laid end to end", m.op_overhead, m.latency);
+    m0 = m;
+    m0.overlap = 0;
+    for (N = 1; N <= 4; N++) {
+        memset(&sd, 0, sizeof sd);
+        sd.kind = AVGPIPE_SCHED_AFAB, sd.stages = 2, sd.micro = 4, sd.pipes = N, sd.rounds = 1;
+        cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &sd, 4, &with), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_eq(avgpipe_tune_predict(&ctx, &m0, &sd, 4, &without), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_expect(fabs(with / without - (N * 0.4 + 0.6) / N) < 1e-9, "N = %d: predicted %.6g s with the overlap, %.6g without (ratio %.6f, want %.6f)",
+                  N, with, without, with / without, (N * 0.4 + 0.6) / N);
+    }
+    avgpipe_cost_model_free(&ctx, &m);
+    fit_overlap(&ctx, 0.6, 1, &m);
+    cr_expect(fabs(m.overlap) < 1e-9, "serial ops (CPU threads): fitted overlap %.9f", m.overlap);
+    avgpipe_cost_model_free(&ctx, &m);
+}
+
 /* Every candidate: fits == (peak_bytes <= limit); fitting ones first; each group fastest per sample
    first; peak_bytes = the memory model's buffers + N x params x (4 + opt) on the worst rank; seconds
    = avgpipe_tune_predict of the same setting. Returns the number that fit. */
