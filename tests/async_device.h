@@ -31,16 +31,15 @@ typedef struct adev_stream {
     struct adev *dev;
     pthread_t thread;
     adev_task *q;
-    long long head, tail, cap; /* tasks [head, tail) wait; done = head once each finished */
-    long long done;
+    long long head, tail, cap; /* tasks [head, tail) wait; the first `head` ones have run */
     long id; /* unique over the program (an address may come back for a new stream) */
-    int quit, busy;
+    int quit;
 } adev_stream;
 
 typedef struct adev_event {
     adev_stream *s;
     long sid;         /* s->id when recorded */
-    long long ticket; /* complete when s->done >= ticket */
+    long long ticket; /* complete when s->head >= ticket */
     double t;         /* when the marker ran */
 } adev_event;
 
@@ -53,7 +52,6 @@ typedef struct adev {
     avgpipe_device cpu;
     long delay_us;
     long pass_delay_us; /* an averaging pass takes at least this long (a slow kernel) */
-    long tasks; /* enqueued over the device's life */
     long allocs, frees;
     long next_id;
 } adev;
@@ -91,7 +89,6 @@ static void *adev_stream_main(void *p) {
         t.fn(t.arg);
         pthread_mutex_lock(&d->mu);
         s->head++;
-        s->done = s->head;
         pthread_cond_broadcast(&d->cv);
         pthread_mutex_unlock(&d->mu);
     }
@@ -118,7 +115,7 @@ static adev_stream *adev_stream_new(adev *d) {
 static adev_stream *adev_of(adev_stream *s) { return s ? s : ADEV.def; }
 
 /* Enqueue fn(copy of arg) on stream s (NULL: the default stream); *ticket (may be NULL): the task's
-   position, counted from 1 (the stream got there once done >= ticket). */
+   position, counted from 1 (the stream got there once head >= ticket). */
 static int adev_enqueue_at(avgpipe_device_stream stream, void (*fn)(void *), const void *arg, size_t size, long long *ticket) {
     adev *d = &ADEV;
     adev_stream *s = adev_of((adev_stream *)stream);
@@ -142,7 +139,6 @@ static int adev_enqueue_at(avgpipe_device_stream stream, void (*fn)(void *), con
     if (size) memcpy(t->arg, arg, size);
     s->tail++;
     if (ticket) *ticket = s->tail;
-    d->tasks++;
     pthread_cond_broadcast(&d->cv);
     pthread_mutex_unlock(&d->mu);
     return 0;
@@ -164,7 +160,7 @@ static int adev_live(const adev_stream *s, long id) {
 static void adev_reach_id(adev_stream *s, long id, long long ticket) {
     adev *d = &ADEV;
     pthread_mutex_lock(&d->mu);
-    while (adev_live(s, id) && s->done < ticket) pthread_cond_wait(&d->cv, &d->mu);
+    while (adev_live(s, id) && s->head < ticket) pthread_cond_wait(&d->cv, &d->mu);
     pthread_mutex_unlock(&d->mu);
 }
 static void adev_reach(adev_stream *s, long long ticket) { adev_reach_id(s, s->id, ticket); }
@@ -299,7 +295,7 @@ static avgpipe_result adev_event_query(void *u, avgpipe_device_event ev, int *do
     adev_event *e = (adev_event *)ev;
     (void)u;
     pthread_mutex_lock(&ADEV.mu);
-    *done = !e->s || !adev_live(e->s, e->sid) || e->s->done >= e->ticket;
+    *done = !e->s || !adev_live(e->s, e->sid) || e->s->head >= e->ticket;
     pthread_mutex_unlock(&ADEV.mu);
     return AVGPIPE_OK;
 }
