@@ -48,6 +48,8 @@
 #include "examples/mlp.h"
 #define BLAS_KERNEL_IMPLEMENTATION
 #include "examples/blas_kernel.h"
+#define PROG "fashion_mnist"
+#include "examples/mlp_app.h" /* options, parse_options, fail, bad_usage (shared with cuda_mlp.cu) */
 
 #include <errno.h>
 #include <sys/stat.h>
@@ -64,30 +66,6 @@
 #endif
 
 void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
-
-#define PROG "fashion_mnist"
-#define ADVANCE_AUTO (-1)
-#define AUTO 0 /* --micro auto, --pipes auto: the tuner picks them */
-#define MAX_REPLICAS 8
-
-typedef struct options {
-    int stages, pipes, micro, batch, epochs, rounds, chunks, advance, limit_train, replicas;
-    int split[MLP_MAX_LAYERS], nsplit; /* --split LIST: layers per stage partition; nsplit 0: auto */
-    int split_planned, split_given;    /* the partitioner chose the split; --split LIST (for the header) */
-    int priorities;                    /* --priorities: lower the lighter stages' threads when they outnumber the cores */
-    int stage_nice[MLP_MAX_LAYERS];    /* per rank of a group: nice increment of its stage thread (0: none; plan_priorities) */
-    int checkpoint_every, stop_after;  /* iterations between checkpoints (0: only at the end); epochs to run now */
-    int deterministic, continuous, normalize, cosine, mpi;
-    int schedule_set, sync_set;   /* the user fixed --schedule / --sync: the tuner keeps them */
-    avgpipe_sched_kind schedule;
-    double alpha, lr;
-    double mem_limit;             /* --mem-limit: bytes per rank for the tuner; 0: none */
-    double target_acc;            /* --target-acc: stop when the reference reaches it (0: train every epoch) */
-    int evals_per_epoch;          /* with --target-acc: test evaluations per epoch */
-    unsigned long long seed;
-    const char *data, *hidden, *trace, *profile, *save, *profile_tune, *checkpoint, *resume;
-    const char *bind;             /* --bind: NULL or "none", "report", "auto", "always" */
-} options;
 
 /* Everything the callbacks reach through op->user. Per-(replica, stage) state (stash, perm) is touched
    only by the worker of the rank that holds that stage of that replica group; per-model state (the nets'
@@ -126,67 +104,17 @@ typedef struct app {
 
 #define LSAMP_CAP 2048 /* per-layer samples kept per (size, layer, kind): a profile run has a few hundred */
 
-static double now_s(void);
-
-static int g_rank = -1; /* --backend mpi: this process's rank, for messages */
 static blas_kernel_status g_blas; /* the OpenBLAS kernel this process runs, and why (blas_kernel.h) */
-
-/* Print "fashion_mnist: <message>" (mpi: "fashion_mnist (rank R): ...") on stderr; returns -1. */
-static int fail(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    if (g_rank >= 0) fprintf(stderr, PROG " (rank %d): ", g_rank);
-    else fputs(PROG ": ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    return -1;
-}
 
 /* ---- Options ---------------------------------------------------------------------------------- */
 
-static const char *usage =
+static const char usage[] =
     "usage: " PROG " [options]\n"
     "  --stages G          stage partitions of the model (default 4)\n"
     "  --split auto|LIST   layers per stage partition, e.g. 1,1,2 (default auto: the tuner's partitioner)\n"
     "  --backend B         threads (default: every rank a thread of this process) | mpi (one rank per\n"
     "                      process: mpirun -np <replicas x ranks> " PROG " --backend mpi ...)\n"
-    "  --replicas D        replica groups of the pipelines, each on its own share of the data, their\n"
-    "                      reference models averaged every round (default 1)\n"
-    "  --pipes N|auto      parallel pipelines = parallel models (default auto: the tuner picks 1..4)\n"
-    "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n"
-    "                      at least 16 samples)\n"
-    "  --batch B           samples per batch per pipeline (default 128; a multiple of M)\n"
-    "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 | zbv | dualpipev (default advance;\n"
-    "                      with --micro or --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1,\n"
-    "                      or only KIND); zbv and dualpipev hold two stages per rank in a V (ranks = G / 2)\n"
-    "  --advance K|auto    advance forwards (advance only; default auto: the runtime's adaptive K when M and\n"
-    "                      N are fixed, the tuner's K otherwise; a fixed K needs fixed --micro and --pipes)\n"
-    "  --chunks V          model chunks per rank (interleaved only; default 2; ranks = G / V)\n"
-    "  --rounds R          rounds per runtime iteration (default 8)\n"
-    "  --sync              synchronous rounds (default: continuous rounds, or the tuner's pick)\n"
-    "  --mem-limit SIZE    tuner: bytes per rank (buffers, parameters, Adam state), suffix K, M or G\n"
-    "                      (binary); default no limit\n"
-    "  --profile-tune FILE tuner: keep its profile (default: a temporary file, removed)\n"
-    "  --alpha A           elasticity in [0, 1] (default 0.1)\n"
-    "  --epochs E          (default 10)\n"
-    "  --lr LR             Adam learning rate, cosine-decayed to 0 over the run (default 1e-3)\n"
-    "  --constant-lr       no learning-rate decay\n"
-    "  --seed S            weights and sample order (default 1)\n"
-    "  --hidden LIST       hidden widths (default 512,256,128: 784-512-256-128-10)\n"
-    "  --data DIR          (default /usr/share/datasets/fashion-mnist)\n"
-    "  --limit-train N     use only the first N training samples\n"
-    "  --deterministic     every averaging waits for the previous round's reference (reproducible)\n"
-    "  --trace FILE.json   Chrome trace of the last iteration (open in ui.perfetto.dev); with --backend\n"
-    "                      mpi each process writes its ranks' part, rank R's to FILE.R (rank 0's to FILE)\n"
-    "  --profile FILE      per-op profile of the last iteration (the tuner's input); mpi: as --trace\n"
-    "  --save FILE         write the reference model's parameters (mlp_params_save)\n"
-    "  --checkpoint DIR    save a checkpoint there (avgpipe_run_save: every rank's models, references,\n"
-    "                      averaging state and Adam state) at the end, and every --checkpoint-every K\n"
-    "                      iterations; the directory is created if missing\n"
-    "  --resume DIR        continue from the checkpoint in DIR: give the flags it was made with (with\n"
-    "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n"
-    "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
+    MLP_APP_USAGE_FLAGS("mpi")
     "  --target-acc A      stop once the reference model's test accuracy reaches A; say when (epochs, s)\n"
     "  --priorities on|off with more stage threads than cores, the lighter stages' threads run at a lower\n"
     "                      priority, so the busiest stage keeps a core (default on; threads, tuner)\n"
@@ -194,7 +122,7 @@ static const char *usage =
     "  --no-normalize      keep pixels in [0, 1] (default: standardise with the training set's mean/std)\n"
     "  --bind MODE         none|report|auto|always: hwloc thread placement\n"
     ;
-static const char *usage_tuning =
+static const char usage_tuning[] =
     "Tuning (when --micro or --pipes is auto, the default): before training, the model is profiled for\n"
     "a few iterations of 1 pipeline at two micro-batch sizes on throwaway copies of the initial weights\n"
     "(training then starts from the same weights and sample order as without tuning), a cost model is\n"
@@ -203,58 +131,6 @@ static const char *usage_tuning =
     "--mem-limit is trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the\n"
     "choice and the best alternatives (one per M and N) go to stderr. --split auto: the profile times\n"
     "every layer and the partitioner picks the split with the setting (also with M and N fixed).\n";
-
-/* A bad command line: one line on stderr, exit status 2. */
-static void bad_usage(const char *fmt, ...) {
-    va_list ap;
-    va_start(ap, fmt);
-    fputs(PROG ": ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    exit(2);
-}
-
-static long parse_long(const char *flag, const char *s, long lo, long hi) {
-    char *end;
-    long v;
-    errno = 0;
-    v = strtol(s, &end, 10);
-    if (end == s || *end || errno || v < lo || v > hi)
-        bad_usage("%s expects an integer in [%ld, %ld], got '%s'", flag, lo, hi, s);
-    return v;
-}
-
-static double parse_double(const char *flag, const char *s, double lo, double hi) {
-    char *end;
-    double v;
-    errno = 0;
-    v = strtod(s, &end);
-    if (end == s || *end || errno || !(v >= lo && v <= hi))
-        bad_usage("%s expects a number in [%g, %g], got '%s'", flag, lo, hi, s);
-    return v;
-}
-
-/* A size in bytes: a number with an optional binary suffix K, M or G ("512M", "1.5G"). */
-static double parse_size(const char *flag, const char *s) {
-    char *end;
-    double v, unit = 1;
-    errno = 0;
-    v = strtod(s, &end);
-    if (end != s && *end && !end[1]) {
-        if (*end == 'K' || *end == 'k') unit = 1024.0, end++;
-        else if (*end == 'M' || *end == 'm') unit = 1024.0 * 1024, end++;
-        else if (*end == 'G' || *end == 'g') unit = 1024.0 * 1024 * 1024, end++;
-    }
-    if (end == s || *end || errno || !(v * unit >= 1 && v * unit <= 1e18))
-        bad_usage("%s expects a size in bytes with an optional suffix K, M or G (e.g. 64M), got '%s'", flag, s);
-    return v * unit;
-}
-
-/* --micro or --pipes auto: profile, tune, then train with the tuner's choice. */
-static int tuning(const options *o) { return o->micro == AUTO || o->pipes == AUTO; }
-/* Schedules that hold two stages per rank in a V (rank r: stages r and 2S-1-r). */
-static int v_placed(avgpipe_sched_kind k) { return k == AVGPIPE_SCHED_ZBV || k == AVGPIPE_SCHED_DUALPIPEV; }
 
 /* Contiguous splits of the model's layers into its stage partitions: C(L-1, G-1). */
 static double split_count(const options *o) {
@@ -274,75 +150,23 @@ static int planning(const options *o) {
     return o->nsplit == 0 && o->schedule != AVGPIPE_SCHED_INTERLEAVED && !v_placed(o->schedule) && split_count(o) > 1;
 }
 
-static void set_defaults(options *o) {
-    memset(o, 0, sizeof *o);
-    o->stages = 4, o->pipes = AUTO, o->micro = AUTO, o->batch = 128, o->epochs = 10, o->rounds = 8, o->chunks = 0;
-    o->replicas = 1, o->priorities = 1;
-    o->advance = ADVANCE_AUTO, o->continuous = 1, o->normalize = 1, o->cosine = 1;
-    o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->lr = 1e-3, o->seed = 1;
-    o->data = "/usr/share/datasets/fashion-mnist", o->hidden = "512,256,128";
-}
+static const char *const own_flags[] = {"--split", "--bind", "--target-acc", "--evals-per-epoch", "--priorities", NULL};
 
-/* Flags without a value; returns 1 if f was one. */
-static int parse_switch(options *o, const char *f) {
-    if (!strcmp(f, "--help") || !strcmp(f, "-h")) fputs(usage, stdout), fputs(usage_tuning, stdout), exit(0);
-    if (!strcmp(f, "--sync")) return o->continuous = 0, o->sync_set = 1, 1;
-    if (!strcmp(f, "--deterministic")) return o->deterministic = 1, 1;
-    if (!strcmp(f, "--no-normalize")) return o->normalize = 0, 1;
-    if (!strcmp(f, "--constant-lr")) return o->cosine = 0, 1;
-    return 0;
-}
+static void own_defaults(options *o) { o->priorities = 1; }
 
-static void parse_value(options *o, const char *f, const char *v) {
-    if (!strcmp(f, "--stages")) o->stages = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
-    else if (!strcmp(f, "--pipes")) o->pipes = !strcmp(v, "auto") ? AUTO : (int)parse_long(f, v, 1, 256);
-    else if (!strcmp(f, "--micro")) o->micro = !strcmp(v, "auto") ? AUTO : (int)parse_long(f, v, 1, 4096);
-    else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 1 << 20);
-    else if (!strcmp(f, "--epochs")) o->epochs = (int)parse_long(f, v, 1, 100000);
-    else if (!strcmp(f, "--rounds")) o->rounds = (int)parse_long(f, v, 1, 100000);
-    else if (!strcmp(f, "--chunks")) o->chunks = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
-    else if (!strcmp(f, "--limit-train")) o->limit_train = (int)parse_long(f, v, 1, 1 << 24);
-    else if (!strcmp(f, "--replicas")) o->replicas = (int)parse_long(f, v, 1, MAX_REPLICAS);
-    else if (!strcmp(f, "--checkpoint-every")) o->checkpoint_every = (int)parse_long(f, v, 1, 1 << 30);
-    else if (!strcmp(f, "--stop-after")) o->stop_after = (int)parse_long(f, v, 1, 100000);
-    else if (!strcmp(f, "--checkpoint")) o->checkpoint = v;
-    else if (!strcmp(f, "--resume")) o->resume = v;
-    else if (!strcmp(f, "--backend")) {
-        if (!strcmp(v, "mpi")) o->mpi = 1;
-        else if (!strcmp(v, "threads")) o->mpi = 0;
-        else bad_usage("--backend expects threads or mpi, got '%s'", v);
-#ifndef FMNIST_MPI
-        if (o->mpi) bad_usage("--backend mpi: this build has no MPI (install libopenmpi-dev and rebuild)");
-#endif
-    }
-    else if (!strcmp(f, "--alpha")) o->alpha = parse_double(f, v, 0, 1);
-    else if (!strcmp(f, "--target-acc")) o->target_acc = parse_double(f, v, 1e-9, 1);
+/* This program's flags with a value (the shared ones: mlp_app.h). */
+static void own_value(options *o, const char *f, const char *v) {
+    if (!strcmp(f, "--target-acc")) o->target_acc = parse_double(f, v, 1e-9, 1);
     else if (!strcmp(f, "--priorities")) {
         if (strcmp(v, "on") && strcmp(v, "off")) bad_usage("--priorities expects on or off, got '%s'", v);
         o->priorities = !strcmp(v, "on");
-    }
-    else if (!strcmp(f, "--evals-per-epoch")) o->evals_per_epoch = (int)parse_long(f, v, 1, 1000);
-    else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
-    else if (!strcmp(f, "--seed")) o->seed = (unsigned long long)parse_long(f, v, 0, 2147483647L);
-    else if (!strcmp(f, "--advance")) o->advance = !strcmp(v, "auto") ? ADVANCE_AUTO : (int)parse_long(f, v, 0, 4096);
-    else if (!strcmp(f, "--schedule")) {
-        if (avgpipe_sched_kind_parse(v, &o->schedule) != AVGPIPE_OK || o->schedule == AVGPIPE_SCHED_CUSTOM)
-            bad_usage("--schedule expects afab, 1f1b, advance, interleaved, zbh1, zbv or dualpipev, got '%s'", v);
-        o->schedule_set = 1;
-    } else if (!strcmp(f, "--mem-limit")) o->mem_limit = parse_size(f, v);
-    else if (!strcmp(f, "--profile-tune")) o->profile_tune = v;
-    else if (!strcmp(f, "--data")) o->data = v;
-    else if (!strcmp(f, "--hidden")) o->hidden = v;
+    } else if (!strcmp(f, "--evals-per-epoch")) o->evals_per_epoch = (int)parse_long(f, v, 1, 1000);
     else if (!strcmp(f, "--split")) {
         char err[256];
         if (!strcmp(v, "auto")) o->nsplit = 0;
         else if (mlp_split_parse(v, o->split, MLP_MAX_LAYERS, &o->nsplit, err, sizeof err) != 0) bad_usage("--split: %s", err);
         o->split_given = o->nsplit > 0;
-    }
-    else if (!strcmp(f, "--trace")) o->trace = v;
-    else if (!strcmp(f, "--profile")) o->profile = v;
-    else if (!strcmp(f, "--save")) o->save = v;
-    else if (!strcmp(f, "--bind")) {
+    } else if (!strcmp(f, "--bind")) {
         if (strcmp(v, "none") && strcmp(v, "report") && strcmp(v, "auto") && strcmp(v, "always"))
             bad_usage("--bind expects none, report, auto or always, got '%s'", v);
 #ifndef FMNIST_HWLOC
@@ -352,91 +176,30 @@ static void parse_value(options *o, const char *f, const char *v) {
     }
 }
 
-/* Cross-flag checks that need no data. */
-static void check_options(options *o, const char *advance_flag) {
-    int interleaved = o->schedule == AVGPIPE_SCHED_INTERLEAVED, vplaced = v_placed(o->schedule);
-    if (o->micro != AUTO && o->batch % o->micro != 0)
-        bad_usage("--batch %d is not a multiple of --micro %d", o->batch, o->micro);
-    if (tuning(o) && (interleaved || vplaced))
-        bad_usage("--schedule %s needs fixed --micro and --pipes (the tuner profiles one chunk per rank)",
-                  avgpipe_sched_kind_name(o->schedule));
-    if (tuning(o) && advance_flag && strcmp(advance_flag, "auto") != 0)
-        bad_usage("--advance %s needs fixed --micro and --pipes (with --micro or --pipes auto the tuner picks K)",
-                  advance_flag);
-    if (!tuning(o) && !planning(o) && (o->mem_limit > 0 || o->profile_tune))
-        bad_usage("%s applies only to the tuner (--micro auto or --pipes auto, or --split auto with a split to choose)",
-                  o->mem_limit > 0 ? "--mem-limit" : "--profile-tune");
-    if (advance_flag && o->schedule != AVGPIPE_SCHED_ADVANCE && strcmp(advance_flag, "auto") != 0)
-        bad_usage("--advance %s applies only to --schedule advance", advance_flag);
-    if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
-    if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
-    if (o->stop_after > o->epochs) bad_usage("--stop-after %d is past --epochs %d", o->stop_after, o->epochs);
-    if (o->evals_per_epoch && !(o->target_acc > 0)) bad_usage("--evals-per-epoch applies only with --target-acc");
-    if (!o->evals_per_epoch) o->evals_per_epoch = 2;
-    if (interleaved && !o->chunks) o->chunks = 2;
-    if (!interleaved) o->chunks = vplaced ? 2 : 1;
-    if (o->stages % o->chunks != 0)
-        bad_usage("--stages %d is not a multiple of %d (%s holds %d stages per rank)", o->stages, o->chunks,
-                  avgpipe_sched_kind_name(o->schedule), o->chunks);
-    if (o->schedule == AVGPIPE_SCHED_DUALPIPEV && !tuning(o) && o->pipes * o->micro < o->stages)
-        bad_usage("--schedule dualpipev needs --pipes x --micro >= 2 x ranks = %d (got %d x %d)", o->stages, o->pipes,
-                  o->micro);
-}
-
-/* The model flags, checked now for Fashion-MNIST's 784 inputs (the data set's own size is used later). */
-static void check_model(const options *o) {
+/* This program's cross-flag checks, after the shared ones and the model's. */
+static void own_check(options *o) {
     mlp_model m;
     char err[512];
-    if (mlp_model_parse(&m, 784, o->hidden, o->stages, err, sizeof err) != 0) bad_usage("%s", err);
+    if (o->evals_per_epoch && !(o->target_acc > 0)) bad_usage("--evals-per-epoch applies only with --target-acc");
+    if (!o->evals_per_epoch) o->evals_per_epoch = 2;
+    mlp_model_parse(&m, 784, o->hidden, o->stages, NULL, 0); /* checked by parse_options */
     if (o->nsplit && o->nsplit != o->stages)
         bad_usage("--split: %d stage partitions listed, --stages is %d", o->nsplit, o->stages);
     if (o->nsplit && mlp_model_regroup(&m, o->stages, o->split, err, sizeof err) != 0) bad_usage("--split: %s", err);
 }
 
-/* Output files are created before training, so that a bad path fails now rather than after the run. */
-static void check_output(const char *flag, const char *path) {
-    FILE *f;
-    if (!path) return;
-    errno = 0;
-    f = fopen(path, "wb");
-    if (!f) bad_usage("%s %s: cannot create: %s", flag, path, strerror(errno));
-    fclose(f);
-}
+/* The tuner's profile runs happen when it tunes M or N, or when the partitioner has a split to choose. */
+static int profiles(const options *o) { return tuning(o) || planning(o); }
 
-static int is_value_flag(const char *f) {
-    static const char *const names[] = {"--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds",
-                                        "--chunks", "--limit-train", "--alpha", "--lr", "--seed", "--advance",
-                                        "--schedule", "--data", "--hidden", "--trace", "--profile", "--save", "--split",
-                                        "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint",
-                                        "--checkpoint-every", "--resume", "--stop-after", "--bind", "--target-acc", "--evals-per-epoch",
-                                        "--priorities"};
-    size_t i;
-    for (i = 0; i < sizeof names / sizeof names[0]; i++)
-        if (!strcmp(f, names[i])) return 1;
-    return 0;
-}
-
-static void parse_options(int argc, char **argv, options *o) {
-    const char *advance_flag = NULL;
-    int i;
-    set_defaults(o);
-    for (i = 1; i < argc; i++) {
-        const char *f = argv[i];
-        if (parse_switch(o, f)) continue;
-        if (strncmp(f, "--", 2) != 0) bad_usage("unexpected argument '%s' (try --help)", f);
-        if (!is_value_flag(f)) bad_usage("unknown option '%s' (try --help)", f);
-        if (i + 1 >= argc) bad_usage("missing value after %s", f);
-        if (!strcmp(f, "--advance")) advance_flag = argv[i + 1];
-        parse_value(o, f, argv[++i]);
-    }
-    check_options(o, advance_flag);
-    check_model(o);
-    if (o->mpi) return; /* the process's rank says which files it writes: check_outputs() once it is known */
-    check_output("--trace", o->trace);
-    check_output("--profile", o->profile);
-    check_output("--save", o->save);
-    check_output("--profile-tune", o->profile_tune);
-}
+static const mlp_cli_program program = {
+    usage, usage_tuning, "mpi",
+#ifdef FMNIST_MPI
+    NULL,
+#else
+    "this build has no MPI (install libopenmpi-dev and rebuild)",
+#endif
+    own_flags, own_defaults, own_value, own_check, profiles,
+    "the tuner (--micro auto or --pipes auto, or --split auto with a split to choose)"};
 
 /* A generic OpenBLAS kernel on a CPU that can run a better one: restart with it (blas_kernel.h), before
    anything a restart would repeat (the data, the tuner, MPI). The check uses the model's layer shapes at
@@ -450,21 +213,6 @@ static int ensure_blas_kernel(const options *o, char **argv) {
     for (l = 0; l < m.layers; l++) shapes[l].m = rows, shapes[l].n = m.width[l + 1], shapes[l].k = m.width[l];
     blas_kernel_ensure(argv, shapes, m.layers, PROG, &g_blas);
     return 0;
-}
-
-/* --backend mpi: what rank r writes: FILE for rank 0, FILE.r for the others. */
-static const char *rank_path(const app *A, const char *path, char *buf, size_t cap) {
-    if (!path || A->me <= 0) return path;
-    snprintf(buf, cap, "%s.%d", path, A->me);
-    return buf;
-}
-
-static void check_outputs(const app *A) {
-    char b1[4096], b2[4096];
-    check_output("--trace", rank_path(A, A->opt.trace, b1, sizeof b1));
-    check_output("--profile", rank_path(A, A->opt.profile, b2, sizeof b2));
-    if (A->me == 0) check_output("--save", A->opt.save);
-    if (A->me == 0) check_output("--profile-tune", A->opt.profile_tune);
 }
 
 /* ---- Stage callbacks -------------------------------------------------------------------------- */
@@ -872,13 +620,6 @@ static void free_app(app *A) {
 
 /* ---- Training --------------------------------------------------------------------------------- */
 
-typedef struct epoch_stats {
-    double seconds, loss, bubble_time; /* bubble_time: sum of bubble * seconds */
-    double acc;                        /* --target-acc: the last test accuracy measured in the epoch (-1: none) */
-    long long micro_batches, samples, correct;
-    int advance;
-} epoch_stats;
-
 /* The reference model's partitions, one per stage, on the process that evaluates it (threads: this one;
    mpi: rank 0, gathered from the ranks that hold them: collective). -1 if there is none to give. */
 static int get_reference(app *A, avgpipe_run *run, avgpipe_context *ctx, const float **ref) {
@@ -906,20 +647,6 @@ static double evaluate_reference(app *A, avgpipe_run *run, avgpipe_context *ctx)
     return A->me <= 0 ? mlp_evaluate(&A->model, ref, &A->test, NULL) : 0;
 }
 
-/* A progress bar redrawn in place on a terminal; to a file or a pipe, one line per epoch. */
-static void progress(const app *A, int epoch, double frac, const epoch_stats *s, int done) {
-    char bar[21];
-    int i, filled = (int)(frac * 20 + 0.5), tty = isatty(fileno(stderr));
-    if (A->me > 0 || (!tty && !done)) return;
-    for (i = 0; i < 20; i++) bar[i] = i < filled ? '#' : '.';
-    bar[20] = '\0';
-    fprintf(stderr, "%sepoch %d/%d [%s] %3.0f%%  loss %.4f  train acc %.4f  %.0f samples/s  bubble %4.1f%%  K %d%s", tty ? "\r" : "",
-            epoch + 1, A->opt.epochs, bar, 100 * frac, s->micro_batches ? s->loss / (double)s->micro_batches : 0.0,
-            s->samples ? (double)s->correct / (double)s->samples : 0.0, s->seconds > 0 ? s->samples / s->seconds : 0.0,
-            s->seconds > 0 ? 100 * s->bubble_time / s->seconds : 0.0, s->advance, done ? "" : "   ");
-    fflush(stderr);
-}
-
 /* One iteration's loss, micro-batches, hits and bubble, summed over the processes (mpi: collective). */
 static int iteration_stats(app *A, avgpipe_run *run, avgpipe_context *ctx, const avgpipe_run_stats *rs, epoch_stats *s) {
     double v[4];
@@ -934,14 +661,6 @@ static int iteration_stats(app *A, avgpipe_run *run, avgpipe_context *ctx, const
     s->bubble_time += A->me >= 0 ? v[3] / A->nproc : v[3];
     s->samples += (long long)A->opt.rounds * A->opt.replicas * A->opt.pipes * A->opt.batch;
     s->advance = rs->advance;
-    return 0;
-}
-
-/* --checkpoint DIR: save (collective), creating DIR on first use. */
-static int checkpoint(app *A, avgpipe_run *run, avgpipe_context *ctx) {
-    if (!A->opt.checkpoint) return 0;
-    if (mkdir(A->opt.checkpoint, 0777) != 0 && errno != EEXIST) return fail("--checkpoint %s: %s", A->opt.checkpoint, strerror(errno));
-    if (avgpipe_run_save(run, A->opt.checkpoint) != AVGPIPE_OK) return fail("--checkpoint %s: %s", A->opt.checkpoint, avgpipe_last_error(ctx));
     return 0;
 }
 
@@ -971,17 +690,11 @@ static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, 
     for (it = first; it < iters; it++) {
         avgpipe_run_stats rs;
         avgpipe_result r = avgpipe_run_iteration(run, &rs);
-        if (r != AVGPIPE_OK) {
-            if (A->me >= 0) fprintf(stderr, "\n" PROG " (rank %d): iteration %lld of epoch %d: %s: %s\n", A->me, (long long)it, epoch + 1,
-                                    avgpipe_result_string(r), avgpipe_last_error(ctx));
-            else fprintf(stderr, "\n" PROG ": iteration %lld of epoch %d: %s: %s\n", (long long)it, epoch + 1, avgpipe_result_string(r),
-                         avgpipe_last_error(ctx));
-            return -1;
-        }
+        if (r != AVGPIPE_OK) return iteration_failed(A->me, it, epoch, r, ctx);
         if (iteration_stats(A, run, ctx, &rs, s) != 0) return -1;
-        progress(A, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
+        progress(&A->opt, A->me, epoch, (double)(it + 1) / (double)iters, s, it + 1 == iters);
         if (setup_stashes(A, run) != 0) return -1;
-        if (A->opt.checkpoint_every && avgpipe_run_iterations(run) % A->opt.checkpoint_every == 0 && checkpoint(A, run, ctx) != 0) return -1;
+        if (A->opt.checkpoint_every && avgpipe_run_iterations(run) % A->opt.checkpoint_every == 0 && checkpoint(&A->opt, run, ctx) != 0) return -1;
         switch (target_check(A, run, ctx, epoch, it, iters, &s->acc)) {
         case 1:
             *reached = epoch + (double)(it + 1) / (double)iters;
@@ -996,7 +709,7 @@ static int run_epoch(app *A, avgpipe_run *run, avgpipe_context *ctx, int epoch, 
 static int write_outputs(app *A, avgpipe_run *run, avgpipe_context *ctx) {
     const float *ref[MLP_MAX_LAYERS];
     char err[512], b1[4096], b2[4096];
-    const char *trace = rank_path(A, A->opt.trace, b1, sizeof b1), *prof = rank_path(A, A->opt.profile, b2, sizeof b2);
+    const char *trace = rank_path(A->me, A->opt.trace, b1, sizeof b1), *prof = rank_path(A->me, A->opt.profile, b2, sizeof b2);
     int rc = 0;
     if (A->opt.save && get_reference(A, run, ctx, ref) != 0) rc = -1;
     else if (A->opt.save && A->me <= 0 && mlp_params_save(A->opt.save, &A->model, ref, err, sizeof err) != 0)
@@ -1036,7 +749,7 @@ static int train(app *A, avgpipe_run *run, avgpipe_context *ctx) {
     if (A->me <= 0)
         printf("trained %d epochs in %.1f s (%.0f samples/s); reference model test accuracy %.4f\n", e - first, total_s,
                total_s > 0 ? (double)samples / total_s : 0.0, acc);
-    if (checkpoint(A, run, ctx) != 0) return -1;
+    if (checkpoint(&A->opt, run, ctx) != 0) return -1;
     return write_outputs(A, run, ctx);
 }
 
@@ -1064,10 +777,8 @@ static void print_header(const app *A) {
 
 /* ---- Tuning (--micro auto, --pipes auto) ------------------------------------------------------ */
 
-#define TUNE_WARMUP 1   /* iterations run before the profiled ones (first touches, thread start) */
-#define TUNE_PROFILED 3 /* profiled iterations per micro-batch size, each a section of the profile */
-#define TUNE_SHOW 5     /* alternatives printed */
-/* Search limits and choice (measured on 2 cores, default model, 10 epochs):
+/* The tuner's search limits and choice (TUNE_* and tune_choose in mlp_app.h; measured on 2 cores,
+   default model, 10 epochs):
    - N <= 4. The example's epoch shows each sample to one pipeline, so each of the N models takes 1/N of
      the optimizer steps: test accuracy 0.900 at N = 1, 0.894 at N = 2, 0.891 at N = 3, 0.889 at N = 4;
      more pipelines cost accuracy that the averaging does not win back in 10 epochs.
@@ -1082,33 +793,6 @@ static void print_header(const app *A) {
      pipelines (accuracy per epoch), then less memory. The tie is kept narrow on purpose: the simulator
      gives every rank its own core, so with more ranks than cores it over-predicts settings with little
      work in flight (M = 1, N = 2: predicted 2% below the fastest, measured 25-35% below it here). */
-#define TUNE_MAX_PIPES 4
-#define TUNE_MIN_MICRO_SAMPLES 16
-#define TUNE_TIE 0.005
-
-static double now_s(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static double median3(const double *v) {
-    double a = v[0], b = v[1], c = v[2];
-    return a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
-}
-
-/* The micro-batch counts to profile: the ends of the range the search covers, M = 1 (the whole batch) and
-   the largest M whose micro-batches keep min_micro samples; only the fixed M when --micro is given (the
-   search then predicts that size alone, which one size fits exactly). */
-static int profile_sizes(const options *o, int min_micro, int *m) {
-    int M, hi = 1;
-    if (o->micro != AUTO) return m[0] = o->micro, 1;
-    for (M = 1; M <= o->batch; M++)
-        if (o->batch % M == 0 && o->batch / M >= min_micro) hi = M;
-    m[0] = 1;
-    m[1] = hi;
-    return hi > 1 ? 2 : 1;
-}
 
 /* One profile run: 1 pipeline of `micro` micro-batches, advance forward with K = S-1 (1F1B when S = 1), on
    nets initialised from the seed and freed afterwards. TUNE_PROFILED iterations after TUNE_WARMUP go to
@@ -1238,27 +922,6 @@ static void print_cost_model(const avgpipe_cost_model *m) {
             "per parameter\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
 }
 
-/* The model against the iterations it was fitted to (median of the profiled ones). */
-static void print_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_profile *p, int section,
-                        const double *measured) {
-    const avgpipe_profile_section *sec = &p->sections[section];
-    double pred = 0, meas = median3(measured);
-    if (avgpipe_tune_predict(ctx, m, &sec->shape, sec->samples, &pred) == AVGPIPE_OK && meas > 0)
-        fprintf(stderr, "  check M = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sec->shape.micro, 1e3 * meas,
-                1e3 * pred, 100 * (pred / meas - 1));
-}
-
-static const char *round_mode(int continuous) { return continuous ? "continuous" : "sync"; }
-
-static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chosen) {
-    char k[16] = "-";
-    if (c->sched.kind == AVGPIPE_SCHED_ADVANCE) snprintf(k, sizeof k, "%d", c->sched.advance);
-    fprintf(stderr, "  %2s %-8s %3d %3d %4s %-10s %4d %10.0f %9.2f%s\n", chosen ? "->" : "",
-            avgpipe_sched_kind_name(c->sched.kind), c->sched.micro, c->sched.pipes, k, round_mode(c->sched.continuous),
-            batch / c->sched.micro, 1.0 / c->time_per_sample, c->peak_bytes / (1024.0 * 1024.0),
-            c->fits ? "" : "  over --mem-limit");
-}
-
 /* The M and N the user fixed, for the partitioner (avgpipe_plan_desc.keep). */
 static int keep_fixed(const avgpipe_tune_candidate *c, void *user) {
     const options *o = (const options *)user;
@@ -1286,7 +949,7 @@ static void plan_priorities(app *A) {
     double w[MLP_MAX_LAYERS], cores = A->work_cores;
     int g, k, above, lowered = 0, S = o->stages / o->chunks;
     memset(o->stage_nice, 0, sizeof o->stage_nice);
-    if (!o->priorities || !A->have_work || o->mpi || o->replicas > 1 || !(cores > 0) || S <= cores) return; /* (one group of threads) */
+    if (!o->priorities || !A->have_work || o->procs || o->replicas > 1 || !(cores > 0) || S <= cores) return; /* (one group of threads) */
     for (g = 0; g < S; g++) w[g] = 0;
     for (g = 0; g < o->stages; g++) /* the schedule's placement: loop, or V for zbv and dualpipev */
         w[avgpipe_place_rank(v_placed(o->schedule) ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP, S, g)] += A->stage_work[g];
@@ -1355,32 +1018,19 @@ static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm
 static int tune(app *A, avgpipe_context *ctx) {
     options *o = &A->opt;
     char tmp[512];
-    const char *path = o->profile_tune, *dir = getenv("TMPDIR");
-    int sizes[2], nsizes, i, ncand = 0, nok = 0, shown = 0, chosen = -1, best = -1, min_micro, rc = -1, have_tmp = 0;
+    const char *path;
+    int sizes[2], nsizes, i, min_micro = tune_min_micro(o), rc = -1;
     double t0 = now_s(), t1, meas[2][TUNE_PROFILED];
     avgpipe_profile prof;
     avgpipe_cost_model cm, sm, *use = &cm;
     avgpipe_tune_desc td;
-    avgpipe_tune_candidate *cand = NULL;
     avgpipe_result r;
     memset(&prof, 0, sizeof prof);
     memset(&cm, 0, sizeof cm);
     memset(&sm, 0, sizeof sm);
     if (A->train.n < o->batch)
         return fail("tuner: %d training samples cannot fill one batch of %d samples", A->train.n, o->batch);
-    min_micro = TUNE_MIN_MICRO_SAMPLES < o->batch ? TUNE_MIN_MICRO_SAMPLES : o->batch;
-    if (o->micro != AUTO && o->batch / o->micro < min_micro) min_micro = o->batch / o->micro;
-    if (!path) {
-        int fd;
-        snprintf(tmp, sizeof tmp, "%s/" PROG "_tune_XXXXXX", dir && *dir ? dir : "/tmp");
-        fd = mkstemp(tmp);
-        if (fd < 0)
-            return fail("tuner: cannot create a temporary profile %s: %s (set TMPDIR, or give --profile-tune FILE)", tmp,
-                        strerror(errno));
-        close(fd);
-        path = tmp;
-        have_tmp = 1;
-    }
+    if (tune_profile_path(o, tmp, sizeof tmp, &path) != 0) return -1;
 
     /* Profile (with every layer's times) and fit. */
     nsizes = profile_sizes(o, min_micro, sizes);
@@ -1417,17 +1067,8 @@ static int tune(app *A, avgpipe_context *ctx) {
     print_cost_model(&cm);
     for (i = 0; i < nsizes; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
 
-    /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the list below. */
-    memset(&td, 0, sizeof td);
-    td.batch = o->batch;
-    td.max_pipes = o->pipes != AUTO ? o->pipes
-                   : A->train.n / (o->batch * o->replicas) < TUNE_MAX_PIPES ? A->train.n / (o->batch * o->replicas) : TUNE_MAX_PIPES;
-    td.rounds = o->rounds;
-    td.mem_limit = o->mem_limit;
-    td.opt_bytes_per_param = 8; /* Adam: two moments per parameter and model */
-    td.min_micro = min_micro;
-    td.no_continuous = o->sync_set;
-    td.kinds = o->schedule_set ? 1u << o->schedule : 0;
+    /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the choice. */
+    tune_desc_init(&td, o, A->train.n, min_micro);
     if (cm.nlayers) { /* the split (the partitioner's, with --split auto), searched on its layers' costs */
         if (tune_split(A, ctx, &cm, &td, &sm) != 0) goto done;
         use = &sm;
@@ -1436,69 +1077,10 @@ static int tune(app *A, avgpipe_context *ctx) {
         rc = 0;
         goto done;
     }
-    t1 = now_s();
-    r = avgpipe_tune_search(ctx, use, &td, &cand, &ncand);
-    if (r != AVGPIPE_OK) {
-        fail("tuner: search failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
-        goto done;
-    }
-    t1 = now_s() - t1;
-    for (i = 0; i < ncand; i++) { /* drop what the user fixed away; the list stays fitting first, fastest first */
-        const avgpipe_tune_candidate *c = &cand[i];
-        if ((o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes))
-            cand[nok++] = *c;
-    }
-    best = nok > 0 && cand[0].fits ? 0 : -1;
-    for (i = 0; best >= 0 && i < nok && cand[i].fits; i++) /* see TUNE_TIE */
-        if (cand[i].time_per_sample <= cand[best].time_per_sample * (1 + TUNE_TIE) &&
-            (chosen < 0 || cand[i].sched.pipes < cand[chosen].sched.pipes ||
-             (cand[i].sched.pipes == cand[chosen].sched.pipes && cand[i].peak_bytes < cand[chosen].peak_bytes)))
-            chosen = i;
-    if (chosen < 0) {
-        int small = 0;
-        for (i = 1; i < nok; i++)
-            if (cand[i].peak_bytes < cand[small].peak_bytes) small = i;
-        if (nok == 0) fail("tuner: no setting to choose from (batch %d, micro-batches of >= %d samples)", o->batch, min_micro);
-        else fail("tuner: no setting fits --mem-limit %.0f bytes (%.2f MiB) per rank: the smallest, %s with M = %d, N = %d, "
-                  "needs %.0f bytes (%.2f MiB); raise the limit or lower --batch or --hidden", o->mem_limit,
-                  o->mem_limit / (1024.0 * 1024.0), avgpipe_sched_kind_name(cand[small].sched.kind),
-                  cand[small].sched.micro, cand[small].sched.pipes, cand[small].peak_bytes,
-                  cand[small].peak_bytes / (1024.0 * 1024.0));
-        goto done;
-    }
-    fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=",
-            td.max_pipes);
-    if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d samples", min_micro);
-    else fprintf(stderr, "M = %d", o->micro);
-    fprintf(stderr, "%s); predicted, fastest first, the best setting of each M and N:\n"
-            "     schedule   M   N    K rounds       mb  samples/s  peak MiB\n",
-            o->mem_limit > 0 ? ", within --mem-limit" : "");
-    for (i = 0; i < nok && (shown < TUNE_SHOW || i <= chosen); i++) {
-        int j, dup = 0; /* one line per (M, N): the schedules, K and round modes of one are often tied */
-        for (j = 0; j < i && !dup; j++)
-            dup = cand[j].sched.micro == cand[i].sched.micro && cand[j].sched.pipes == cand[i].sched.pipes;
-        if (i == chosen || (!dup && shown < TUNE_SHOW)) {
-            if (i == chosen && shown >= TUNE_SHOW) fprintf(stderr, "     ...\n");
-            print_candidate(&cand[i], o->batch, i == chosen);
-            shown++;
-        }
-    }
-    o->schedule = cand[chosen].sched.kind;
-    o->micro = cand[chosen].sched.micro;
-    o->pipes = cand[chosen].sched.pipes;
-    o->continuous = cand[chosen].sched.continuous;
-    o->advance = o->schedule == AVGPIPE_SCHED_ADVANCE ? cand[chosen].sched.advance : ADVANCE_AUTO;
-    o->chunks = 1;
-    fprintf(stderr, PROG ": tuner: chose %s, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), o->micro, o->pipes);
-    if (o->schedule == AVGPIPE_SCHED_ADVANCE) fprintf(stderr, ", K = %d", o->advance);
-    fprintf(stderr, ", %s rounds: predicted %.0f samples/s, %.2f MiB per rank", round_mode(o->continuous),
-            1.0 / cand[chosen].time_per_sample, cand[chosen].peak_bytes / (1024.0 * 1024.0));
-    if (chosen != best) fprintf(stderr, " (of the ties within %.1f%%: fewest pipelines, least memory)", 100 * TUNE_TIE);
-    fprintf(stderr, "; tuning took %.2f s\n", now_s() - t0);
+    if (tune_choose(ctx, o, use, &td, t0) != 0) goto done;
     rc = 0;
 done:
-    if (have_tmp) remove(tmp);
-    avgpipe_free(ctx, cand);
+    if (path == tmp) remove(tmp);
     avgpipe_cost_model_free(ctx, &cm);
     avgpipe_cost_model_free(ctx, &sm);
     avgpipe_profile_free(ctx, &prof);
@@ -1521,7 +1103,7 @@ static int start_mpi(app *A, avgpipe_context *ctx, int *argc, char ***argv) {
         return fail("--backend mpi: %d processes, but %d replica group%s x %d ranks (--stages %d / --chunks %d) need %d: "
                     "mpirun -np %d", A->nproc, A->opt.replicas, A->opt.replicas > 1 ? "s" : "", S, A->opt.stages, A->opt.chunks,
                     A->opt.replicas * S, A->opt.replicas * S);
-    check_outputs(A);
+    check_outputs(&A->opt, A->me);
     return 0;
 }
 
@@ -1553,8 +1135,8 @@ int main(int argc, char **argv) {
     avgpipe_run_desc desc;
     avgpipe_result r;
     int rc = 1, g;
-    parse_options(argc, argv, &A.opt);
-    if (ensure_blas_kernel(&A.opt, argv) == 0 && !A.opt.mpi) {
+    parse_options(&program, argc, argv, &A.opt);
+    if (ensure_blas_kernel(&A.opt, argv) == 0 && !A.opt.procs) {
         printf("BLAS: %s, 1 thread per stage\n", g_blas.line);
         fflush(stdout); /* first, also when stdout and stderr go to one file */
     }
@@ -1568,7 +1150,7 @@ int main(int argc, char **argv) {
     A.me = -1;
     A.S = A.opt.stages / A.opt.chunks; /* ranks per replica group (is_local needs it before setup_model) */
 #ifdef FMNIST_MPI
-    if (A.opt.mpi && start_mpi(&A, &ctx, &argc, &argv) != 0) goto done;
+    if (A.opt.procs && start_mpi(&A, &ctx, &argc, &argv) != 0) goto done;
 #endif
 #ifdef FMNIST_HWLOC
     if (setup_placement(&A, &ctx) != 0) goto done;
