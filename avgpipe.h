@@ -501,8 +501,15 @@ typedef struct avgpipe_sim_desc {
     int blocking_send;
     double act_bytes;           /* stashed activation bytes per micro-batch and stage, for peak_bytes */
     const double *stage_act_bytes; /* optional per stage */
-    int record_events;          /* 1: fill result.events (for the renderers) */
+    int record_events;          /* AVGPIPE_SIM_EVENTS_*: fill result.events (for the renderers); 0: none */
 } avgpipe_sim_desc;
+
+/* avgpipe_sim_desc.record_events. ALL: every op that is not IDLE and both ends of every transfer (what
+   the Chrome trace and SVG renderers show, zero-length transfers as flows). TIMED: only the events that
+   take time (end > start): all that avgpipe_render_ascii draws, and far fewer events (memory, time)
+   when transfers are free, e.g. 3.1M instead of 9.4M for ZB-V at S = 64, M = 1024, N = 8. */
+#define AVGPIPE_SIM_EVENTS_ALL 1
+#define AVGPIPE_SIM_EVENTS_TIMED 2
 
 /* One box in a timeline. track: 0 compute, 1 outgoing transfer, 2 incoming transfer. */
 typedef struct avgpipe_event {
@@ -3822,7 +3829,7 @@ static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, d
     c->link_free = xe;
     if (xe > m->makespan) m->makespan = xe;
     m->res->transfers++;
-    if (m->d->record_events) {
+    if (m->d->record_events == AVGPIPE_SIM_EVENTS_ALL || (m->d->record_events && xe > xs)) {
         int src = m->pl.src[ch], dst = m->pl.dst[ch];
         *ok &= avgpipe__event(m, op, src, 1, dst, flow, xs, xe);
         *ok &= avgpipe__event(m, op, dst, 2, src, flow, xs, xe);
@@ -3937,7 +3944,8 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         st->busy += c;
         t = end;
         m->res->ops++;
-        if (k != AVGPIPE_OP_IDLE && d->record_events) ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
+        if (k != AVGPIPE_OP_IDLE && (d->record_events == AVGPIPE_SIM_EVENTS_ALL || (d->record_events && end > dep)))
+            ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
         if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
             double ab = d->stage_act_bytes ? d->stage_act_bytes[op->stage] : d->act_bytes;
             int sign = k == AVGPIPE_OP_F ? 1 : -1;
@@ -4038,6 +4046,9 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     }
     if (desc->latency < 0 || desc->bytes < 0 || desc->bandwidth < 0 || desc->micro_size < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: latency, bytes, bandwidth and micro_size must be >= 0");
+    if (desc->record_events < 0 || desc->record_events > AVGPIPE_SIM_EVENTS_TIMED)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: record_events is %d (0, AVGPIPE_SIM_EVENTS_ALL or _TIMED)",
+                             desc->record_events);
     for (r = 0; r < AVGPIPE_OP_KIND_COUNT; r++)
         if (!avgpipe__zero_ok(desc->cost[r]))
             return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: cost[%s] is %g (a cost is >= 0, or AVGPIPE_ZERO for exactly 0)",

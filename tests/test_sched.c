@@ -683,3 +683,66 @@ Test(greedy, rejects_bad_cap) {
     cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_INVALID_ARG);
     cr_assert_not_null(strstr(avgpipe_last_error(NULL), "inflight_cap"), "message: %s", avgpipe_last_error(NULL));
 }
+
+/* AVGPIPE_SIM_EVENTS_TIMED keeps only the events that take time: the ASCII timeline is the same as with
+   every event, the statistics too, and with free transfers only the compute events are left. */
+Test(render, timed_events_draw_the_same_timeline) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_INTERLEAVED,
+                                               AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV, AVGPIPE_SCHED_DUALPIPEV};
+    int k, lat, blocking, cases = 0;
+    for (k = 0; k < (int)(sizeof kinds / sizeof kinds[0]); k++)
+        for (lat = 0; lat < 2; lat++)
+            for (blocking = 0; blocking < 2; blocking++) {
+                avgpipe_sched_desc d;
+                avgpipe_schedule s;
+                avgpipe_sim_desc sd = costs(1, 2, 1, 1, lat ? 0.5 : 0);
+                avgpipe_sim_result all, timed;
+                avgpipe_buf a = {0}, b = {0};
+                size_t i, positive = 0;
+                memset(&d, 0, sizeof d);
+                d.kind = kinds[k], d.stages = 4, d.micro = 8, d.pipes = 2;
+                d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 0;
+                d.advance = d.kind == AVGPIPE_SCHED_ADVANCE ? 2 : 0;
+                gen(&d, &s);
+                sd.blocking_send = blocking;
+                sd.record_events = AVGPIPE_SIM_EVENTS_ALL;
+                simulate(&s, &sd, &all);
+                sd.record_events = AVGPIPE_SIM_EVENTS_TIMED;
+                simulate(&s, &sd, &timed);
+                cr_assert_eq(all.makespan, timed.makespan);
+                cr_assert_eq(all.transfers, timed.transfers);
+                for (i = 0; i < all.nevents; i++) positive += all.events[i].end > all.events[i].start;
+                cr_assert_eq(timed.nevents, positive, "%s latency %d blocking %d: %zu timed events, %zu of all take time",
+                             avgpipe_sched_kind_name(d.kind), lat, blocking, timed.nevents, positive);
+                for (i = 0; i < timed.nevents; i++) {
+                    cr_assert_gt(timed.events[i].end, timed.events[i].start);
+                    if (!lat) cr_assert_eq(timed.events[i].track, 0, "a free transfer was recorded");
+                }
+                if (!lat) cr_assert_lt(timed.nevents, all.nevents, "free transfers: fewer events");
+                cr_assert_eq(avgpipe_render_ascii(NULL, all.events, all.nevents, all.nranks, NULL, &a), AVGPIPE_OK);
+                cr_assert_eq(avgpipe_render_ascii(NULL, timed.events, timed.nevents, timed.nranks, NULL, &b), AVGPIPE_OK);
+                cr_assert(a.len == b.len && memcmp(a.data, b.data, a.len) == 0, "%s latency %d blocking %d: the timelines differ:\n%.*s\n%.*s",
+                          avgpipe_sched_kind_name(d.kind), lat, blocking, (int)a.len, a.data, (int)b.len, b.data);
+                cases++;
+                avgpipe_buf_free(NULL, &a);
+                avgpipe_buf_free(NULL, &b);
+                avgpipe_sim_result_free(NULL, &all);
+                avgpipe_sim_result_free(NULL, &timed);
+                avgpipe_sched_free(NULL, &s);
+            }
+    cr_assert_eq(cases, 24);
+}
+
+Test(render, record_events_out_of_range_is_refused) {
+    avgpipe_sched_desc d;
+    avgpipe_schedule s;
+    avgpipe_sim_desc sd = costs(1, 2, 1, 1, 0);
+    avgpipe_sim_result r;
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 2, d.micro = 2;
+    gen(&d, &s);
+    sd.record_events = 3;
+    cr_assert_eq(avgpipe_sim_run(NULL, &s, &sd, &r), AVGPIPE_INVALID_ARG);
+    cr_assert_not_null(strstr(avgpipe_last_error(NULL), "record_events"), "%s", avgpipe_last_error(NULL));
+    avgpipe_sched_free(NULL, &s);
+}

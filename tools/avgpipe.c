@@ -607,9 +607,11 @@ static int cmd_sim(avgpipe_context *ctx, const cli_opts *o) {
     avgpipe_schedule s;
     avgpipe_sim_result r;
     cli_row w;
-    int rc;
+    int rc, record;
     if (o->nkinds != 1) return cli_error("--schedule: sim takes one schedule (compare takes a list)");
-    if ((rc = evaluate(ctx, o, o->kinds[0], o->adv_lo, 1, &s, &r, &w)) != 0) return rc;
+    /* events: every one for the trace and the SVG; for the ASCII timeline only those it draws */
+    record = o->trace || o->svg ? AVGPIPE_SIM_EVENTS_ALL : o->tsv || o->quiet ? 0 : AVGPIPE_SIM_EVENTS_TIMED;
+    if ((rc = evaluate(ctx, o, o->kinds[0], o->adv_lo, record, &s, &r, &w)) != 0) return rc;
     if (!w.valid) {
         rc = CLI_EXIT_INVALID;
         fprintf(stderr, "avgpipe: the generated schedule fails validation: %s\n", w.why);
