@@ -20,14 +20,18 @@
 
    Noise. The grid is measured in --passes passes, each visiting every setting once in its own random
    order (so a slow spell of the machine spreads over many settings instead of landing on a few), each
-   visit --warmup + --iters iterations. Other programs' use of the machine is watched (bench/quiet.h:
-   /proc/stat minus this process): before a visit the bench waits (up to 10 s) for them to use under
-   --max-others cores, and a visit during which they used more is redone (up to 3 times; counted and
-   reported). The profile runs are watched the same way.
+   visit --warmup + --iters iterations. The profile's 3 visits per micro-batch size are spread over the
+   same passes, among the grid's visits (the speed of these machines drifts by 10-20% over minutes: a
+   profile taken in a fast spell and a grid measured in a slow one made every prediction low). The
+   tuner's overall choice, when the grid lacks it, is measured afterwards in --passes visits that
+   alternate with visits of the grid's best, and compared with those. Other programs' use of the
+   machine is watched (bench/quiet.h: /proc/stat minus this process): before a visit the bench waits
+   (up to 10 s) for them to use under --max-others cores, and a visit during which they used more is
+   redone (up to 3 times; counted and reported).
 
    Usage: bench_tune_regret [--stages S] [--limit N] [--passes P] [--iters I] [--batch B] [--rounds R] [--sync]
                             [--max-others C] [--seed X] [--hidden LIST] [--data DIR]
-   Defaults: S = 4 with 4 or more cores, else 2; 8192 training samples; 5 passes of 1 + 3 iterations per
+   Defaults: S = 4 with 4 or more cores, else 2; 8192 training samples; 8 passes of 1 + 3 iterations per
    visit; B = 128; R = 2 continuous rounds; others under 0.15 cores; seed 1. */
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
@@ -56,6 +60,8 @@ void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; n
 #define MAXPASSES 16
 #define MAXSET 64
 #define RETRIES 3
+#define PROFILE_VISITS 3 /* per profiled micro-batch size */
+#define PROFILED 1000    /* in a pass's visiting order: profiled[i] is PROFILED + i */
 
 typedef struct options {
     int stages, limit, iters, passes, warmup, batch, rounds, continuous;
@@ -371,9 +377,9 @@ static double spearman(const double *x, const double *y, int n) {
 }
 
 /* A permutation of 0..n-1 from a small LCG (the same on every machine for the same seed). */
+/* Shuffle ix[0 .. n-1] in place (Fisher-Yates on a fixed-seed LCG: the same order for the same --seed). */
 static void shuffle(int *ix, int n, unsigned *state) {
     int i;
-    for (i = 0; i < n; i++) ix[i] = i;
     for (i = n - 1; i > 0; i--) {
         int j, t;
         *state = *state * 1664525u + 1013904223u;
@@ -399,7 +405,7 @@ static void parse(int argc, char **argv) {
     O.stages = cores >= 4 ? 4 : 2;
     O.limit = 8192;
     O.iters = 3;
-    O.passes = 5;
+    O.passes = 8; /* Spearman 0.88-0.89 with 5 (the grid's own noise), 0.94 with 10 */
     O.warmup = 1;
     O.batch = 128;
     O.rounds = 2;
@@ -443,10 +449,9 @@ static void parse(int argc, char **argv) {
 
 /* The profile of one setting at M = 4 and M = 8 (visits alternating, 3 each), and an 'averaging' line per
    stage: what the tuner fits. Returns the seconds it took. */
-static double profile(avgpipe_context *ctx, const char *path, setting *profiled, int *redone) {
-    double t0 = now();
-    int i, g;
-    FILE *f;
+/* The profiled setting, advance K = 1, N = 2, at M = 4 and M = 8: profiled[0 and 1]. */
+static void profile_settings(setting *profiled) {
+    int i;
     for (i = 0; i < 2; i++) {
         memset(&profiled[i], 0, sizeof profiled[i]);
         profiled[i].kind = AVGPIPE_SCHED_ADVANCE;
@@ -455,8 +460,18 @@ static double profile(avgpipe_context *ctx, const char *path, setting *profiled,
         profiled[i].advance = 1;
         profiled[i].continuous = O.continuous;
     }
-    for (i = 0; i < 6; i++) measure(ctx, &profiled[i % 2], path, redone);
-    f = fopen(path, "a");
+}
+
+/* Whether pass `pass` holds visit j (0..PROFILE_VISITS-1) of profiled size i (0, 1): the visits spread
+   evenly over the passes, the two sizes' alternating. */
+static int profile_visit_in(int pass, int i, int j) {
+    return (2 * j + i) * O.passes / (2 * PROFILE_VISITS) == pass;
+}
+
+/* After the profile's op lines: an 'averaging' line per stage (the tuner's averaging cost). */
+static void profile_averaging(avgpipe_context *ctx, const char *path) {
+    FILE *f = fopen(path, "a");
+    int g;
     if (!f) die("cannot append to '%s': %s", path, strerror(errno));
     for (g = 0; g < MODEL.stages; g++) {
         double t;
@@ -464,7 +479,6 @@ static double profile(avgpipe_context *ctx, const char *path, setting *profiled,
         fprintf(f, "averaging floats=%zu seconds=%.9g\n", MODEL.count[g], t);
     }
     if (fclose(f) != 0) die("cannot write '%s'", path);
-    return now() - t0;
 }
 
 /* The model's layer shapes at the grid's smallest micro-batch, checked by blas_kernel_ensure. */
@@ -511,11 +525,11 @@ static void print_model(const avgpipe_cost_model *m) {
 int main(int argc, char **argv) {
     static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_ZBH1};
     static const int micros[] = {2, 4, 8, 16};
-    static setting grid[MAXSET + 1], profiled[2];
+    static setting grid[MAXSET + 2], profiled[2]; /* grid: the 48 settings, then maybe the overall choice and a copy of the best */
     avgpipe_context ctx;
     char prof[] = "/tmp/" PROG "_profile_XXXXXX";
     int ng, nall, i, j, g, fd, cand_n, full_n, pass, best_meas = 0, best_trim = 0, pick = -1, overall = -1, mem_exact = 1, met = 0;
-    int redone = 0, order[MAXSET + 1];
+    int redone = 0, order[MAXSET + 2 * PROFILE_VISITS];
     unsigned state;
     double load0, load1, grid_time = 0, t_prof, t_fit, t_search, t_full, mae = 0, meas[MAXSET], trim[MAXSET], pred[MAXSET], rho, rho_t;
     double regret, regret_t, others_start;
@@ -534,12 +548,39 @@ int main(int argc, char **argv) {
     avgpipe_context_init(&ctx, NULL);
     load();
 
-    /* 1. Profile one setting at two micro-batch sizes into one file. */
+    /* 1. The grid and the profiled setting, measured together in passes: each pass visits every grid
+          setting once, in its own random order, and the profile's visits (PROFILE_VISITS per size, their
+          timed iterations' profiles into one file) are spread over the passes among them, so that the
+          fit and the grid see the machine alike (a fast or slow spell does not land on the profile alone). */
     if ((fd = mkstemp(prof)) < 0) die("mkstemp: %s", strerror(errno));
     close(fd);
-    t_prof = profile(&ctx, prof, profiled, &redone);
-    printf("profiled advance K=1 N=2 at M=4 and M=8 (%d and %d samples per micro-batch): 3 visits each, %.1f s\n", O.batch / 4,
-           O.batch / 8, t_prof);
+    profile_settings(profiled);
+    for (ng = 0, i = 0; i < 4; i++)
+        for (j = 0; j < 4; j++)
+            for (g = 1; g <= 3; g++) {
+                setting *s = &grid[ng++];
+                memset(s, 0, sizeof *s);
+                s->kind = kinds[i], s->micro = micros[j], s->pipes = g;
+                s->advance = kinds[i] == AVGPIPE_SCHED_ADVANCE ? 1 : 0;
+                s->continuous = O.continuous;
+            }
+    state = O.seed * 2654435761u + 7u;
+    for (pass = 0; pass < O.passes; pass++) {
+        int n = 0;
+        for (i = 0; i < ng; i++) order[n++] = i;
+        for (i = 0; i < 2; i++)
+            for (j = 0; j < PROFILE_VISITS; j++)
+                if (profile_visit_in(pass, i, j)) order[n++] = PROFILED + i;
+        shuffle(order, n, &state);
+        for (i = 0; i < n; i++) {
+            if (order[i] >= PROFILED) measure(&ctx, &profiled[order[i] - PROFILED], prof, &redone);
+            else measure(&ctx, &grid[order[i]], NULL, &redone);
+        }
+    }
+    profile_averaging(&ctx, prof);
+    t_prof = profiled[0].wall + profiled[1].wall;
+    printf("profiled advance K=1 N=2 at M=4 and M=8 (%d and %d samples per micro-batch): %d visits each among the grid's passes, "
+           "%.1f s\n", O.batch / 4, O.batch / 8, PROFILE_VISITS, t_prof);
 
     /* 2. Fit and search (timed: the tuning cost). */
     t_fit = now();
@@ -563,32 +604,31 @@ int main(int argc, char **argv) {
     t_search = now() - t_search;
     print_model(&m);
 
-    /* 3. The grid, and the tuner's overall choice when the grid lacks it, measured in interleaved passes. */
-    for (ng = 0, i = 0; i < 4; i++)
-        for (j = 0; j < 4; j++)
-            for (g = 1; g <= 3; g++) {
-                setting *s = &grid[ng++];
-                memset(s, 0, sizeof *s);
-                s->kind = kinds[i], s->micro = micros[j], s->pipes = g;
-                s->advance = kinds[i] == AVGPIPE_SCHED_ADVANCE ? 1 : 0;
-                s->continuous = O.continuous;
-            }
+    /* 3. The tuner's overall choice: a grid setting, or measured now in --passes visits that alternate with
+          visits of the grid's best so far (a fresh copy): their ratio is measured in one stretch of time. */
+    for (i = 0; i < ng; i++) summarise(&grid[i]);
     for (i = 0; i < ng && overall < 0; i++)
         if (same(&cand[0], &grid[i])) overall = i;
     nall = ng;
     if (overall < 0) {
-        setting *s = &grid[nall++];
+        setting *s = &grid[ng], *b = &grid[ng + 1];
+        for (i = 1; i < ng; i++)
+            if (grid[i].measured < grid[best_meas].measured) best_meas = i;
         memset(s, 0, sizeof *s);
         s->kind = cand[0].sched.kind, s->micro = cand[0].sched.micro, s->pipes = cand[0].sched.pipes;
         s->advance = cand[0].sched.advance, s->continuous = cand[0].sched.continuous;
+        *b = grid[best_meas];
+        b->ntimes = b->nvisits = b->redone = 0, b->wall = 0;
+        for (pass = 0; pass < O.passes; pass++) {
+            measure(&ctx, pass % 2 ? b : s, NULL, &redone);
+            measure(&ctx, pass % 2 ? s : b, NULL, &redone);
+        }
+        summarise(s);
+        summarise(b);
         overall = ng;
+        nall = ng + 2;
+        best_meas = 0;
     }
-    state = O.seed * 2654435761u + 7u;
-    for (pass = 0; pass < O.passes; pass++) {
-        shuffle(order, nall, &state);
-        for (i = 0; i < nall; i++) measure(&ctx, &grid[order[i]], NULL, &redone);
-    }
-    for (i = 0; i < nall; i++) summarise(&grid[i]);
     printf("\n%-8s %2s %3s %2s %11s %11s %11s %8s %6s %6s %12s %12s %s\n", "schedule", "K", "M", "N", "median_us", "trimmed_us", "pred_us",
            "error", "p90", "passes", "pred_peak", "runtime_peak", "redone");
     for (i = 0; i < ng; i++) {
@@ -636,11 +676,16 @@ int main(int argc, char **argv) {
     printf("regret: %.1f%% on medians (target <= 5%%: %s), %.1f%% on trimmed means\n", 100 * regret, regret <= 0.05 ? "met" : "NOT met",
            100 * regret_t);
     met += regret <= 0.05;
-    printf("tuner's overall choice (%d candidates: M dividing %d with >= %d samples, N <= 3): %s K=%d M=%d N=%d %s, predicted %.2f "
-           "us/sample, measured %.2f (%+.1f%% vs the best measured in the grid) [kernel %s]\n", cand_n, O.batch, O.batch / 16,
-           avgpipe_sched_kind_name(cand[0].sched.kind), cand[0].sched.advance, cand[0].sched.micro, cand[0].sched.pipes,
-           cand[0].sched.continuous ? "continuous" : "synchronous", 1e6 * cand[0].time_per_sample, 1e6 * grid[overall].measured,
-           100 * (grid[overall].measured / grid[best_meas].measured - 1), BLAS.kernel);
+    {
+        /* against the grid's best: in the grid, or the copy measured alternately with the choice */
+        const setting *vs = overall == ng ? &grid[ng + 1] : &grid[best_meas];
+        printf("tuner's overall choice (%d candidates: M dividing %d with >= %d samples, N <= 3): %s K=%d M=%d N=%d %s, predicted %.2f "
+               "us/sample, measured %.2f (%+.1f%% vs the best measured in the grid, %s K=%d M=%d N=%d%s) [kernel %s]\n", cand_n, O.batch,
+               O.batch / 16, avgpipe_sched_kind_name(cand[0].sched.kind), cand[0].sched.advance, cand[0].sched.micro, cand[0].sched.pipes,
+               cand[0].sched.continuous ? "continuous" : "synchronous", 1e6 * cand[0].time_per_sample, 1e6 * grid[overall].measured,
+               100 * (grid[overall].measured / vs->measured - 1), avgpipe_sched_kind_name(vs->kind), vs->advance, vs->micro, vs->pipes,
+               overall == ng ? ", measured again alternately with it" : "", BLAS.kernel);
+    }
     printf("tuning time: fit %.1f ms + search %.1f ms = %.3f%% of the %.1f s the grid took to measure (target < 1%%: %s)\n",
            1e3 * t_fit, 1e3 * t_search, 100 * (t_fit + t_search) / grid_time, grid_time,
            (t_fit + t_search) < 0.01 * grid_time ? "met" : "NOT met");
@@ -652,7 +697,7 @@ int main(int argc, char **argv) {
     load1 = loadavg();
     printf("noise: %d visits redone because other programs used >= %.2f cores (%d visits in all); other programs used %.2f cores "
            "before the start; 1-minute load average %.1f at the start, %.1f at the end (%ld cores)\n", redone, O.max_others,
-           O.passes * nall + 6 + redone, others_start, load0, load1, ncores);
+           O.passes * nall + 2 * PROFILE_VISITS + redone, others_start, load0, load1, ncores);
     printf("targets met: %d of 3\n", met);
     avgpipe_free(&ctx, cand);
     avgpipe_cost_model_free(&ctx, &m);
