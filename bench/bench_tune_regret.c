@@ -21,8 +21,9 @@
    Noise. The grid is measured in --passes passes, each visiting every setting once in its own random
    order (so a slow spell of the machine spreads over many settings instead of landing on a few), each
    visit --warmup + --iters iterations. The profile's 3 visits per micro-batch size are spread over the
-   same passes, among the grid's visits (the speed of these machines drifts by 10-20% over minutes: a
-   profile taken in a fast spell and a grid measured in a slow one made every prediction low). The
+   same passes, among the grid's visits: the speed of these machines drifts by 10-20% over minutes, and a
+   profile taken before the grid could fall in a spell the grid never sees. (Predictions still come out
+   about 10% low across the whole grid, a common scale that leaves the ranking and the regret alone.) The
    tuner's overall choice, when the grid lacks it, is measured afterwards in --passes visits that
    alternate with visits of the grid's best, and compared with those. Other programs' use of the
    machine is watched (bench/quiet.h: /proc/stat minus this process): before a visit the bench waits
