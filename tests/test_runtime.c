@@ -442,7 +442,7 @@ Test(runtime, callback_error_stops_every_rank) {
     cr_assert(strstr(msg, "rank 2") != NULL, "the message does not name rank 2: %s", msg);
     cr_assert(strstr(msg, "2F3") != NULL, "the message does not name the op 2F3: %s", msg);
     cr_assert(strstr(msg, "7") != NULL, "the message does not give the callback's value: %s", msg);
-    cr_assert(dt < 2.0, "the failing iteration took %.3f s (timeout 10 s): the other ranks were not woken", dt);
+    cr_assert(dt < 5.0, "the failing iteration took %.3f s (timeout 10 s): the other ranks were not woken", dt);
     res = avgpipe_run_iteration(run, &st);
     cr_assert_eq(res, AVGPIPE_STATE_ERROR, "an iteration after a failure returned %s", avgpipe_result_string(res));
     avgpipe_run_destroy(run);
@@ -474,7 +474,7 @@ Test(runtime, step_error_is_a_callback_error) {
     cr_assert_eq(res, AVGPIPE_CALLBACK_ERROR, "got %s: %s", avgpipe_result_string(res), avgpipe_last_error(&ctx));
     cr_assert(strstr(avgpipe_last_error(&ctx), "rank 1") != NULL, "%s", avgpipe_last_error(&ctx));
     cr_assert(strstr(avgpipe_last_error(&ctx), "STEP") != NULL, "%s", avgpipe_last_error(&ctx));
-    cr_assert(now_s() - t0 < 2.0);
+    cr_assert(now_s() - t0 < 5.0, "took %.2f s (timeout 10 s)", now_s() - t0);
     avgpipe_run_destroy(run);
 }
 
@@ -512,7 +512,7 @@ Test(runtime, non_finite_model_fails_the_iteration) {
     cr_assert_eq(res, AVGPIPE_NON_FINITE, "got %s: %s", avgpipe_result_string(res), msg);
     cr_assert(strstr(msg, "pipeline 1") != NULL && strstr(msg, "stage 1") != NULL && strstr(msg, "round 1") != NULL,
               "the message does not name pipeline 1, stage 1, round 1: %s", msg);
-    cr_assert(dt < 2.0, "the failing iteration took %.3f s (timeout 10 s)", dt);
+    cr_assert(dt < 5.0, "the failing iteration took %.3f s (timeout 10 s)", dt);
     cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
     avgpipe_run_destroy(run);
 }
