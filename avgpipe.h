@@ -1411,6 +1411,10 @@ typedef struct avgpipe_cost_model {
     double op_overhead;         /* runtime time per compute or STEP op outside the callback (trimmed mean) */
     double avg_per_float;       /* one averaging contribution per parameter float ('averaging' lines) */
     double step_a, step_b;      /* STEP = step_a + step_b x parameters of the partition, over the stages */
+    double iter_overhead;       /* per iteration, outside every op: the runtime's start (workers woken) and finish
+                                   (the last transfers, STEP and averaging waited for); median over the sections
+                                   of the measured time minus the ops' span, from the sections where that is at
+                                   most a quarter of the time (more: the time does not describe these ops) */
     /* Concurrency on one device (GPU streams): the share p of a compute op's time that overlaps with the
        other pipelines' ops on the same rank. N pipelines' ops then take (N (1 - p) + p) / N of their
        isolated time each (Amdahl). Fitted when the profile has sections with N = 1 (the isolated op
@@ -1429,7 +1433,8 @@ AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_mode
 
 /* Predicted seconds of one iteration (sched->rounds rounds) with micro-batches of `samples`: the timed
    simulator on the fitted op costs plus op_overhead per op; averaging costs a rank's core when N = 1
-   (the next round's forward waits for it) and, with cores set, counts in the cores bound. */
+   (the next round's forward waits for it) and, with cores set, counts in the cores bound; plus
+   iter_overhead. */
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
                                                 double samples, double *seconds);
 
@@ -9806,6 +9811,32 @@ static void avgpipe__fit_step(const avgpipe_profile *p, avgpipe_cost_model *m) {
 }
 
 /* The layer costs, and the averaging time per parameter. */
+/* m->iter_overhead: per section, its measured time minus the span of its ops (first start to last end);
+   the median over the sections where that is in [0, a quarter of the time]. */
+static void avgpipe__fit_iteration(const avgpipe_profile *p, avgpipe_cost_model *m) {
+    double gap[64], lo, hi;
+    size_t i;
+    int s, n = 0;
+    m->iter_overhead = 0;
+    for (s = 0; s < p->nsections && n < 64; s++) {
+        const avgpipe_profile_section *sec = &p->sections[s];
+        int any = 0;
+        lo = HUGE_VAL, hi = -HUGE_VAL;
+        for (i = 0; i < p->nops; i++)
+            if (p->ops[i].section == s) {
+                any = 1;
+                if (p->ops[i].start < lo) lo = p->ops[i].start;
+                if (p->ops[i].end > hi) hi = p->ops[i].end;
+            }
+        if (any && sec->seconds > 0 && sec->seconds - (hi - lo) >= 0 && sec->seconds - (hi - lo) <= 0.25 * sec->seconds)
+            gap[n++] = sec->seconds - (hi - lo);
+    }
+    if (n) {
+        qsort(gap, (size_t)n, sizeof gap[0], avgpipe__cmp_dbl);
+        m->iter_overhead = n % 2 ? gap[n / 2] : (gap[n / 2 - 1] + gap[n / 2]) / 2;
+    }
+}
+
 static avgpipe_result avgpipe__fit_extras(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *m) {
     if (p->averaging_floats > 0) m->avg_per_float = p->averaging_seconds / p->averaging_floats;
     avgpipe__fit_step(p, m);
@@ -9815,6 +9846,7 @@ static avgpipe_result avgpipe__fit_extras(avgpipe_context *ctx, const avgpipe_pr
         memcpy(m->layers, p->layers, (size_t)p->nlayers * sizeof *m->layers);
         m->nlayers = p->nlayers;
     }
+    avgpipe__fit_iteration(p, m);
     return avgpipe__fit_overhead(ctx, p, &m->op_overhead);
 }
 
@@ -10021,6 +10053,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
             busy += (double)s.shape.pipes * s.shape.rounds * avgpipe__avg_cost(m, g);
         if (busy / m->cores > *seconds) *seconds = busy / m->cores;
     }
+    *seconds += m->iter_overhead;
     avgpipe_sched_free(ctx, &s);
     avgpipe_sim_result_free(ctx, &r);
     return AVGPIPE_OK;
@@ -10046,6 +10079,7 @@ static avgpipe_result avgpipe__model_like(avgpipe_context *ctx, const avgpipe_co
     out->samples_lo = m->samples_lo, out->samples_hi = m->samples_hi;
     out->cores = m->cores;
     out->op_overhead = m->op_overhead;
+    out->iter_overhead = m->iter_overhead;
     out->overlap = m->overlap;
     out->avg_per_float = m->avg_per_float;
     out->step_a = m->step_a, out->step_b = m->step_b;

@@ -519,8 +519,9 @@ static void print_model(const avgpipe_cost_model *m) {
     for (g = 0; g < m->nstages; g++)
         printf("  stage %d: F %.1f + %.2f x, B %.1f + %.2f x, STEP %.1f\n", g, 1e6 * m->a[g * K + AVGPIPE_OP_F], 1e6 * m->b[g * K + AVGPIPE_OP_F],
                1e6 * m->a[g * K + AVGPIPE_OP_B], 1e6 * m->b[g * K + AVGPIPE_OP_B], 1e6 * m->a[g * K + AVGPIPE_OP_STEP]);
-    printf("  transfer latency %.1f us, runtime overhead %.1f us per op, averaging %.3f ns per parameter; %g cores shared by the stage "
-           "and averaging threads\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e9 * m->avg_per_float, m->cores);
+    printf("  transfer latency %.1f us, runtime overhead %.1f us per op and %.1f us per iteration, averaging %.3f ns per parameter; "
+           "%g cores shared by the stage and averaging threads\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e6 * m->iter_overhead,
+           1e9 * m->avg_per_float, m->cores);
 }
 
 int main(int argc, char **argv) {

@@ -1093,7 +1093,7 @@ static void print_cost_model(const avgpipe_cost_model *m) {
         fprintf(stderr, "  stage %d  F %6.1f + %5.2f s   B %6.1f + %5.2f s   STEP %6.1f\n", g, 1e6 * a[AVGPIPE_OP_F],
                 1e6 * b[AVGPIPE_OP_F], 1e6 * a[AVGPIPE_OP_B], 1e6 * b[AVGPIPE_OP_B], 1e6 * a[AVGPIPE_OP_STEP]);
     }
-    fprintf(stderr, "  transfer latency %.1f us\n", 1e6 * m->latency);
+    fprintf(stderr, "  transfer latency %.1f us, runtime overhead %.1f us per iteration\n", 1e6 * m->latency, 1e6 * m->iter_overhead);
     fprintf(stderr, "  pipelines overlap on the GPU: %.0f%% of a compute op (2 pipelines: %.2fx the ops per second of 1)\n", 100 * m->overlap,
             2 / (2 - m->overlap));
 }

@@ -918,8 +918,9 @@ static void print_cost_model(const avgpipe_cost_model *m) {
         fprintf(stderr, "  stage %d  F %6.1f + %5.2f s   B %6.1f + %5.2f s   STEP %6.1f\n", g, 1e6 * a[AVGPIPE_OP_F],
                 1e6 * b[AVGPIPE_OP_F], 1e6 * a[AVGPIPE_OP_B], 1e6 * b[AVGPIPE_OP_B], 1e6 * a[AVGPIPE_OP_STEP]);
     }
-    fprintf(stderr, "  transfer latency %.1f us, runtime overhead %.1f us per op, averaging %.2f ns per parameter, STEP %.1f us + %.2f ns "
-            "per parameter\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
+    fprintf(stderr, "  transfer latency %.1f us, runtime overhead %.1f us per op and %.1f us per iteration, averaging %.2f ns per "
+            "parameter, STEP %.1f us + %.2f ns per parameter\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e6 * m->iter_overhead,
+            1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
 }
 
 /* The M and N the user fixed, for the partitioner (avgpipe_plan_desc.keep). */

@@ -521,6 +521,44 @@ Test(search, fit_recovers_the_synthetic_costs) {
     avgpipe_cost_model_free(&ctx, &m);
 }
 
+/* The iteration's own overhead (workers woken, the end waited for): what a section's time holds beyond its
+   ops' span, the median over the sections, added once to each predicted iteration; not fitted from a time
+   that cannot be the section's own (over a quarter of it outside its ops). */
+Test(search, iteration_overhead_fitted_and_predicted) {
+    avgpipe_context ctx;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    char *text = synth_profile(&s);
+    avgpipe_profile p;
+    avgpipe_cost_model m0, m1, m2;
+    avgpipe_sched_desc d;
+    double t0, t1;
+    int i;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, text, strlen(text), &p), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(p.nsections, 2);
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(m0.iter_overhead == 0, "ops laid end to end over the whole time: overhead %g", m0.iter_overhead);
+    p.sections[0].seconds += 300e-6;
+    p.sections[1].seconds += 500e-6;
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(m1.iter_overhead, 400e-6), "overhead %g, want the median 400 us", m1.iter_overhead);
+    for (i = 0; i < 2 * AVGPIPE_OP_KIND_COUNT; i++)
+        cr_expect(m1.a[i] == m0.a[i] && m1.b[i] == m0.b[i], "the op costs do not depend on the iteration's time");
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 2, d.micro = 4, d.pipes = 2, d.rounds = 2;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m0, &d, 8, &t0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m1, &d, 8, &t1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(t1 - t0, 400e-6), "predicted %g s, %g s without the overhead", t1, t0);
+    for (i = 0; i < p.nsections; i++) p.sections[i].seconds *= 2; /* half the time outside the ops: not this iteration's */
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m2), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(m2.iter_overhead == 0, "overhead %g from times twice the ops' span", m2.iter_overhead);
+    avgpipe_cost_model_free(&ctx, &m0);
+    avgpipe_cost_model_free(&ctx, &m1);
+    avgpipe_cost_model_free(&ctx, &m2);
+    avgpipe_profile_free(&ctx, &p);
+    free(text);
+}
+
 /* A profile of 2 stages: 1 pipeline at 4 and 8 samples per micro-batch, then 2 pipelines at 4 whose
    forwards (and backwards) of one micro-batch run concurrently on the rank's device, the pair taking
    (2 (1 - p) + p) x one op's time (share p of each op overlaps); serial: the 2-pipeline ops laid end to

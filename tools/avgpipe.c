@@ -788,6 +788,7 @@ static void print_cost_model(const cli_opts *o, const avgpipe_profile *p, const 
     if (m->op_overhead > 0 || m->avg_per_float > 0 || m->step_b > 0)
         printf("  runtime overhead %.4g us per op; averaging %.4g ns per parameter; STEP %.4g us + %.4g ns per parameter\n",
                1e6 * m->op_overhead, 1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
+    if (m->iter_overhead > 0) printf("  iteration start and finish %.4g us\n", 1e6 * m->iter_overhead);
     if (m->overlap > 0)
         printf("  pipelines overlap on a device: %.0f%% of a compute op runs concurrently with the others' (N = 2: %.2fx the ops per second)\n",
                100 * m->overlap, 2 / (2 - m->overlap));
