@@ -1413,8 +1413,9 @@ typedef struct avgpipe_cost_model {
     double step_a, step_b;      /* STEP = step_a + step_b x parameters of the partition, over the stages */
     double iter_overhead;       /* per iteration, outside every op: the runtime's start (workers woken) and finish
                                    (the last transfers, STEP and averaging waited for); median over the sections
-                                   of the measured time minus the ops' span, from the sections where that is at
-                                   most a quarter of the time (more: the time does not describe these ops) */
+                                   (the first 64 that count) of the measured time minus the ops' span, from those
+                                   where that is at most a quarter of the time (more: the time does not describe
+                                   these ops) */
     /* Concurrency on one device (GPU streams): the share p of a compute op's time that overlaps with the
        other pipelines' ops on the same rank. N pipelines' ops then take (N (1 - p) + p) / N of their
        isolated time each (Amdahl). Fitted when the profile has sections with N = 1 (the isolated op
@@ -9812,7 +9813,7 @@ static void avgpipe__fit_step(const avgpipe_profile *p, avgpipe_cost_model *m) {
 
 /* The layer costs, and the averaging time per parameter. */
 /* m->iter_overhead: per section, its measured time minus the span of its ops (first start to last end);
-   the median over the sections where that is in [0, a quarter of the time]. */
+   the median over the first 64 sections where that is in [0, a quarter of the time]. */
 static void avgpipe__fit_iteration(const avgpipe_profile *p, avgpipe_cost_model *m) {
     double gap[64], lo, hi;
     size_t i;
