@@ -19,33 +19,10 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include "tests/rng.h"
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
-typedef struct rng {
-    uint64_t s;
-} rng;
-static uint64_t rng_next(rng *r) { /* xorshift64* */
-    r->s ^= r->s >> 12;
-    r->s ^= r->s << 25;
-    r->s ^= r->s >> 27;
-    return r->s * 2685821657736338717ull;
-}
-static float rng_float(rng *r, double lo, double hi) {
-    return (float)(lo + (hi - lo) * ((double)(rng_next(r) >> 11) / 9007199254740992.0));
-}
-static float from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-/* Bitwise equal, or both NaN (payloads may differ: x86 keeps an operand's, a GPU gives the canonical NaN). */
-static int same(float a, float b) { return bits(a) == bits(b) || (a != a && b != b); }
 static int has(const char *msg, const char *part) { return strstr(msg, part) != NULL; }
 
 /* 64-byte aligned float buffers, so that offsets 0..3 give every alignment modulo 16 bytes. */

@@ -8,20 +8,10 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include "tests/rng.h"
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
-typedef struct rng {
-    uint64_t s;
-} rng;
-static uint64_t rng_next(rng *r) { /* xorshift64* */
-    r->s ^= r->s >> 12;
-    r->s ^= r->s << 25;
-    r->s ^= r->s >> 27;
-    return r->s * 2685821657736338717ull;
-}
-static double rng_unit(rng *r) { return (double)(rng_next(r) >> 11) / 9007199254740992.0; } /* [0, 1) */
-static float rng_float(rng *r, double lo, double hi) { return (float)(lo + (hi - lo) * rng_unit(r)); }
 static int rng_int(rng *r, int lo, int hi) { return lo + (int)(rng_next(r) % (uint64_t)(hi - lo + 1)); }
 static void fill(rng *r, float *x, size_t n, double lo, double hi) {
     size_t i;

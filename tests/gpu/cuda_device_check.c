@@ -27,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include "tests/rng.h"
 
 static int failures, checks;
 #define CHECK(cond, ...)                                          \
@@ -46,30 +47,6 @@ static avgpipe_device gpu, cpu;
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
-typedef struct rng {
-    uint64_t s;
-} rng;
-static uint64_t rng_next(rng *r) {
-    r->s ^= r->s >> 12;
-    r->s ^= r->s << 25;
-    r->s ^= r->s >> 27;
-    return r->s * 2685821657736338717ull;
-}
-static float rng_float(rng *r, double lo, double hi) {
-    return (float)(lo + (hi - lo) * ((double)(rng_next(r) >> 11) / 9007199254740992.0));
-}
-static uint32_t bits(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    return u;
-}
-static float from_bits(uint32_t u) {
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-/* Bitwise equal, or both NaN (the GPU gives the canonical NaN where the CPU may keep a payload). */
-static int same(float a, float b) { return bits(a) == bits(b) || (a != a && b != b); }
 static double now(void) {
     struct timespec t;
     timespec_get(&t, TIME_UTC); /* C11: no POSIX feature macros needed */
