@@ -4,7 +4,7 @@
 #   usage: tests/cli_test.sh BINARY [GOLDEN]
 #
 # GOLDEN is PyTorch's torch_zb1p_2rank_2stagep_compute.csv or the folder that holds it; it defaults to
-# ../shared/golden/ next to the repository.
+# tests/data/ of this repository.
 # Prints one line per failure and a last line "N passed, M failed"; exits 1 when anything failed.
 
 BIN=$1
@@ -13,7 +13,7 @@ if [ -z "$BIN" ] || [ ! -x "$BIN" ]; then
     exit 2
 fi
 HERE=$(cd "$(dirname "$0")" && pwd)
-GOLDEN=${2:-$HERE/../../shared/golden}
+GOLDEN=${2:-$HERE/data}
 if [ -d "$GOLDEN" ]; then GOLDEN=$GOLDEN/torch_zb1p_2rank_2stagep_compute.csv; fi
 TMP=$(mktemp -d "${TMPDIR:-/tmp}/avgpipe_cli.XXXXXX") || exit 2
 trap 'rm -rf "$TMP"' EXIT

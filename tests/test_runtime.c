@@ -7,7 +7,7 @@
    advance controller.
 
    Tests run with the repository root as working directory; the PyTorch golden schedule is read from
-   ../shared/golden/ (override the directory with AVGPIPE_GOLDEN_DIR). */
+   tests/data/ (override the directory with AVGPIPE_GOLDEN_DIR). */
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
@@ -121,7 +121,7 @@ Test(runtime, equivalence_zbh1_all_three_callbacks) { equivalence(AVGPIPE_SCHED_
 
 static void golden_path(char *out, size_t cap) {
     const char *dir = getenv("AVGPIPE_GOLDEN_DIR");
-    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && dir[0] ? dir : "../shared/golden");
+    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && dir[0] ? dir : "tests/data");
 }
 
 Test(runtime, equivalence_golden_torch_zb1p) {

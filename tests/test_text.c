@@ -5,7 +5,7 @@
    Build and run from the repository root:
      gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tests/test_text.c -o /tmp/test_text \
          -lcriterion -lm && /tmp/test_text
-   AVGPIPE_GOLDEN_DIR overrides the golden directory (default ../shared/golden). */
+   AVGPIPE_GOLDEN_DIR overrides the golden directory (default tests/data). */
 #define _POSIX_C_SOURCE 200809L /* mkstemp */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
@@ -46,7 +46,7 @@ static char *read_all(const char *path, size_t *len) {
 
 static void golden_path(char *out, size_t cap) {
     const char *dir = getenv("AVGPIPE_GOLDEN_DIR");
-    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && *dir ? dir : "../shared/golden");
+    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && *dir ? dir : "tests/data");
 }
 
 static int carries_comm(const avgpipe_schedule *s) {

@@ -6,7 +6,7 @@
    Build and run from the repository root:
      gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tests/test_validate.c -o /tmp/test_validate \
          -lcriterion -lm && /tmp/test_validate
-   AVGPIPE_GOLDEN_DIR overrides the golden directory (default ../shared/golden). */
+   AVGPIPE_GOLDEN_DIR overrides the golden directory (default tests/data). */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 
@@ -501,7 +501,7 @@ Test(broken, deadlock_report_points_at_stuck_op) {
 
 static void golden_path(char *out, size_t cap) {
     const char *dir = getenv("AVGPIPE_GOLDEN_DIR");
-    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && *dir ? dir : "../shared/golden");
+    snprintf(out, cap, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && *dir ? dir : "tests/data");
 }
 
 /* PyTorch's ZB schedule: 2 ranks, 4 stages in a loop, 8 micro-batches, I/W split. */

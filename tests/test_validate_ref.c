@@ -12,14 +12,14 @@
    interleaved; ZB-V and DualPipeV on their V placement), each as generated, lowered, with its ranks
    permuted (a custom placement) and that lowered; random mutations (swaps, moves, deletions,
    duplicates, changed fields, overlap flags toggled, idle slots, ranks exchanged) of generated,
-   lowered, imported (tests/data, ../shared/golden) and custom-placed schedules; hand-made custom
+   lowered, imported (tests/data) and custom-placed schedules; hand-made custom
    placements. The suite counts the rejections of each kind and asserts that the mutations reach
    every kind of verdict (a test that can fail).
 
    Build and run from the repository root:
      gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tests/test_validate_ref.c -o /tmp/test_validate_ref \
          -lcriterion -lm -lpthread && /tmp/test_validate_ref
-   AVGPIPE_GOLDEN_DIR overrides the golden directory (default ../shared/golden). */
+   AVGPIPE_GOLDEN_DIR overrides the golden directory (default tests/data). */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 
@@ -434,7 +434,7 @@ Test(imported, files_and_their_mutations) {
     size_t f;
     memset(&t, 0, sizeof t);
     lcg_state = 777;
-    snprintf(golden, sizeof golden, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && *dir ? dir : "../shared/golden");
+    snprintf(golden, sizeof golden, "%s/torch_zb1p_2rank_2stagep_compute.csv", dir && *dir ? dir : "tests/data");
     for (f = 0; f < 5; f++) {
         const char *path = files[f] ? files[f] : golden;
         avgpipe_schedule s, low;
