@@ -122,6 +122,81 @@
 #endif
 #endif
 
+
+/* Exact floating point, whatever the includer's flags (private: for this header and its companions).
+   A header-only library is compiled with its user's flags, and the code that promises bits (the
+   averaging pass, sums in rank order) must not change with them: with -ffp-contract=fast (GNU C's
+   default, and clang's with -Ofast or -ffast-math) w - alpha*(w - z) becomes one fused multiply-add,
+   and -ffast-math lets the compiler reorder a sum. Functions defined between AVGPIPE__FP_EXACT_BEGIN
+   and AVGPIPE__FP_EXACT_END are compiled with contraction and fast-math off (gcc and g++: optimize
+   pragmas, which nvcc hands to its host compiler; clang: float_control precise + contract off; MSVC:
+   float_control precise + fp_contract off; others: the standard FP_CONTRACT pragma). Keep such
+   functions calling each other, not being inlined into code outside the region.
+   A program linked with -Ofast or -ffast-math also starts with flush-to-zero and denormals-are-zero
+   set (gcc's crtfastmath.o), which no pragma undoes: avgpipe__fp_exact_enter() sets round to nearest
+   with subnormals kept for the calling thread (x86 MXCSR, AArch64 FPCR; a no-op elsewhere) and returns
+   the previous state for avgpipe__fp_exact_leave(). */
+#if defined(__clang__)
+#define AVGPIPE__FP_EXACT_BEGIN _Pragma("float_control(precise, on, push)") _Pragma("clang fp contract(off)")
+#define AVGPIPE__FP_EXACT_END _Pragma("float_control(pop)")
+#elif defined(__GNUC__) && defined(__CUDACC__) /* nvcc's front end passes them on, with a warning (1675) */
+#define AVGPIPE__FP_EXACT_BEGIN                                                                          \
+    _Pragma("nv_diag_suppress 1675") _Pragma("GCC push_options")                                        \
+    _Pragma("GCC optimize(\"no-fast-math\", \"fp-contract=off\")")
+#define AVGPIPE__FP_EXACT_END _Pragma("GCC pop_options") _Pragma("nv_diag_default 1675")
+#elif defined(__GNUC__)
+#define AVGPIPE__FP_EXACT_BEGIN _Pragma("GCC push_options") _Pragma("GCC optimize(\"no-fast-math\", \"fp-contract=off\")")
+#define AVGPIPE__FP_EXACT_END _Pragma("GCC pop_options")
+#elif defined(_MSC_VER)
+#define AVGPIPE__FP_EXACT_BEGIN __pragma(float_control(precise, on, push)) __pragma(fp_contract(off))
+#define AVGPIPE__FP_EXACT_END __pragma(float_control(pop))
+#else
+#define AVGPIPE__FP_EXACT_BEGIN _Pragma("STDC FP_CONTRACT OFF")
+#define AVGPIPE__FP_EXACT_END _Pragma("STDC FP_CONTRACT DEFAULT")
+#endif
+/* clang fuses a multiply and an add in its code generator whenever -ffp-contract=fast is on (-Ofast and
+   -ffast-math set it), whatever the pragmas say: AVGPIPE__FP_KEEP(x) makes a product opaque to it (an
+   empty asm that the value passes through), so it is rounded before the add that reads it. gcc honours
+   the pragmas; there it is nothing. */
+#if defined(__clang__) && (defined(__x86_64__) || defined(__i386__)) && defined(__SSE__)
+#define AVGPIPE__FP_KEEP(x) __asm__("" : "+x"(x))
+#elif defined(__clang__) && defined(__aarch64__)
+#define AVGPIPE__FP_KEEP(x) __asm__("" : "+w"(x))
+#elif defined(__clang__)
+#define AVGPIPE__FP_KEEP(x) __asm__("" : "+m"(x))
+#else
+#define AVGPIPE__FP_KEEP(x) ((void)0)
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && (defined(__x86_64__) || (defined(__i386__) && defined(__SSE__)))
+static inline uint64_t avgpipe__fp_exact_enter(void) {
+    unsigned int csr, want;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(csr));
+    want = csr & ~(0x8000u | 0x0040u | 0x6000u); /* FTZ, DAZ off; rounding to nearest */
+    if (want != csr) __asm__ __volatile__("ldmxcsr %0" : : "m"(want));
+    return csr;
+}
+static inline void avgpipe__fp_exact_leave(uint64_t saved) {
+    unsigned int csr, old = (unsigned int)saved;
+    __asm__ __volatile__("stmxcsr %0" : "=m"(csr));
+    if (csr != old) __asm__ __volatile__("ldmxcsr %0" : : "m"(old));
+}
+#elif (defined(__GNUC__) || defined(__clang__)) && defined(__aarch64__)
+static inline uint64_t avgpipe__fp_exact_enter(void) {
+    uint64_t fpcr, want;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    want = fpcr & ~((1ull << 24) | (1ull << 19) | (3ull << 22)); /* FZ, FZ16 off; rounding to nearest */
+    if (want != fpcr) __asm__ __volatile__("msr fpcr, %0" : : "r"(want));
+    return fpcr;
+}
+static inline void avgpipe__fp_exact_leave(uint64_t saved) {
+    uint64_t fpcr;
+    __asm__ __volatile__("mrs %0, fpcr" : "=r"(fpcr));
+    if (fpcr != saved) __asm__ __volatile__("msr fpcr, %0" : : "r"(saved));
+}
+#else
+static inline uint64_t avgpipe__fp_exact_enter(void) { return 0; }
+static inline void avgpipe__fp_exact_leave(uint64_t saved) { (void)saved; }
+#endif
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -640,7 +715,11 @@ typedef enum avgpipe_ea_mode {
    `first` stores instead of adding (the accumulator is never zeroed); `last` is the round's finalize,
    fused into the last contribution (after it, acc holds the next reference). A backend must produce
    these values in fp32 with exactly these operations (no fused multiply-add), so that the CPU and other
-   backends agree to the bit where the hardware allows. w, z, z_prev and acc never overlap. z is read
+   backends agree to the bit where the hardware allows. The CPU device does so whatever flags the
+   includer compiles this header with (-Ofast, -ffast-math, -march=native, GNU C; gcc, clang, g++, nvcc's
+   host compiler), in round to nearest with subnormals kept, also in a program that runs with
+   flush-to-zero (linked with -Ofast): tests/exact_check.c checks it in each such build. w, z, z_prev
+   and acc never overlap. z is read
    only when pull or (ELASTIC and last); z_prev only then with momentum != 0; either may be NULL when
    not read. */
 typedef struct avgpipe_ea_pass {
@@ -985,7 +1064,7 @@ struct avgpipe_comm {
                                avgpipe_device_event done, avgpipe_comm_request *req);
     avgpipe_result (*barrier)(void *user, int self, double timeout_s);
     /* Optional: sum `count` floats over all ranks in place. The in-process and MPI backends add in rank
-       order, so every rank gets the same bits on every run. */
+       order (avgpipe_comm_sum_ranks), so every rank gets the same bits on every run. */
     avgpipe_result (*allreduce_sum)(void *user, int self, float *buf, size_t count, double timeout_s);
     /* Optional: a sub-communicator. Collective: every rank of this communicator calls it once per
        split with the ranks of its own group (`members`, `count` of them, itself included); the groups
@@ -1014,6 +1093,13 @@ AVGPIPE_API void avgpipe_comm_destroy(avgpipe_comm *comm);
 /* Check that every required entry (isend, irecv, test, wait, barrier, abort) is set and size >= 1;
    AVGPIPE_INVALID_ARG names what is missing. */
 AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpipe_comm *comm);
+/* The sum in rank order that the built-in backends' allreduce_sum computes (in-process, MPI, NCCL with
+   deterministic_allreduce): dst[i] = ((0 + part_0[i]) + part_1[i]) + ... in fp32, part r at
+   parts + r * stride. The same bits under any compiler flags (contraction and fast-math are off in
+   its definition; round to nearest with subnormals kept while it runs, even in a program linked with
+   -Ofast). dst may be part 0 itself. A backend of your own calls it to agree with these to the bit.
+   Thread-safe (it touches only dst). */
+AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t stride, int nparts, size_t count);
 
 /* ============================================================================================ */
 /* 10. Runtime   (avgpipe_run_*)                                                                 */
@@ -1669,6 +1755,14 @@ static void avgpipe__log(avgpipe_context *ctx, avgpipe_log_level lvl, const char
     ctx->desc.log(lvl, msg, ctx->desc.log_user);
 }
 
+/* NaN by its bits: a comparison that should refuse NaN (!(x >= 0)) is folded away when the includer
+   compiles with -ffast-math (-ffinite-math-only), this is not. */
+static int avgpipe__nan(double x) {
+    uint64_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
+}
+
 /* Record an error on ctx (the detail goes to the last-error buffer and to the logger) and return it. */
 static avgpipe_result avgpipe__fail_va(avgpipe_context *ctx, avgpipe_result r, const char *fmt, va_list ap) {
     ctx = avgpipe__ctx(ctx);
@@ -1761,12 +1855,13 @@ static int avgpipe__buf_printf(avgpipe_context *ctx, avgpipe_buf *b, const char 
 
 /* The AVGPIPE_ZERO convention: 0 -> dflt, AVGPIPE_ZERO -> 0, anything else as given. */
 static double avgpipe__or_default(double v, double dflt) {
+    if (avgpipe__nan(v)) return v; /* refused by the check that follows (NaN == 0 holds under -ffast-math) */
     if (v == 0) return dflt;
     if (v == (double)AVGPIPE_ZERO) return 0;
     return v;
 }
 /* A field that is >= 0 or AVGPIPE_ZERO (and not NaN). */
-static int avgpipe__zero_ok(double v) { return v >= 0 || v == (double)AVGPIPE_ZERO; }
+static int avgpipe__zero_ok(double v) { return !avgpipe__nan(v) && (v >= 0 || v == (double)AVGPIPE_ZERO); }
 
 /* ---- clocks, deadlines, atomics (used by the averaging, comm and runtime sections) ---- */
 
@@ -5424,18 +5519,28 @@ static const char *avgpipe__cpu_error_string(void *user) {
 #define AVGPIPE__EA_ELASTIC 8u
 #define AVGPIPE__EA_MOMENTUM 16u
 
+/* From here to avgpipe__cpu_scale: the exact fp32 region (see AVGPIPE__FP_EXACT_BEGIN). */
+AVGPIPE__FP_EXACT_BEGIN
+
 AVGPIPE__FORCE_INLINE void avgpipe__ea_elem(float *AVGPIPE__RESTRICT w, const float *AVGPIPE__RESTRICT z,
                                             const float *AVGPIPE__RESTRICT zp, float *AVGPIPE__RESTRICT a,
                                             size_t i, float alpha, float scale, float mu, const unsigned f) {
     const float wi = w[i];
-    float c, v, acc;
+    float c, v, acc, m;
     if (f & AVGPIPE__EA_ELASTIC) {
         c = (f & AVGPIPE__EA_PULL) ? alpha * (wi - z[i]) : 0.0f;
+        AVGPIPE__FP_KEEP(c); /* every product rounded before an add reads it (see AVGPIPE__FP_EXACT_BEGIN) */
         if (f & AVGPIPE__EA_PULL) w[i] = wi - c;
         acc = (f & AVGPIPE__EA_FIRST) ? c : a[i] + c;
-        if (f & AVGPIPE__EA_LAST) acc = acc + ((f & AVGPIPE__EA_MOMENTUM) ? z[i] + mu * (z[i] - zp[i]) : z[i]);
+        if (f & AVGPIPE__EA_LAST) {
+            m = (f & AVGPIPE__EA_MOMENTUM) ? mu * (z[i] - zp[i]) : 0.0f;
+            AVGPIPE__FP_KEEP(m);
+            acc = acc + ((f & AVGPIPE__EA_MOMENTUM) ? z[i] + m : z[i]);
+        }
     } else {
-        v = (f & AVGPIPE__EA_PULL) ? wi - alpha * (wi - z[i]) : wi;
+        m = (f & AVGPIPE__EA_PULL) ? alpha * (wi - z[i]) : 0.0f;
+        AVGPIPE__FP_KEEP(m);
+        v = (f & AVGPIPE__EA_PULL) ? wi - m : wi;
         if (f & AVGPIPE__EA_PULL) w[i] = v;
         acc = (f & AVGPIPE__EA_FIRST) ? v : a[i] + v;
         if (f & AVGPIPE__EA_LAST) acc = acc * scale;
@@ -5540,10 +5645,12 @@ typedef struct avgpipe__cpu_job {
 } avgpipe__cpu_job;
 
 static void avgpipe__cpu_job_run(avgpipe__cpu_job *j) {
+    uint64_t fp = avgpipe__fp_exact_enter(); /* each thread: its own FP environment */
     if (j->pass)
         avgpipe__ea_pass_range(j->pass, j->begin, j->end);
     else
         j->result = avgpipe__nonfinite_range(j->x, j->begin, j->end);
+    avgpipe__fp_exact_leave(fp);
 }
 static void *avgpipe__cpu_thread(void *arg) {
     avgpipe__cpu_job_run((avgpipe__cpu_job *)arg);
@@ -5602,10 +5709,13 @@ static avgpipe_result avgpipe__cpu_find_nonfinite(void *user, const float *x, si
 }
 static avgpipe_result avgpipe__cpu_scale(void *user, float *x, float factor, size_t count, avgpipe_device_stream stream) {
     size_t i;
+    uint64_t fp = avgpipe__fp_exact_enter();
     (void)user, (void)stream;
     for (i = 0; i < count; i++) x[i] = x[i] * factor;
+    avgpipe__fp_exact_leave(fp);
     return AVGPIPE_OK;
 }
+AVGPIPE__FP_EXACT_END
 static void avgpipe__cpu_destroy(void *user) {
     avgpipe__cpu_device *d = (avgpipe__cpu_device *)user;
     avgpipe_allocator a = d->allocator;
@@ -5739,10 +5849,10 @@ static avgpipe_result avgpipe__ea_validate(avgpipe_context *ctx, const char *fn,
     if (d->mode != AVGPIPE_EA_MEAN && d->mode != AVGPIPE_EA_ELASTIC)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.mode %d is not an avgpipe_ea_mode", fn,
                              d->stage, (int)d->mode);
-    if (!(d->alpha >= 0.0f && d->alpha <= 1.0f))
+    if (avgpipe__nan(d->alpha) || !(d->alpha >= 0.0f && d->alpha <= 1.0f))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.alpha %g is outside [0, 1]", fn, d->stage,
                              (double)d->alpha);
-    if (!(d->momentum >= 0.0f && d->momentum < 1.0f))
+    if (avgpipe__nan(d->momentum) || !(d->momentum >= 0.0f && d->momentum < 1.0f))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.momentum %g is outside [0, 1)", fn,
                              d->stage, (double)d->momentum);
     if (d->momentum != 0.0f && d->mode != AVGPIPE_EA_ELASTIC)
@@ -6433,6 +6543,24 @@ static avgpipe_result avgpipe__local_barrier(void *user, int self, double timeou
     return res;
 }
 
+AVGPIPE__FP_EXACT_BEGIN
+AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t stride, int nparts, size_t count) {
+    uint64_t fp = avgpipe__fp_exact_enter();
+    size_t i;
+    int r;
+    for (i = 0; i < count; i++) {
+        float sum = 0;
+        AVGPIPE__FP_KEEP(sum); /* not folded away: 0 + (-0) is +0 */
+        for (r = 0; r < nparts; r++) {
+            sum += parts[(size_t)r * stride + i];
+            AVGPIPE__FP_KEEP(sum); /* added in this order */
+        }
+        dst[i] = sum;
+    }
+    avgpipe__fp_exact_leave(fp);
+}
+AVGPIPE__FP_EXACT_END
+
 /* Each rank leaves its values in its own part; the last to arrive sums the parts in rank order (the
    same bits on every run) and everyone copies the sum out; the last one out opens the next round. A
    rank that times out withdraws its part, so a later allreduce is still exact. */
@@ -6440,9 +6568,7 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
     avgpipe__local *L = (avgpipe__local *)user;
     struct timespec dl = avgpipe__deadline(timeout_s);
     avgpipe_result res = AVGPIPE_OK;
-    size_t i;
     long gen;
-    int r;
     if ((!buf && count) || self < 0 || self >= L->n) return AVGPIPE_INVALID_ARG;
     pthread_mutex_lock(&L->mu);
     while (L->ar_out > 0 && !L->aborted) /* the previous allreduce is still being read */
@@ -6473,11 +6599,7 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
     memcpy(L->ar_buf + (size_t)(self + 1) * L->ar_cap, buf, count * sizeof(float)); /* part of `self` */
     gen = L->ar_gen;
     if (++L->ar_in == L->n) {
-        for (i = 0; i < count; i++) {
-            float sum = 0;
-            for (r = 0; r < L->n; r++) sum += L->ar_buf[(size_t)(r + 1) * L->ar_cap + i];
-            L->ar_buf[i] = sum;
-        }
+        avgpipe_comm_sum_ranks(L->ar_buf, L->ar_buf + L->ar_cap, L->ar_cap, L->n, count);
         L->ar_in = 0;
         L->ar_out = L->n;
         L->ar_gen++;
@@ -8117,11 +8239,31 @@ static avgpipe_result avgpipe__run_max_time(avgpipe_run *run, double *seconds) {
     return res;
 }
 
+/* avgpipe_run_allreduce's sum in process order: dst[i] = ((0 + part_0[i]) + part_1[i]) + ..., part r at
+   byte offset r * stride (read with memcpy); the same bits under any compiler flags. */
+AVGPIPE__FP_EXACT_BEGIN
+static void avgpipe__sum_parts_f64(double *dst, const unsigned char *parts, size_t stride, int nparts, size_t count) {
+    uint64_t fp = avgpipe__fp_exact_enter();
+    size_t i;
+    int r;
+    for (i = 0; i < count; i++) {
+        double sum = 0, v;
+        AVGPIPE__FP_KEEP(sum);
+        for (r = 0; r < nparts; r++) {
+            memcpy(&v, parts + stride * (size_t)r + sizeof(double) * i, sizeof v);
+            sum += v;
+            AVGPIPE__FP_KEEP(sum);
+        }
+        dst[i] = sum;
+    }
+    avgpipe__fp_exact_leave(fp);
+}
+AVGPIPE__FP_EXACT_END
+
 AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count) {
     unsigned char *mine, *all;
     avgpipe_result res;
     size_t bytes;
-    int k, i;
     if (!run || (!values && count) || count < 0 || count > 4096)
         return avgpipe__fail(run ? run->ctx : NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_allreduce: bad argument (count %d, 0..4096)", count);
     if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "avgpipe_run_allreduce: the run failed earlier (%s)", run->abort_msg);
@@ -8132,15 +8274,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *value
     all = mine + bytes * (size_t)run->nlocal;
     memcpy(mine, values, bytes); /* the process counts once: through its first local rank; the others add 0 */
     res = avgpipe__ctl_allgather(run, mine, bytes, all, AVGPIPE__TAG_CTL + 6, "avgpipe_run_allreduce");
-    if (!res)
-        for (i = 0; i < count; i++) {
-            double sum = 0, v;
-            for (k = 0; k < run->P; k++) {
-                memcpy(&v, all + bytes * (size_t)k + sizeof(double) * (size_t)i, sizeof v);
-                sum += v;
-            }
-            values[i] = sum;
-        }
+    if (!res) avgpipe__sum_parts_f64(values, all, bytes, run->P, (size_t)count);
     avgpipe_free(run->ctx, mine);
     return res;
 }
@@ -8598,8 +8732,8 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
                 if (!avgpipe__run_params(run, run->w[k].replica, p, g))
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (replica %d, pipeline %d, stage %d, run by local rank %d)",
                                          (run->w[k].replica * run->N + p) * run->G + g, run->w[k].replica, p, g, run->w[k].rank);
-    if (d->timeout_s < 0 || d->mem_limit < 0 || d->window < 0)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "timeout_s, mem_limit and window must be >= 0");
+    if (avgpipe__nan(d->timeout_s) || d->timeout_s < 0 || avgpipe__nan(d->mem_limit) || d->mem_limit < 0 || d->window < 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "timeout_s, mem_limit and window must be >= 0 (and not NaN)");
     if (d->adaptive && (d->schedule || d->sched.kind != AVGPIPE_SCHED_ADVANCE))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "adaptive: needs sched.kind = AVGPIPE_SCHED_ADVANCE and no custom schedule");
     return AVGPIPE_OK;

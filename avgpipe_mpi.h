@@ -453,8 +453,6 @@ static avgpipe_result avgpipe__mpi_allreduce(void *user, int self, float *buf, s
     avgpipe__mpi *m = (avgpipe__mpi *)user;
     avgpipe__mpi_coll c;
     float *all = NULL;
-    size_t i;
-    int r;
     avgpipe_result res = avgpipe__mpi_check_coll(m, self, "allreduce");
     if (res) return res;
     if ((!buf && count) || count > (size_t)INT_MAX / (size_t)m->size) return AVGPIPE_INVALID_ARG;
@@ -468,12 +466,8 @@ static avgpipe_result avgpipe__mpi_allreduce(void *user, int self, float *buf, s
     avgpipe__mpi_unlock(m);
     if (c.rc != MPI_SUCCESS) res = avgpipe__mpi_error(m, c.rc, m->desc.fast_allreduce ? "MPI_Iallreduce" : "MPI_Iallgather");
     else res = avgpipe__mpi_coll_wait(m, &c, timeout_s, "allreduce");
-    if (res == AVGPIPE_OK && all)
-        for (i = 0; i < count; i++) { /* in rank order: every rank, every run, the in-process backend: the same bits */
-            float sum = 0;
-            for (r = 0; r < m->size; r++) sum += all[(size_t)r * count + i];
-            buf[i] = sum;
-        }
+    if (res == AVGPIPE_OK && all) /* in rank order: every rank, every run, the in-process backend: the same bits */
+        avgpipe_comm_sum_ranks(buf, all, count, m->size, count);
     if (all && res != AVGPIPE_TIMEOUT && res != AVGPIPE_ABORTED) m->alloc.free(all, m->alloc.user); /* else MPI may still write it */
     return res;
 }

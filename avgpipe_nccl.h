@@ -1002,13 +1002,12 @@ static avgpipe_result avgpipe__nccl_barrier(void *user, int self, double timeout
 static avgpipe_result avgpipe__nccl_allreduce_ordered(avgpipe__nccl *m, float *buf, const float *dbuf, int on_device, size_t count,
                                                       double timeout_s) {
     cudaStream_t s = m->stream[AVGPIPE__NCCL_COLL];
-    size_t bytes = count * sizeof(float), i;
+    size_t bytes = count * sizeof(float);
     float *all_d = NULL, *all_h = NULL;
     ncclResult_t nr;
     char detail[320];
     cudaError_t e;
     avgpipe_result res;
-    int r;
     if (count > ((size_t)-1) / sizeof(float) / (size_t)m->size)
         return avgpipe__nccl_errf(m, AVGPIPE_INVALID_ARG, "allreduce_sum: %zu floats from %d ranks do not fit in memory", count, m->size);
     all_h = (float *)m->alloc.alloc(bytes * (size_t)m->size, m->alloc.user);
@@ -1032,11 +1031,7 @@ static avgpipe_result avgpipe__nccl_allreduce_ordered(avgpipe__nccl *m, float *b
     }
     if (res == AVGPIPE_OK) {
         float *sum = on_device ? all_h : buf; /* on the device: sum into rank 0's part, then copy it up */
-        for (i = 0; i < count; i++) {
-            float acc = 0;
-            for (r = 0; r < m->size; r++) acc += all_h[(size_t)r * count + i];
-            sum[i] = acc;
-        }
+        avgpipe_comm_sum_ranks(sum, all_h, count, m->size, count);
         if (on_device) {
             static const char what[] = "allreduce_sum: copying the sum to the device";
             e = cudaMemcpyAsync(buf, all_h, bytes, cudaMemcpyHostToDevice, s);

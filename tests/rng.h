@@ -30,6 +30,7 @@ static inline float from_bits(uint32_t u) {
     return f;
 }
 /* Bitwise equal, or both NaN (payloads may differ: x86 keeps an operand's, a GPU gives the canonical NaN). */
-static inline int same(float a, float b) { return bits(a) == bits(b) || (a != a && b != b); }
+static inline int is_nan_bits(float a) { return (bits(a) & 0x7fffffffu) > 0x7f800000u; } /* still NaN under -ffast-math */
+static inline int same(float a, float b) { return bits(a) == bits(b) || (is_nan_bits(a) && is_nan_bits(b)); }
 
 #endif

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "tests/rng.h"
+#include "tests/exact_ref.h"
 
 /* ---- helpers --------------------------------------------------------------------------------- */
 
@@ -284,6 +285,71 @@ static void elastic_run(float mu, int N, float alpha, unsigned seed) {
 Test(ea, elastic_matches_float64_easgd_over_100_rounds) { elastic_run(0.0f, 4, 0.1f, 7); }
 Test(ea, elastic_with_momentum_matches_float64_over_100_rounds) { elastic_run(0.5f, 3, 0.2f, 11); }
 Test(ea, elastic_n8_alpha_one_over_8) { elastic_run(0.0f, 8, 0.125f, 13); }
+
+/* ---- the documented fp32 pass, to the bit, in every build ------------------------------------ */
+
+/* The module driven in a fixed order (pipelines 0..N-1 each round, each round complete before the next):
+   every pulled model and every reference must be section 7's formula exactly, as tests/exact_ref.h
+   computes it one rounded operation at a time (so this holds whatever flags this file is built with:
+   meson builds it again with -std=gnu11 -O3 -march=native and with -Ofast). Inputs include subnormals,
+   signed zeros and near-cancellations; the caller runs with flush-to-zero on in odd rounds. */
+static void formula_run(avgpipe_ea_mode mode, int N, float alpha, float mu, uint64_t seed) {
+    enum { P = 1543, ROUNDS = 12 };
+    avgpipe_context ctx;
+    rng r = {seed};
+    avgpipe_ea *ea;
+    float *w[8], *rw[8], *z = falloc(P), *zp = falloc(P), *acc = falloc(P), *junk = falloc(3 * P);
+    float scale = xr_mul(1.0f, 1.0f / (float)N); /* what the module uses: 1/N in fp32 */
+    xr_pass x;
+    int i, t, was;
+    size_t e;
+    avgpipe_context_init(&ctx, NULL);
+    for (i = 0; i < N; i++) {
+        w[i] = falloc(P), rw[i] = falloc(P);
+        xr_fill(&r, w[i], junk, junk + P, junk + 2 * P, P);
+        memcpy(rw[i], w[i], P * sizeof(float));
+    }
+    memcpy(z, w[0], P * sizeof(float));
+    memcpy(zp, z, P * sizeof(float));
+    ea = make_ea(&ctx, P, N, mode, alpha, mu, z, NULL);
+    memset(&x, 0, sizeof x);
+    x.elastic = mode == AVGPIPE_EA_ELASTIC, x.alpha = alpha, x.scale = scale, x.momentum = mu;
+    for (t = 0; t < ROUNDS; t++) {
+        for (i = 0; i < N; i++) { /* a local step that moves some elements by a few ulps, others far */
+            for (e = 0; e < P; e++) w[i][e] = rw[i][e] = xr_draw(&r, (int)(e % 4), rw[i][e]);
+            was = xr_set_ftz(t & 1);
+            contribute_ok(&ctx, ea, i, (uint64_t)t, w[i]);
+            cr_assert_eq(xr_ftz_on(), t & 1, "the contribution changed the caller's flush-to-zero setting");
+            xr_set_ftz(0);
+            x.first = i == 0, x.last = i == N - 1;
+            for (e = 0; e < P; e++) xr_elem(&x, &rw[i][e], z[e], zp[e], &acc[e]);
+            xr_set_ftz(was);
+            for (e = 0; e < P; e++)
+                cr_assert(bits(w[i][e]) == bits(rw[i][e]), "mode %d N %d round %d pipeline %d element %zu: pulled %a, formula %a",
+                          (int)mode, N, t, i, e, (double)w[i][e], (double)rw[i][e]);
+        }
+        cr_assert_eq(avgpipe_ea_wait(&ctx, ea, (uint64_t)t, 0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        memcpy(zp, z, P * sizeof(float));
+        memcpy(z, acc, P * sizeof(float));
+        for (e = 0; e < P; e++)
+            cr_assert(bits(avgpipe_ea_reference(ea, NULL)[e]) == bits(z[e]), "mode %d N %d round %d element %zu: reference %a, formula %a",
+                      (int)mode, N, t, e, (double)avgpipe_ea_reference(ea, NULL)[e], (double)z[e]);
+    }
+    avgpipe_ea_destroy(ea);
+    for (i = 0; i < N; i++) free(w[i]), free(rw[i]);
+    free(z), free(zp), free(acc), free(junk);
+}
+
+Test(ea, mean_is_the_documented_fp32_formula_bit_for_bit) {
+    formula_run(AVGPIPE_EA_MEAN, 3, 0.1f, 0.0f, 5);
+    formula_run(AVGPIPE_EA_MEAN, 4, 0.37f, 0.0f, 6);
+    formula_run(AVGPIPE_EA_MEAN, 1, 1.0f, 0.0f, 7);
+}
+Test(ea, elastic_is_the_documented_fp32_formula_bit_for_bit) {
+    formula_run(AVGPIPE_EA_ELASTIC, 3, 0.2f, 0.0f, 8);
+    formula_run(AVGPIPE_EA_ELASTIC, 2, 0.3f, 0.5f, 9);
+    formula_run(AVGPIPE_EA_ELASTIC, 5, 0.125f, 0.9f, 10);
+}
 
 /* ---- double buffering ------------------------------------------------------------------------ */
 
