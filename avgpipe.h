@@ -1,5 +1,6 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.1.0. License: MIT (see the end of this file).
+   Header-only C11. Version 0.2.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   of this file).
 
    WHAT IT IS
    ----------
@@ -105,10 +106,13 @@
 #include <stdio.h>
 #endif
 
+/* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
+   The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 1
+#define AVGPIPE_VERSION_MINOR 2
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.1.0"
+#define AVGPIPE_VERSION_STRING "0.2.0"
+#define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
 #ifdef AVGPIPE_STATIC
@@ -232,7 +236,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.1.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.2.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -1669,7 +1673,7 @@ AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r) {
 }
 
 AVGPIPE_API const char *avgpipe_version(void) { return AVGPIPE_VERSION_STRING; }
-AVGPIPE_API int avgpipe_version_number(void) { return AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH; }
+AVGPIPE_API int avgpipe_version_number(void) { return AVGPIPE_VERSION_NUMBER; }
 
 static void *avgpipe__default_alloc(size_t size, void *user) {
     (void)user;

@@ -1009,7 +1009,7 @@ int main(int argc, char **argv) {
         return 0;
     }
     if (strcmp(argv[1], "--version") == 0) {
-        printf("avgpipe %s\n", AVGPIPE_VERSION_STRING);
+        printf("avgpipe %s\n", avgpipe_version()); /* the implementation compiled in */
         return 0;
     }
     for (i = 0; i < CLI_NCOMMANDS; i++)
