@@ -1,5 +1,5 @@
 #!/bin/sh
-# Configure (once) and build into ./build.
+# Configure (once) and build into ./build: everything, or only the targets named (sh scripts/build.sh fashion_mnist).
 set -eu
 cd "$(dirname "$0")/.."
 if [ -f build/build.ninja ]; then
@@ -7,4 +7,4 @@ if [ -f build/build.ninja ]; then
 else
     meson setup build
 fi
-meson compile -C build
+meson compile -C build "$@"

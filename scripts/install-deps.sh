@@ -17,7 +17,7 @@ for p in $PKGS; do
     dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"
 done
 if [ -n "$missing" ]; then
-    echo "install-deps: installing$missing"
+    echo "install-deps: installing$missing (apt-get update, then apt-get install)"
     $SUDO apt-get update -q
     $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $missing
 else
