@@ -481,8 +481,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_import(avgpipe_context *ctx, const char
                                                 avgpipe_schedule *out);
 #ifndef AVGPIPE_NO_STDIO
 /* Read a schedule file (a pipe works too) and import it. A file over 1 GiB is refused
-   (AVGPIPE_IO_ERROR) as soon as the read passes the cap, before the buffer grows for it; so are
-   profiles (avgpipe_profile_load). */
+   (AVGPIPE_IO_ERROR) as soon as the read passes the cap, before the buffer grows for it, and one that
+   is not text (a NUL byte, or a control character other than tab, newline, CR, VT and FF) at the
+   first such byte (AVGPIPE_PARSE_ERROR, naming its offset); profiles likewise (avgpipe_profile_load,
+   256 MiB). */
 AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out);
 AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpipe_schedule *s, unsigned flags,
                                               const char *path);
@@ -654,7 +656,11 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
                                                   const avgpipe_validate_desc *desc,
                                                   avgpipe_validate_report *report);
 /* ASCII grid of the op lists (one row per rank, one column per position); the op at
-   (mark_rank, mark_pos) is shown as ">op<". mark_rank -1: no mark. */
+   (mark_rank, mark_pos) is shown as ">op<". mark_rank -1: no mark, every position. With a mark, only
+   the AVGPIPE_GRID_WINDOW positions either side of mark_pos are drawn when the lists are longer (a line
+   above the grid names the range shown), so that the op a validation error points at is shown in a
+   few lines whatever the schedule's length. */
+#define AVGPIPE_GRID_WINDOW 12
 AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const avgpipe_schedule *s,
                                                      int mark_rank, int mark_pos, avgpipe_buf *out);
 
@@ -2885,17 +2891,40 @@ fail:
 }
 
 #ifndef AVGPIPE_NO_STDIO
-#define AVGPIPE__MAX_FILE ((size_t)1 << 30) /* schedule and profile text: 1 GiB, far above any real file */
+/* What a file of each kind may hold: at most `max` bytes (far above any real one; checked as the read
+   goes, before the buffer grows), and, for text, no byte that no text holds (NUL, or a control
+   character other than tab, newline, carriage return, vertical tab and form feed): /dev/zero or a
+   binary given by mistake is refused within its first 64 KiB, not after a gigabyte. */
+typedef struct avgpipe__file_kind {
+    const char *what; /* "schedule", ... (for messages) */
+    const char *why;  /* what the cap is, for messages */
+    size_t max;
+    int text;
+} avgpipe__file_kind;
+#define AVGPIPE__MAX_SCHEDULE ((size_t)1 << 30) /* 1 GiB: the largest schedule import takes is about this */
+#define AVGPIPE__MAX_PROFILE ((size_t)1 << 28)  /* 256 MiB: millions of op records */
+static const avgpipe__file_kind avgpipe__file_schedule = {"schedule", "the most a schedule file may hold", AVGPIPE__MAX_SCHEDULE, 1};
+static const avgpipe__file_kind avgpipe__file_profile = {"profile", "the most a profile may hold", AVGPIPE__MAX_PROFILE, 1};
 
-/* Append n bytes to a file's text, growing the buffer by doubling but never past the cap (+1 for the
-   NUL). 0: over the cap, -1: out of memory. */
-static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n) {
-    if (n > AVGPIPE__MAX_FILE - text->len) return 0; /* checked before growing: the total would pass the cap */
+/* The offset of the first byte in p[0, n) that no text file holds, or n. */
+static size_t avgpipe__not_text(const char *p, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)p[i];
+        if ((c < 0x20 && (c < 0x09 || c > 0x0d)) || c == 0x7f) return i;
+    }
+    return n;
+}
+
+/* Append n bytes to a file's text, growing the buffer by doubling but never past max (+1 for the
+   NUL). 0: over max, -1: out of memory. */
+static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n, size_t max) {
+    if (n > max - text->len) return 0; /* checked before growing: the total would pass the cap */
     if (text->len + n + 1 > text->cap) {
         size_t cap = text->cap ? 2 * text->cap : n + 1;
         char *q;
         if (cap < text->len + n + 1) cap = text->len + n + 1;
-        if (cap > AVGPIPE__MAX_FILE + 1) cap = AVGPIPE__MAX_FILE + 1;
+        if (cap > max + 1) cap = max + 1;
         if (!(q = (char *)avgpipe__realloc(ctx, text->data, text->len, cap))) return -1;
         text->data = q;
         text->cap = cap;
@@ -2906,22 +2935,29 @@ static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char
     return 1;
 }
 
-/* Read a whole file (to EOF: pipes work too), at most 1 GiB: refused as soon as the running total
-   passes the cap, before the buffer grows for it. */
-static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text) {
+/* Read a whole file (to EOF: pipes work too) of kind k: refused as soon as the running total passes
+   k->max, and (text) at the first byte no text holds. */
+static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text, const avgpipe__file_kind *k) {
     FILE *f = fopen(path, "rb");
     char chunk[65536];
-    size_t n;
+    size_t n, at;
     int bad, put;
     if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0)
-        if ((put = avgpipe__file_put(ctx, text, chunk, n)) <= 0) {
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) {
+        if (k->text && (at = avgpipe__not_text(chunk, n)) < n) {
+            fclose(f);
+            at += text->len;
+            avgpipe_buf_free(ctx, text);
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "'%s' is not a %s (text): byte %zu is 0x%02x", path, k->what, at,
+                                 (unsigned)(unsigned char)chunk[at % sizeof chunk]);
+        }
+        if ((put = avgpipe__file_put(ctx, text, chunk, n, k->max)) <= 0) {
             fclose(f);
             avgpipe_buf_free(ctx, text);
             if (put < 0) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
-            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over 1 GiB (%zu bytes), the most a schedule or profile file may hold", path,
-                                 AVGPIPE__MAX_FILE);
+            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over %zu bytes, %s", path, k->max, k->why);
         }
+    }
     bad = ferror(f);
     fclose(f);
     if (bad) { /* e.g. a directory */
@@ -2942,7 +2978,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *
     avgpipe_buf text = {NULL, 0, 0};
     avgpipe_result res;
     if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_load: NULL argument");
-    res = avgpipe__read_file(ctx, path, &text);
+    res = avgpipe__read_file(ctx, path, &text, &avgpipe__file_schedule);
     if (res) return res;
     res = avgpipe_sched_import(ctx, text.data ? text.data : "", text.len, out);
     if (res) avgpipe__fail_in_file(ctx, res, path);
@@ -5096,23 +5132,31 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
 
 AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const avgpipe_schedule *s, int mark_rank, int mark_pos,
                                                      avgpipe_buf *out) {
-    int r, i, width = 4, maxlen = 0, ok = 1;
+    int r, i, width = 4, maxlen = 0, ok = 1, lo = 0, hi;
     char txt[72];
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_render_grid: NULL argument");
-    for (r = 0; r < s->nranks; r++) {
+    for (r = 0; r < s->nranks; r++)
         if (s->len[r] > maxlen) maxlen = s->len[r];
-        for (i = 0; i < s->len[r]; i++) {
+    hi = maxlen;
+    if (mark_rank >= 0 && maxlen > 2 * AVGPIPE_GRID_WINDOW + 1) { /* the window around the mark */
+        lo = mark_pos - AVGPIPE_GRID_WINDOW < 0 ? 0 : mark_pos - AVGPIPE_GRID_WINDOW;
+        if (lo > maxlen - (2 * AVGPIPE_GRID_WINDOW + 1)) lo = maxlen - (2 * AVGPIPE_GRID_WINDOW + 1);
+        hi = lo + 2 * AVGPIPE_GRID_WINDOW + 1;
+    }
+    for (r = 0; r < s->nranks; r++)
+        for (i = lo; i < hi && i < s->len[r]; i++) {
             int n = avgpipe_op_format(&s->ops[r][i], 0, txt, sizeof txt) + 2;
             if (n > width) width = n;
         }
-    }
     out->len = 0;
+    if (lo > 0 || hi < maxlen)
+        ok &= avgpipe__buf_printf(ctx, out, "(positions %d..%d of %d around the marked op)\n", lo, hi - 1, maxlen);
     ok &= avgpipe__buf_printf(ctx, out, "%-8s", "pos");
-    for (i = 0; i < maxlen; i++) ok &= avgpipe__buf_printf(ctx, out, "%-*d", width + 1, i);
+    for (i = lo; i < hi; i++) ok &= avgpipe__buf_printf(ctx, out, "%-*d", width + 1, i);
     ok &= avgpipe__buf_put(ctx, out, "\n", 1);
     for (r = 0; r < s->nranks; r++) {
         ok &= avgpipe__buf_printf(ctx, out, "rank %-3d", r);
-        for (i = 0; i < s->len[r]; i++) {
+        for (i = lo; i < hi && i < s->len[r]; i++) {
             char cell[80];
             avgpipe_op_format(&s->ops[r][i], 0, txt, sizeof txt);
             if (s->ops[r][i].kind == AVGPIPE_OP_IDLE) snprintf(txt, sizeof txt, ".");
@@ -8596,12 +8640,20 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
     avgpipe_result res;
     int g;
     snprintf(path, sizeof path, "%s/manifest", dir);
-    res = avgpipe__read_file(ctx, path, &man);
+    {
+        static const avgpipe__file_kind manifest = {"checkpoint manifest", "the most a checkpoint manifest may hold", (size_t)1 << 24, 0};
+        res = avgpipe__read_file(ctx, path, &man, &manifest);
+    }
     if (!res) res = avgpipe__ckpt_manifest_read(run, dir, &man, iter, w->rank, name, sizeof name, &bytes, &sum);
     avgpipe_buf_free(ctx, &man);
     if (res) return res;
     snprintf(path, sizeof path, "%s/%s", dir, name);
-    if ((res = avgpipe__read_file(ctx, path, &out->data)) != AVGPIPE_OK) return res;
+    {
+        /* a rank's file holds what the manifest says (no cap of its own: a model's parameters can be GBs) */
+        avgpipe__file_kind data = {"checkpoint", "the size its manifest gives", 0, 0};
+        data.max = bytes < (unsigned long long)((size_t)-1 - 1) ? (size_t)bytes : (size_t)-1 - 1;
+        if ((res = avgpipe__read_file(ctx, path, &out->data, &data)) != AVGPIPE_OK) return res;
+    }
     q = (const unsigned char *)out->data.data;
     if (out->data.len != bytes || bytes < AVGPIPE__CKPT_HEADER)
         return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s': %zu bytes, the manifest says %llu (truncated?)", path, out->data.len, bytes);
@@ -9755,7 +9807,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
     avgpipe_buf text = {NULL, 0, 0};
     avgpipe_result res;
     if (!path || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_load: NULL argument");
-    res = avgpipe__read_file(ctx, path, &text);
+    res = avgpipe__read_file(ctx, path, &text, &avgpipe__file_profile);
     if (res) return res;
     res = avgpipe_profile_parse(ctx, text.data ? text.data : "", text.len, out);
     if (res) avgpipe__fail_in_file(ctx, res, path);

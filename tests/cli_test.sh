@@ -191,7 +191,7 @@ has "validate missing op" "$OUT" "no backward"
 : >"$TMP/empty.csv"
 usage_error "validate empty file" "empty.csv" validate "$TMP/empty.csv"
 printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.bin"
-usage_error "validate binary garbage" "garbage.bin" validate "$TMP/garbage.bin"
+usage_error "validate binary garbage" "garbage.bin' is not a schedule (text): byte 0 is 0x01" validate "$TMP/garbage.bin"
 usage_error "validate missing file" "nonexistent" validate "$TMP/nonexistent.csv"
 usage_error "validate directory" "directory" validate "$TMP"
 usage_error "validate no file" "FILE" validate
@@ -201,9 +201,23 @@ printf '0F99999999999\n' >"$TMP/huge.csv"
 usage_error "validate huge micro-batch" "huge.csv" validate "$TMP/huge.csv"
 # Standard input is read up to 1 GiB like files (it had no cap: '</dev/zero' grew without end).
 if head -c 1 /dev/zero >/dev/null 2>&1; then
-    head -c 1073741825 /dev/zero | "$BIN" validate - >"$OUT" 2>"$ERR"
+    head -c 1073741825 /dev/zero | tr '\000' ' ' | "$BIN" validate - >"$OUT" 2>"$ERR"
     if [ $? -eq 2 ] && grep -q "standard input.*1 GiB" "$ERR"; then ok; else bad "validate - over 1 GiB: expected exit 2 naming the 1 GiB cap"; fi
+    # Not text: refused at the first NUL byte, not after reading a gigabyte of it (it took 2 s and 1 GB).
+    IN=/dev/zero
+    usage_error "validate - of /dev/zero" "not a schedule (text): byte 0 is 0x00" validate -
+    IN=/dev/null
+    usage_error "validate /dev/zero" "not a schedule (text): byte 0 is 0x00" validate /dev/zero
+    usage_error "tune /dev/zero" "not a profile (text): byte 0 is 0x00" tune --profile /dev/zero --batch 32 --mem-limit 1M
+    printf '0F0,0B0\n0F0,0\0011B0\n' >"$TMP/ctl.csv"
+    usage_error "validate control character" "byte 13 is 0x01" validate "$TMP/ctl.csv"
 fi
+# An invalid schedule of 2 million ops on one rank: the error and a window of the grid around the op it
+# names, a few lines (the whole grid was lines of megabytes).
+awk 'BEGIN { printf "0F0"; for (i = 1; i < 1000000; i++) printf ",0F%d", i; for (i = 0; i < 1000000; i++) printf (i == 500000 ? ",0F%d" : ",0B%d"), i; print "" }' >"$TMP/long.csv"
+t "validate 2M-op invalid schedule" 1 validate "$TMP/long.csv"
+has "validate 2M-op invalid schedule" "$OUT" "of 2000000 around the marked op"
+if [ "$(wc -c <"$OUT")" -lt 20000 ] && [ "$(wc -l <"$OUT")" -le 6 ]; then ok; else bad "validate 2M-op invalid schedule: $(wc -c <"$OUT") bytes, $(wc -l <"$OUT") lines of output (a window is a few lines)"; fi
 # Sparse numbering: two ops naming 100 pipelines x 10^5 micro-batches; the validator allocated a table
 # for them (one op of pipeline 5999 on stage 32766 asked the simulator for 6 GB); refused at once.
 printf '99:0F0,0F99999\n' >"$TMP/sparse.csv"
@@ -325,7 +339,7 @@ broken "nan" "line 5" '5s/start=[^ ]*/start=nan/'
 broken "huge shape" "whole number in 1..1000000" '2s/micro=8/micro=1000000000/'
 broken "activations beyond 2^50 bytes" "line 3: field 'act_bytes' needs a number from 0 to 1125899906842624" '3s/act_bytes=[^ ]*/act_bytes=1e30/'
 printf '\001\377\376garbage\000\n\342\202' >"$TMP/garbage.prof"
-usage_error "tune binary garbage" "line 1" tune --profile "$TMP/garbage.prof" --batch 32 --mem-limit 1M
+usage_error "tune binary garbage" "not a profile (text): byte 0 is 0x01" tune --profile "$TMP/garbage.prof" --batch 32 --mem-limit 1M
 : >"$TMP/empty.prof"
 usage_error "tune empty profile" "empty.prof" tune --profile "$TMP/empty.prof" --batch 32 --mem-limit 1M
 

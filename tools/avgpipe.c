@@ -651,14 +651,24 @@ static int cmd_compare(avgpipe_context *ctx, const cli_opts *o) {
     return rc ? rc : invalid ? CLI_EXIT_INVALID : 0;
 }
 
-/* Read all of a stream (for '-'), at most CLI_MAX_INPUT bytes: the running total is checked before
-   the buffer grows, so '</dev/zero' stops at the cap. NULL (and the reason printed) on a read error,
-   input over the cap, or out of memory. */
+/* Read all of a stream (for '-'), at most CLI_MAX_INPUT bytes of text: the running total is checked
+   before the buffer grows, and each byte as it arrives (a NUL or another control character is refused
+   at once, so '</dev/zero' stops in its first 64 KiB). NULL (and the reason printed) on a read error,
+   input that is not text or over the cap, or out of memory. */
 static char *read_stream(FILE *f, size_t *len) {
-    size_t cap = (size_t)1 << 16, n = 0;
+    size_t cap = (size_t)1 << 16, n = 0, k, got;
     char *buf = (char *)malloc(cap), *p;
     while (buf) {
-        n += fread(buf + n, 1, cap - n, f);
+        got = fread(buf + n, 1, cap - n, f);
+        for (k = n; k < n + got; k++) { /* text only, as the library reads files: '</dev/zero' stops here */
+            unsigned char c = (unsigned char)buf[k];
+            if ((c < 0x20 && (c < 0x09 || c > 0x0d)) || c == 0x7f) {
+                cli_error("the standard input is not a schedule (text): byte %zu is 0x%02x", k, (unsigned)c);
+                free(buf);
+                return NULL;
+            }
+        }
+        n += got;
         if (n < cap) break; /* end of input or an error */
         if (cap > CLI_MAX_INPUT) { /* holds more than the cap: refuse before growing */
             cli_error("the standard input is over 1 GiB (%zu bytes), the most a schedule file may hold", CLI_MAX_INPUT);
@@ -724,8 +734,14 @@ static int print_lowered(avgpipe_context *ctx, const avgpipe_schedule *s) {
 /* The verdict for a schedule that fails validation: the message, then the grid with the op marked. */
 static int print_invalid(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_validate_report *rep) {
     avgpipe_buf b = {NULL, 0, 0};
-    int mark = rep->pos >= 0 ? rep->rank : -1;
+    int mark = rep->pos >= 0 ? rep->rank : -1, r, longest = 0;
     printf("invalid: %s\n", rep->message);
+    for (r = 0; r < s->nranks; r++)
+        if (s->len[r] > longest) longest = s->len[r];
+    if (mark < 0 && longest > 4 * AVGPIPE_GRID_WINDOW) { /* no op to show a window around: no megabyte lines either */
+        printf("(the error names no op; the grid of %d positions is not drawn: avgpipe sim --trace draws the timeline)\n", longest);
+        return CLI_EXIT_INVALID;
+    }
     if (avgpipe_sched_render_grid(ctx, s, mark, rep->pos, &b) != AVGPIPE_OK) return lib_error(ctx);
     if (b.data) fputs(b.data, stdout);
     avgpipe_buf_free(ctx, &b);
