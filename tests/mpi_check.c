@@ -226,6 +226,15 @@ int main(int argc, char **argv) {
         s.d.timeout_s = 20;
         s.d.comm = &comm, s.d.local_ranks = &me, s.d.local_count = 1;
         rc = expect_failure(&s.d, 1, "sched.micro");
+        { /* every process alive: wait (10 s at most) until all have said so before exiting non-zero, or mpirun
+             kills the job at the first exit status and a slower process's line is lost (seen in CI) */
+            MPI_Request rq;
+            int done = 0;
+            double t0 = MPI_Wtime();
+            fflush(stdout);
+            MPI_Ibarrier(MPI_COMM_WORLD, &rq);
+            while (!done && MPI_Wtime() - t0 < 10) MPI_Test(&rq, &done, MPI_STATUS_IGNORE);
+        }
     } else if (!strcmp(mode, "drop") || !strcmp(mode, "dup")) {
         faultcomm fc;
         avgpipe_comm table;
