@@ -55,9 +55,19 @@
 
    COMPANION HEADERS
    -----------------
-   Each includes after avgpipe.h (it stops with #error otherwise) and compiles its implementation with
-   AVGPIPE_IMPLEMENTATION (or its own macro):
-     avgpipe_mpi.h   the comm backend over MPI: one rank per process, across machines (AVGPIPE_MPI_IMPLEMENTATION).
+   Each includes after avgpipe.h of the same release (it stops with #error otherwise) and compiles its
+   implementation with AVGPIPE_IMPLEMENTATION (or its own macro); each documents itself at its top:
+     avgpipe_mpi.h    the comm backend over MPI: one rank per process, across machines
+                      (AVGPIPE_MPI_IMPLEMENTATION; link MPI, or pkg-config avgpipe-mpi).
+     avgpipe_cuda.h   the device backend over the CUDA runtime: memory, streams, events and the
+                      averaging kernels of one GPU, from nvcc or from plain C with NVRTC
+                      (AVGPIPE_CUDA_IMPLEMENTATION; link cudart, and nvrtc from C).
+     avgpipe_nccl.h   the comm backend over NCCL: one GPU per rank, device-ordered transfers, split for
+                      replica groups, bootstrap over MPI or a shared file (AVGPIPE_NCCL_IMPLEMENTATION;
+                      link nccl and cudart).
+     avgpipe_hwloc.h  thread placement with hwloc: each rank's threads on the cores nearest its GPU or
+                      NIC (AVGPIPE_HWLOC_IMPLEMENTATION; link hwloc).
+   AVGPIPE_IMPL turns on the implementation of every header included.
    Writing your own backend: a comm or device table (sections 7, 9) plus avgpipe_set_error for errors;
    examples/custom_comm.c is a complete comm backend over POSIX pipes.
 
@@ -495,10 +505,17 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 /* ============================================================================================ */
 /* A generator takes an avgpipe_sched_desc (section 2). Zero-initialise; zero fields mean:
      stages, micro  required (>= 1)
-     pipes 0 -> 1, chunks 0 -> 1 (2 for INTERLEAVED), rounds 0 -> 1, advance 0 -> 0 (1F1B)
-   Supported shapes: chunks > 1 only for INTERLEAVED, which needs micro % stages == 0 (Megatron-LM's
-   grouping of S micro-batches per chunk) and treats chunks == 1 as 1F1B. All other kinds take any
-   S, M, N, R >= 1 and K >= 0.
+     pipes 0 -> 1, chunks 0 -> 1 (2 for INTERLEAVED, ZBV, DUALPIPEV), rounds 0 -> 1, advance 0 -> 0
+     placement 0 -> the kind's own (loop; V for ZBV and DUALPIPEV)
+   Supported shapes (avgpipe_sched_resolve checks them; an error names the field):
+     every kind   stages, micro >= 1; pipes 1..32767; rounds >= 1; stages x chunks <= 32767;
+                  micro x rounds <= 1e9; stages x chunks x pipes x micro x rounds <= 1.3e8
+     AFAB, 1F1B, ZBH1  chunks 1, loop placement; advance is ignored (0)
+     ADVANCE      chunks 1, loop placement; any K >= 0 (K = 0 is 1F1B)
+     INTERLEAVED  chunks >= 1, loop placement; with chunks > 1, micro % stages == 0 (Megatron-LM's
+                  grouping of S micro-batches per chunk); chunks == 1 is 1F1B
+     ZBV          chunks 2, V placement; any K >= 0
+     DUALPIPEV    chunks 2, V placement; micro x pipes >= 2 x stages; advance is ignored (0)
    Order of the parallel pipelines: each rank runs the batches as one stream, batch (i, t) of
    pipeline i in round t at position t·N + i; within a stream every rank keeps 1F1B's (or AFAB's)
    discipline over all micro-batches of the stream, so N pipelines fill each other's bubbles.
@@ -1230,12 +1247,19 @@ typedef struct avgpipe_stage_callbacks {
        exactly those bytes when the checkpoint is loaded. Called on the thread that saves or loads. */
     int (*save_state)(int rank, avgpipe_buf *out, void *user);
     int (*load_state)(int rank, const void *data, size_t bytes, void *user);
+    /* Optional: a callback the watchdog abandoned (see avgpipe_run_destroy) has returned after the run was
+       destroyed. Called on that thread as the last thing it does: the run's memory is already freed
+       (through the allocator copied from the run's context) and nothing of the run or of yours is
+       touched after it. rank is global. Count these against avgpipe_run_abandoned() to know when the
+       state those callbacks use may be freed. */
+    void (*abandoned_return)(int rank, void *user);
     void *user;
 } avgpipe_stage_callbacks;
 
 typedef struct avgpipe_run_desc {
     avgpipe_sched_desc sched;          /* shape and schedule kind; sched.rounds = rounds per iteration */
-    const avgpipe_schedule *schedule;  /* optional: run this schedule (compute-only or lowered) instead */
+    const avgpipe_schedule *schedule;  /* optional: run this schedule (compute-only or lowered) instead;
+                                          copied at create (free yours whenever you like) */
     avgpipe_stage_callbacks cb;
     const size_t *act_bytes;           /* [G-1]: bytes of one micro-batch's activation at boundary g|g+1
                                           (may be NULL when G = 1) */
@@ -1308,16 +1332,26 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
    op and peer. Driven by one thread. Threads: the callbacks of a stage always run on its rank's
    worker thread (one per local rank, the same thread every iteration); whatever the driving thread
    writes between iterations is visible to the callbacks, and what they write is visible to it after
-   this call returns. With adaptive advance and ranks in other processes it is collective. */
+   this call returns. Between ranks: everything a callback wrote before it returned (its output or
+   gradient, and any other memory of yours) is visible to the callback that consumes that output on
+   the other rank (the transfer orders them: in-process, the comm's mutex; across processes, the
+   message itself, for what crosses), so a side table written by a forward and read by the next
+   stage's forward of the same micro-batch needs no lock of yours. With adaptive advance and ranks in
+   other processes it is collective. */
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats);
 /* Stop the workers, cancel pending messages, free everything (not the user's comm backend).
    A callback that never returns: past the timeout the iteration fails with AVGPIPE_TIMEOUT naming the
    rank and the op (the watchdog), and the run is dead. Its thread cannot be stopped from outside (no
    thread is killed): destroy returns without it, leaving it inside your callback; the run's memory is
-   kept until the callback returns, and then that thread frees it and ends, touching nothing else (not
-   the comm backend, not your buffers, not your context). Keep what that callback uses alive, or end
-   the process. */
+   kept until the callback returns, and then that thread frees it, calls cb.abandoned_return (when set)
+   and ends, touching nothing else (not the comm backend, not your buffers, not your context). Keep what
+   that callback uses alive until then (avgpipe_run_abandoned says how many such threads there will be),
+   or end the process. */
 AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
+/* How many worker threads the watchdog has abandoned inside a user callback (0 unless an iteration
+   failed with AVGPIPE_TIMEOUT naming a callback): after avgpipe_run_destroy, cb.abandoned_return is
+   called once for each, when its callback returns. Thread-safe with respect to the run's own threads. */
+AVGPIPE_API int avgpipe_run_abandoned(avgpipe_run *run);
 /* The reference model's partition of stage g (newest complete) of the first local replica group that
    holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
 AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count);
@@ -1328,6 +1362,12 @@ AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int rep
    processes pass dst NULL. For evaluating or saving the model when the stages live in several
    processes. Errors: AVGPIPE_INVALID_ARG, AVGPIPE_TIMEOUT naming the rank that did not send. */
 AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst);
+/* The same for the parameters of parallel model `pipe` (0 .. N-1) of replica group `replica`: each
+   stage's params[(replica * N + pipe) * G + g] lands in dst[g] on the process that runs global rank 0
+   (other processes pass dst NULL), for checks and exports. Collective, between iterations. Errors:
+   AVGPIPE_INVALID_ARG (replica or pipe out of range, dst NULL on the root), AVGPIPE_TIMEOUT naming the
+   rank that did not send. */
+AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int replica, int pipe, float *const *dst);
 /* Collective (every process, between iterations): values[0..count-1] summed over the processes (each
    process counts once, whatever number of ranks it runs), in rank order, so every process gets the
    same bits. For reporting: e.g. the loss and accuracy counters of the last stage, printed on rank 0.
@@ -1360,8 +1400,9 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
 /* The schedule being run (lowered; its ranks are those of one replica group), and K for advance. */
 AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
 /* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. With
-   adaptive advance the count can grow when K changes: query it again after each iteration and after
-   avgpipe_run_load. */
+   adaptive advance the count changes with K: it grows as K rises and shrinks when the controller steps
+   back to the best K (or a checkpoint restores a smaller one), so query it again after each iteration
+   and after avgpipe_run_load, and key your stash by (stage, slot) below the current count. */
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
 /* Bytes the runtime allocated for boundary buffers and averaging on global rank `rank` (-1 when it
    is not local): what avgpipe_run_memory predicts. */
@@ -3049,6 +3090,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
                              d.stages);
+    if (d.kind == AVGPIPE_SCHED_DUALPIPEV && (long long)d.pipes * d.micro < 2LL * d.stages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: dualpipev needs micro x pipes >= 2 x stages (%lld < %d)",
+                             (long long)d.pipes * d.micro, 2 * d.stages);
     if (d.pipes > AVGPIPE__MAX_PIPES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most %d (got %d)", AVGPIPE__MAX_PIPES, d.pipes);
     if ((long long)d.stages * d.chunks > AVGPIPE__MAX_STAGES)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: stages x chunks must be at most %d", AVGPIPE__MAX_STAGES);
@@ -7026,6 +7070,7 @@ struct avgpipe_run {
     avgpipe_context *ctx;
     avgpipe_run_desc d;
     avgpipe_sched_desc sd;
+    avgpipe_schedule given; /* a copy of desc.schedule (d.schedule points here), or empty */
     avgpipe_schedule base, low;
     avgpipe_run_plan plan;
     int S, G, N, M, R, U, K;
@@ -8002,9 +8047,13 @@ static void *avgpipe__worker_main(void *arg) {
         run->done++;
         pthread_cond_broadcast(&run->cv);
         if (w->orphan) { /* destroyed while this thread was inside a callback: it is the last one, it frees the run */
+            void (*returned)(int, void *) = run->d.cb.abandoned_return;
+            void *user = run->d.cb.user;
+            int rank = w->rank;
             while (!run->orphaned) pthread_cond_wait(&run->cv, &run->mu);
             pthread_mutex_unlock(&run->mu);
             avgpipe__run_free(run);
+            if (returned) returned(rank, user); /* the last thing: the user may free what the callback used */
             return NULL;
         }
         pthread_mutex_unlock(&run->mu);
@@ -8345,27 +8394,26 @@ static avgpipe_result avgpipe__run_copy(avgpipe_run *run, avgpipe_context *ctx, 
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst) {
+/* Every stage of replica group `replica` onto the process that runs global rank 0, into dst[g]: its
+   reference (pipe -1) or the parameters of parallel model `pipe`. Each stage comes from the rank that
+   holds it (through the host on a device); on the root, from its own memory. */
+static avgpipe_result avgpipe__run_gather(avgpipe_run *run, int replica, int pipe, float *const *dst, uint32_t tag0, const char *what) {
     avgpipe__ctl c;
     avgpipe_result res = AVGPIPE_OK;
-    int g, root = 0;
-    unsigned char *stage = NULL; /* on a device: the local references, copied to the host for sending */
+    int g, root = avgpipe_run_is_local(run, 0);
+    unsigned char *stage = NULL; /* on a device: the local partitions, copied to the host for sending */
     size_t at = 0, total = 0;
-    const char *what = "avgpipe_run_gather_reference";
-    if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "%s: run is NULL", what);
-    if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "%s: the run failed earlier (%s)", what, run->abort_msg);
-    root = avgpipe_run_is_local(run, 0);
     if (root && !dst) return avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst is NULL on the process that runs rank 0", what);
     c.n = 0;
     for (g = 0; g < run->G && !root && run->d.device; g++)
-        if (avgpipe_run_is_local(run, avgpipe__run_rank(run, g))) total += run->d.param_count[g] * sizeof(float);
+        if (avgpipe_run_is_local(run, replica * run->S + avgpipe__run_rank(run, g))) total += run->d.param_count[g] * sizeof(float);
     if (total && !(stage = (unsigned char *)avgpipe_alloc(run->ctx, total)))
         return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "%s: out of memory", what);
     for (g = 0; g < run->G && !res; g++) {
-        int r = avgpipe__run_rank(run, g), mine = avgpipe_run_is_local(run, r);
+        int r = replica * run->S + avgpipe__run_rank(run, g), mine = avgpipe_run_is_local(run, r);
         size_t bytes = run->d.param_count[g] * sizeof(float);
-        const float *z = mine ? avgpipe_run_replica_reference(run, 0, g, NULL) : NULL;
-        uint32_t tag = AVGPIPE__TAG_CTL + 16 + (uint32_t)(g & 0xffff);
+        const float *z = !mine ? NULL : pipe < 0 ? avgpipe_run_replica_reference(run, replica, g, NULL) : avgpipe__run_params(run, replica, pipe, g);
+        uint32_t tag = tag0 + (uint32_t)(g & 0xffff);
         if (root && !dst[g]) {
             res = avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: dst[%d] is NULL", what, g);
         } else if (root && mine) {
@@ -8382,6 +8430,23 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float 
     avgpipe__ctl_wait(run, &c, what);
     avgpipe_free(run->ctx, stage);
     return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst) {
+    const char *what = "avgpipe_run_gather_reference";
+    if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "%s: run is NULL", what);
+    if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "%s: the run failed earlier (%s)", what, run->abort_msg);
+    return avgpipe__run_gather(run, 0, -1, dst, AVGPIPE__TAG_CTL + 16, what);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int replica, int pipe, float *const *dst) {
+    const char *what = "avgpipe_run_gather_params";
+    if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "%s: run is NULL", what);
+    if (run->dead) return avgpipe__fail(run->ctx, AVGPIPE_STATE_ERROR, "%s: the run failed earlier (%s)", what, run->abort_msg);
+    if (replica < 0 || replica >= run->D || pipe < 0 || pipe >= run->N)
+        return avgpipe__fail(run->ctx, AVGPIPE_INVALID_ARG, "%s: replica %d, pipe %d (the run has %d replica group%s of %d pipeline%s)", what,
+                             replica, pipe, run->D, run->D == 1 ? "" : "s", run->N, run->N == 1 ? "" : "s");
+    return avgpipe__run_gather(run, replica, pipe, dst, AVGPIPE__TAG_CTL + 0x20000u, what);
 }
 
 /* ---- checkpoints ---- */
@@ -9013,6 +9078,15 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     run->d = *desc;
     pthread_mutex_init(&run->mu, NULL);
     pthread_cond_init(&run->cv, NULL);
+    if (desc->schedule) { /* the run's own copy: the caller may free theirs after create */
+        if ((res = avgpipe_sched_copy(ctx, desc->schedule, &run->given)) != AVGPIPE_OK) {
+            pthread_mutex_destroy(&run->mu);
+            pthread_cond_destroy(&run->cv);
+            avgpipe_free(ctx, run);
+            return res;
+        }
+        run->d.schedule = &run->given;
+    }
     if (run->d.timeout_s == 0) run->d.timeout_s = 60;
     if (run->d.window == 0) run->d.window = 3;
     res = avgpipe__run_shape(ctx, run);
@@ -9078,6 +9152,7 @@ static void avgpipe__run_free(avgpipe_run *run) {
         if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
     }
     avgpipe__free_plan(run);
+    avgpipe_sched_free(ctx, &run->given);
     if (run->own_comm) avgpipe_comm_destroy(&run->comm);
     if (run->own_dev) avgpipe_device_destroy(&run->dev);
     avgpipe_free(ctx, run->st);
@@ -9125,6 +9200,20 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
     run->orphaned = 1;
     pthread_cond_broadcast(&run->cv);
     pthread_mutex_unlock(&run->mu);
+}
+
+AVGPIPE_API int avgpipe_run_abandoned(avgpipe_run *run) {
+    int k, n = 0;
+    if (!run || !run->w) return 0;
+    pthread_mutex_lock(&run->mu); /* the watchdog's order: the run's mutex (stuck), then the worker's (cb_kind) */
+    for (k = 0; k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        pthread_mutex_lock(&w->cbmu);
+        n += w->stuck && w->cb_kind != 0;
+        pthread_mutex_unlock(&w->cbmu);
+    }
+    pthread_mutex_unlock(&run->mu);
+    return n;
 }
 
 static int avgpipe__cmp_double(const void *a, const void *b) {

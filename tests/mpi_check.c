@@ -80,16 +80,18 @@ static avgpipe_result train(avgpipe_context *ctx, const avgpipe_run_desc *d, int
 }
 
 /* Bring every model's partitions to rank 0 (each process sends the stages it runs). */
-static void collect_models(int S, int N) {
-    int r, g, i, G = T.G;
-    for (r = 1; r < nproc; r++) {
-        int d = r / S, sr = r % S;
-        for (g = 0; g < G; g++)
-            for (i = d * N; i < (d + 1) * N && avgpipe_place_rank(place, S, g) == sr; i++) {
-                if (me == r) MPI_Send(T.w[i][g], pcount(g), MPI_FLOAT, 0, 100 + i * MAXG + g, MPI_COMM_WORLD);
-                else if (me == 0) MPI_Recv(T.w[i][g], pcount(g), MPI_FLOAT, r, 100 + i * MAXG + g, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
-            }
-    }
+/* Every parallel model of every group, on rank 0 (got[d * N + p][g]), through avgpipe_run_gather_params. */
+static int gather_models(avgpipe_run *run, avgpipe_context *ctx, int N, int D, float (*got)[MAXG][PMAX]) {
+    int d, p, g;
+    for (d = 0; d < D; d++)
+        for (p = 0; p < N; p++) {
+            float *dst[MAXG];
+            avgpipe_result res;
+            for (g = 0; g < T.G; g++) dst[g] = got[d * N + p][g];
+            if ((res = avgpipe_run_gather_params(run, d, p, me == 0 ? dst : NULL)) != AVGPIPE_OK)
+                return say("avgpipe_run_gather_params(%d, %d): %s: %s", d, p, avgpipe_result_string(res), avgpipe_last_error(ctx)), 1;
+        }
+    return 0;
 }
 
 /* Every group's reference of every stage, on rank 0 (zgot[d][g]). */
@@ -131,11 +133,10 @@ static int mode_equal(int argc, char **argv, avgpipe_comm *comm) {
         avgpipe_run_destroy(run);
         return 1;
     }
-    collect_models(S, N);
+    bad = gather_models(run, &ctx, N, D, mpi_w);
     collect_references(run, S, D, zgot);
     avgpipe_run_destroy(run);
-    if (me == 0) {
-        memcpy(mpi_w, T.w, sizeof mpi_w);
+    if (me == 0 && !bad) {
         describe(&s, kind, S, N, D, H, alpha); /* again, every rank on this process's threads */
         run = NULL;
         res = train(&ctx, &s.d, ITERS, &run);

@@ -53,6 +53,7 @@ static void iterate(avgpipe_context *ctx, avgpipe_run *run, avgpipe_run_stats *s
 /* N = 1, alpha = 0: ITERS iterations of one round each must give the reference's parameters bit for
    bit, the reference's loss, and M forwards, backwards and weight updates per stage and round. */
 #define ITERS 3
+static avgpipe_schedule *free_after_create; /* a test's own schedule, freed (and its struct poisoned) once the run exists */
 static void check_equivalence(setup *s, const char *name) {
     static float ref[MAXG][PMAX];
     avgpipe_context ctx;
@@ -64,6 +65,11 @@ static void check_equivalence(setup *s, const char *name) {
     s->d.alpha = AVGPIPE_ZERO;
     for (g = 0; g < G; g++) init_params(g, ref[g]);
     run = create_run(&ctx, s);
+    if (free_after_create) { /* desc.schedule is copied at create: the run must not need the caller's any more */
+        avgpipe_sched_free(&ctx, free_after_create);
+        memset(free_after_create, 0xa5, sizeof *free_after_create);
+        free_after_create = NULL;
+    }
     for (it = 0; it < ITERS; it++) {
         iterate(&ctx, run, &st);
         refloss = reference_train(ref, G, M, 0, it);
@@ -144,6 +150,68 @@ Test(runtime, equivalence_golden_torch_zb1p) {
     use_split(&s, 0);
     check_equivalence(&s, "torch zb1p golden");
     avgpipe_sched_free(&ctx, &golden);
+}
+
+/* The caller frees its schedule right after create: the run keeps its own copy (the same bits). */
+Test(runtime, given_schedule_is_copied_at_create) {
+    avgpipe_schedule mine;
+    avgpipe_sched_desc d;
+    setup s;
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 3, d.micro = 5;
+    cr_assert_eq(avgpipe_sched_generate(NULL, &d, &mine), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    reset_state(3, 5, 1);
+    setup_init(&s, 3, 1);
+    s.d.schedule = &mine;
+    free_after_create = &mine;
+    check_equivalence(&s, "1f1b S=3 M=5, the caller's schedule freed after create");
+    cr_assert(free_after_create == NULL, "the schedule was not freed");
+}
+
+/* ---- what a callback wrote is visible to the callback that consumes its output ---------------- */
+
+/* Plain (non-atomic, unlocked) memory written by the producing callback before it returns and read by
+   the consuming one on the next (forward) or previous (backward) rank's thread: the runtime's send and
+   receive must order them (ThreadSanitizer reports the race otherwise; this suite runs under it). Each
+   stage keeps its own error count, read by the driving thread after the iteration. */
+static long side_f[MAXG][MAXM], side_b[MAXG][MAXM];
+static int side_err[MAXG];
+static long side_stamp(const avgpipe_op_ctx *op) { return 1000L * (op->round + 1) + op->micro; }
+static int cb_forward_side(avgpipe_op_ctx *op) {
+    if (op->stage > 0 && side_f[op->stage - 1][op->micro] != side_stamp(op)) side_err[op->stage]++;
+    side_f[op->stage][op->micro] = side_stamp(op);
+    return cb_forward(op);
+}
+static int cb_backward_side(avgpipe_op_ctx *op) {
+    if (op->stage < op->stages - 1 && side_b[op->stage + 1][op->micro] != side_stamp(op)) side_err[op->stage]++;
+    side_b[op->stage][op->micro] = side_stamp(op);
+    return cb_backward(op);
+}
+
+Test(runtime, callback_writes_are_visible_to_the_consuming_callback) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_AFAB, AVGPIPE_SCHED_ADVANCE};
+    int k, it, g;
+    for (k = 0; k < 3; k++) {
+        avgpipe_context ctx;
+        avgpipe_run *run;
+        avgpipe_run_stats st;
+        setup s;
+        avgpipe_context_init(&ctx, NULL);
+        memset(side_f, 0, sizeof side_f), memset(side_b, 0, sizeof side_b), memset(side_err, 0, sizeof side_err);
+        reset_state(4, 8, 1);
+        setup_init(&s, 4, 1);
+        s.d.sched.kind = kinds[k], s.d.sched.stages = 4, s.d.sched.micro = 8, s.d.sched.advance = 2;
+        s.d.alpha = AVGPIPE_ZERO;
+        s.d.cb.forward = cb_forward_side, s.d.cb.backward = cb_backward_side;
+        run = create_run(&ctx, &s);
+        for (it = 0; it < 3; it++) iterate(&ctx, run, &st);
+        avgpipe_run_destroy(run);
+        for (g = 0; g < 4; g++) {
+            cr_assert_eq(side_err[g], 0, "%s: stage %d's callbacks saw %d stale values from their neighbour's", avgpipe_sched_kind_name(kinds[k]), g,
+                         side_err[g]);
+            cr_assert_eq(side_f[g][7], 1000L * 3 + 7, "%s: stage %d's last forward did not run", avgpipe_sched_kind_name(kinds[k]), g);
+        }
+    }
 }
 
 /* ---- V placement, custom placement, overlapped pairs ------------------------------------------ */
@@ -717,8 +785,21 @@ static int cb_forward_stalls(avgpipe_op_ctx *op) {
     return cb_forward(op);
 }
 
-/* An allocator that counts what is still allocated: the orphaned thread must give everything back. */
+/* cb.abandoned_return: how often, whether the callback had left by then, and what was still allocated. */
+static int stall_returned = -1, stall_inside_at_return = -1;
+static long stall_live_at_return = -1;
 static long stall_live;
+static void stall_abandoned_return(int rank, void *user) {
+    (void)user;
+    pthread_mutex_lock(&stall_mu);
+    stall_returned = stall_returned < 0 ? rank : 1000 + rank; /* twice: 1000 + */
+    stall_inside_at_return = stall_inside;
+    stall_live_at_return = __atomic_load_n(&stall_live, __ATOMIC_SEQ_CST);
+    pthread_cond_broadcast(&stall_cv);
+    pthread_mutex_unlock(&stall_mu);
+}
+
+/* An allocator that counts what is still allocated: the orphaned thread must give everything back. */
 static void *stall_alloc(size_t n, void *user) {
     (void)user;
     __atomic_add_fetch(&stall_live, 1, __ATOMIC_SEQ_CST);
@@ -744,11 +825,13 @@ static void stalled_callback(int sleep_ms) {
     cd.allocator.alloc = stall_alloc, cd.allocator.free = stall_free;
     avgpipe_context_init(&ctx, &cd);
     stall_release = stall_inside = 0, stall_sleep_ms = sleep_ms;
+    stall_returned = stall_inside_at_return = -1, stall_live_at_return = -1;
     reset_state(3, 4, 1);
     setup_init(&s, 3, 1);
     s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 3, s.d.sched.micro = 4;
     s.d.alpha = AVGPIPE_ZERO;
     s.d.cb.forward = cb_forward_stalls;
+    s.d.cb.abandoned_return = stall_abandoned_return;
     s.d.timeout_s = 1;
     run = create_run(&ctx, &s);
     t0 = now_s();
@@ -759,6 +842,8 @@ static void stalled_callback(int sleep_ms) {
     cr_assert(strstr(msg, "rank 1, op 0:1F2: the F callback has been running for") != NULL, "the message does not name rank and op: %s", msg);
     cr_assert(dt >= 0.9 && dt < 2.5, "the iteration returned after %.2f s (timeout 1 s, callback %d ms)", dt, sleep_ms);
     cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
+    cr_assert_eq(avgpipe_run_abandoned(run), 1, "one thread is left inside a callback, avgpipe_run_abandoned says %d",
+                 avgpipe_run_abandoned(run));
     t0 = now_s();
     avgpipe_run_destroy(run);
     cr_assert(now_s() - t0 < 1.5, "destroy waited %.2f s for a stuck callback (it sleeps 2 s more, or until released)", now_s() - t0);
@@ -766,10 +851,19 @@ static void stalled_callback(int sleep_ms) {
     stall_release = 1;
     pthread_cond_broadcast(&stall_cv);
     pthread_mutex_unlock(&stall_mu);
-    for (t0 = now_s(); now_s() - t0 < 10 && __atomic_load_n(&stall_live, __ATOMIC_SEQ_CST) > 0;) nap_us(1000);
-    cr_assert_eq(__atomic_load_n(&stall_live, __ATOMIC_SEQ_CST), 0, "%ld allocations of the run were never freed",
-                 __atomic_load_n(&stall_live, __ATOMIC_SEQ_CST));
-    nap_us(20000); /* the orphan has freed the run; let its thread end */
+    { /* the documented way to know it is over: cb.abandoned_return, once the callback has returned (at most 10 s) */
+        struct timespec dl;
+        clock_gettime(CLOCK_REALTIME, &dl);
+        dl.tv_sec += 10;
+        pthread_mutex_lock(&stall_mu);
+        while (stall_returned < 0 && pthread_cond_timedwait(&stall_cv, &stall_mu, &dl) == 0) {
+        }
+        pthread_mutex_unlock(&stall_mu);
+    }
+    cr_assert_eq(stall_returned, 1, "cb.abandoned_return: %d (want rank 1, once; -1: never called)", stall_returned);
+    cr_assert_eq(stall_inside_at_return, 0, "cb.abandoned_return was called while the callback was still inside");
+    cr_assert_eq(stall_live_at_return, 0, "%ld allocations of the run were not freed when cb.abandoned_return came", stall_live_at_return);
+    nap_us(20000); /* let the orphan's thread end */
 }
 Test(runtime, callback_stalling_past_the_timeout) { stalled_callback(3000); }
 Test(runtime, callback_that_never_returns) { stalled_callback(0); }

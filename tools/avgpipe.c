@@ -288,11 +288,14 @@ typedef struct cli_command {
 static const cli_command cli_commands[] = {
     {"sim", CMD_SIM, "[options]", "generate, validate and simulate a schedule; print its timeline and a summary",
      "Defaults: --schedule advance --stages 4 --micro 8 --advance 0 (K = 0 is 1F1B).\n"
+     "Shapes: interleaved with V > 1 needs M a multiple of S; dualpipev needs M x N >= 2 x S; --advance applies to\n"
+     "advance and zbv. Every kind: S x V <= 32767, N <= 32767, S x V x N x M x R <= 1.3e8.\n"
      "Costs are per stage; an op of an interleaved chunk costs 1/V of it. The summary gives the makespan, the\n"
      "bubble (idle share of all ranks' time) and per rank busy, idle, blocked time and peak stashed activations.\n"
      "Exit status: 0 ok, 1 the generated schedule fails validation, 2 bad arguments or a library error.\n"},
     {"validate", CMD_VALIDATE, "[options] FILE", "check a schedule file (PyTorch CSV or avgpipe text; '-' = stdin)",
-     "Prints 'valid: ...', or the validator's message and the op grid with the offending op as >op<.\n"
+     "Prints 'valid: ...', or the validator's message and the op grid around the offending op (>op<).\n"
+     "A schedule is text: a file with a NUL or another control byte is refused at that byte.\n"
      "Exit status: 0 valid, 1 invalid, 2 bad arguments or a file that cannot be read or parsed.\n"},
     {"compare", CMD_COMPARE, "[options]", "simulate several schedules (and a range of K) side by side",
      "Defaults: --schedule afab,1f1b,advance,zbh1 --stages 4 --micro 8 --advance 0.\n"
