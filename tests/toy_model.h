@@ -26,6 +26,12 @@
 #define TOY_FN static
 #endif
 
+/* The model's own arithmetic is compiled exactly whatever flags the test is built with (meson also builds
+   test_runtime with -Ofast): the pipelined run and the single-thread reference run this code in different
+   places, and -ffast-math would let the compiler round them differently (reassociated sums, vector
+   tanhf), which is the test's model drifting, not the runtime. The library's own region macro does it. */
+AVGPIPE__FP_EXACT_BEGIN
+
 /* ---- the model -------------------------------------------------------------------------------- */
 
 #define BS 4                /* samples per micro-batch */
@@ -449,5 +455,7 @@ TOY_FN void averaging_f64(int G, int M, int N, int rounds, double alpha, double 
     averaging_f64_d(G, M, N, 1, 1, rounds, alpha, w, zd, loss);
     memcpy(z, zd[0], sizeof zd[0]);
 }
+
+AVGPIPE__FP_EXACT_END
 
 #endif
