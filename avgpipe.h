@@ -10287,13 +10287,27 @@ typedef struct avgpipe__pred {
 /* One averaging contribution of stage g. */
 static double avgpipe__avg_cost(const avgpipe_cost_model *m, int g) { return m->avg_per_float * m->param_floats[g]; }
 
+/* The share of a compute op's own time that is left when N pipelines share each device (their kernels
+   overlap by cost_model.overlap): 1 - overlap (N - 1) / N; 1 for N = 1 or overlap 0. */
+static double avgpipe__util(const avgpipe_cost_model *m, int N) { return 1 - m->overlap * (double)(N - 1) / (double)N; }
+
+/* THE predicted time of one F, B, I, W or STEP op of stage g on `samples` samples, with compute ops
+   scaled by util (avgpipe__util of the setting's N): stage g's line a + b * samples for its kind, plus
+   the runtime's per-op overhead. The prediction (the simulator's cost function) and the partitioner's
+   bound both take op times from here. Invariant the bound relies on: for a fixed (g, kind) it is
+   nondecreasing in samples and in util (a, b >= 0, util in (0, 1]), so the time at a batch's B samples
+   and the least util any searched N gives is a lower bound of that op's share in every candidate. */
+static double avgpipe__op_time(const avgpipe_cost_model *m, int g, int kind, double samples, double util) {
+    size_t ix = (size_t)g * AVGPIPE_OP_KIND_COUNT + (size_t)kind;
+    return (m->a[ix] + m->b[ix] * samples) * (kind == AVGPIPE_OP_STEP ? 1 : util) + m->op_overhead;
+}
+
 static double avgpipe__pred_cost(const avgpipe_op *op, void *user) {
     const avgpipe__pred *p = (const avgpipe__pred *)user;
-    size_t ix = (size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind;
     if (op->stage < 0 || op->stage >= p->m->nstages) return 0;
     if (op->kind == AVGPIPE_OP_AVG) return p->avg_on_rank ? avgpipe__avg_cost(p->m, op->stage) : 0;
     if (!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) return 0;
-    return (p->m->a[ix] + p->m->b[ix] * p->samples) * (op->kind == AVGPIPE_OP_STEP ? 1 : p->util) + p->m->op_overhead;
+    return avgpipe__op_time(p->m, op->stage, op->kind, p->samples, p->util);
 }
 
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
@@ -10315,7 +10329,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     pr.m = m;
     pr.samples = samples;
     pr.avg_on_rank = s.shape.pipes == 1;
-    pr.util = 1 - m->overlap * (double)(s.shape.pipes - 1) / (double)s.shape.pipes;
+    pr.util = avgpipe__util(m, s.shape.pipes);
     sd.cost_fn = avgpipe__pred_cost;
     sd.cost_user = &pr;
     sd.latency = m->latency;
@@ -10634,18 +10648,18 @@ static int avgpipe__next_split(int *split, int P, int L) {
     return 0;
 }
 
-/* Lower bound on the predicted time per sample of every setting of split model sm on S ranks: at M = 1
-   (each term of a prediction grows with M) the busiest rank's work for one batch (F, B, STEP and their
-   op overheads), and with cores set all ranks' work plus the averaging over the cores. A hair under, so
-   that rounding never lets it pass an equal prediction. */
-static double avgpipe__plan_bound(const avgpipe_cost_model *sm, int S, double B) {
-    int K = AVGPIPE_OP_KIND_COUNT, r, g;
-    double worst = 0, total = 0, w, bound;
+/* Lower bound on the predicted time per sample of every setting of split model sm on S ranks with up to
+   max_pipes pipelines: at M = 1 (each term of a prediction grows with M) the busiest rank's work for one
+   batch (F, B and STEP, from avgpipe__op_time at the least util any N <= max_pipes gives), and with cores
+   set all ranks' work plus the averaging over the cores. A hair under, so that rounding never lets it
+   pass an equal prediction. */
+static double avgpipe__plan_bound(const avgpipe_cost_model *sm, int S, double B, int max_pipes) {
+    int r, g;
+    double worst = 0, total = 0, w, bound, util = avgpipe__util(sm, max_pipes); /* util falls as N grows */
     for (r = 0; r < S; r++) {
-        for (g = r, w = 0; g < sm->nstages; g += S) {
-            const double *a = &sm->a[g * K], *b = &sm->b[g * K];
-            w += a[AVGPIPE_OP_F] + b[AVGPIPE_OP_F] * B + a[AVGPIPE_OP_B] + b[AVGPIPE_OP_B] * B + a[AVGPIPE_OP_STEP] + 3 * sm->op_overhead;
-        }
+        for (g = r, w = 0; g < sm->nstages; g += S)
+            w += avgpipe__op_time(sm, g, AVGPIPE_OP_F, B, util) + avgpipe__op_time(sm, g, AVGPIPE_OP_B, B, util) +
+                 avgpipe__op_time(sm, g, AVGPIPE_OP_STEP, 0, util);
         total += w;
         if (w > worst) worst = w;
     }
@@ -10666,8 +10680,8 @@ static int avgpipe__cmp_plan_item(const void *x, const void *y) {
 }
 
 /* Every split (in layer order, into splits[count * P]) with its bound. */
-static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpipe_cost_model *m, int S, int P, double B, int *splits,
-                                              avgpipe__plan_item *items, long long count) {
+static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpipe_cost_model *m, int S, int P, double B, int max_pipes,
+                                              int *splits, avgpipe__plan_item *items, long long count) {
     avgpipe_cost_model sm;
     avgpipe_result res = AVGPIPE_OK;
     long long k;
@@ -10681,7 +10695,7 @@ static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpip
         }
         res = avgpipe_tune_split(ctx, m, sp, P, &sm);
         if (res) break;
-        items[k].bound = avgpipe__plan_bound(&sm, S, B);
+        items[k].bound = avgpipe__plan_bound(&sm, S, B, max_pipes);
         items[k].index = k;
         avgpipe_cost_model_free(ctx, &sm);
     }
@@ -10772,7 +10786,9 @@ AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe
     items = (avgpipe__plan_item *)avgpipe_alloc(ctx, (size_t)count * sizeof *items);
     out->split = (int *)avgpipe_alloc(ctx, (size_t)P * sizeof *out->split);
     if (!splits || !items || !out->split) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_plan: out of memory");
-    if (!res) res = avgpipe__plan_enumerate(ctx, m, pd->stages, P, (double)desc->batch, splits, items, count);
+    if (!res) /* max_pipes: 0 -> 4, as avgpipe_tune_search resolves it */
+        res = avgpipe__plan_enumerate(ctx, m, pd->stages, P, (double)desc->batch, desc->max_pipes > 0 ? desc->max_pipes : 4, splits, items,
+                                      count);
     if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_plan_item);
     for (k = 0; !res && k < count; k++) {
         /* bounded out: no setting of this split (nor of any later one) can beat the best found */
