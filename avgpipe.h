@@ -394,6 +394,27 @@ typedef enum avgpipe_sched_kind {
     AVGPIPE_SCHED_KIND_COUNT
 } avgpipe_sched_kind;
 
+/* What each schedule kind is, in one table: the resolver, the tuner, the command-line tool and the
+   examples read it instead of re-deriving "V-placed, how many stages per rank". */
+typedef struct avgpipe_sched_kind_info {
+    avgpipe_sched_kind kind;
+    const char *name;            /* as avgpipe_sched_kind_name and avgpipe_sched_kind_parse spell it */
+    int generated;               /* 1: avgpipe_sched_generate makes it (all but CUSTOM) */
+    int chunks;                  /* stages per rank: 1, 2 (the V kinds), or 0: any V >= 1 (interleaved; 0 -> 2) */
+    avgpipe_placement placement; /* LOOP or V (AUTO for CUSTOM: the schedule's own) */
+    int advance;                 /* 1: takes K, the extra warm-up forwards; 0: K is ignored (resolved to 0) */
+    int split;                   /* 1: the backward runs as I and W */
+    int overlapped;              /* 1: pairs a forward with a backward ((F;B)OVERLAP_F_B) */
+    int tuned;                   /* 1: in the tuner's search by default (avgpipe_tune_desc.kinds = 0) */
+    int micro_multiple;          /* 1: with chunks > 1, micro must be a multiple of stages */
+    int micro_pipes_per_stage;   /* micro x pipes >= this x stages (DualPipeV: 2); 0: no such limit */
+    const char *limits;          /* the kind's own shape limits, in words (as section 3 lists them) */
+} avgpipe_sched_kind_info;
+
+/* The table's row of `kind` (AVGPIPE_SCHED_CUSTOM included), or NULL for a value outside the enum.
+   Static data: thread-safe. */
+AVGPIPE_API const avgpipe_sched_kind_info *avgpipe_sched_kind_query(avgpipe_sched_kind kind);
+
 /* A schedule's shape: what the generators take (avgpipe_sched_generate, section 3), what a schedule
    keeps (avgpipe_schedule.shape) and writes to its text header, and what a profile records. One type
    for all of them. Zero fields mean the defaults avgpipe_sched_resolve documents. */
@@ -507,7 +528,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
      stages, micro  required (>= 1)
      pipes 0 -> 1, chunks 0 -> 1 (2 for INTERLEAVED, ZBV, DUALPIPEV), rounds 0 -> 1, advance 0 -> 0
      placement 0 -> the kind's own (loop; V for ZBV and DUALPIPEV)
-   Supported shapes (avgpipe_sched_resolve checks them; an error names the field):
+   Supported shapes (avgpipe_sched_resolve checks them, reading each kind's row of the kind table,
+   avgpipe_sched_kind_query, whose .limits says the same; an error names the field):
      every kind   stages, micro >= 1; pipes 1..32767; rounds >= 1; stages x chunks <= 32767;
                   micro x rounds <= 1e9; stages x chunks x pipes x micro x rounds <= 1.3e8
      AFAB, 1F1B, ZBH1  chunks 1, loop placement; advance is ignored (0)
@@ -1605,9 +1627,12 @@ typedef struct avgpipe_tune_desc {
     int max_advance;            /* largest K tried; 0 -> until every stage runs all its forwards first */
     int min_micro;              /* smallest micro-batch size in samples; 0 -> 1 */
     int no_continuous;          /* 1: synchronous rounds only */
-    unsigned kinds;             /* bit (1u << avgpipe_sched_kind); 0 -> AFAB, 1F1B, advance, ZB-H1 */
-    int chunks;                 /* V: the model's partitions per rank; 0 -> 1. V > 1: interleaved only,
-                                   on nstages / V ranks, M a multiple of the ranks */
+    unsigned kinds;             /* bit (1u << avgpipe_sched_kind); 0 -> the kinds the table marks tuned
+                                   that hold V stages per rank (AFAB, 1F1B, advance, ZB-H1; interleaved for
+                                   V > 1). A kind asked for that cannot hold V stages per rank is refused,
+                                   naming it (ZB-V and DualPipeV need V = 2; they run at K = 0) */
+    int chunks;                 /* V: the model's partitions per rank; 0 -> 1. V > 1: interleaved (M a
+                                   multiple of the ranks), ZB-V, DualPipeV (V = 2), on nstages / V ranks */
 } avgpipe_tune_desc;
 
 typedef struct avgpipe_tune_candidate {
@@ -1978,15 +2003,31 @@ static int avgpipe__cells_ok(double cells, long long nops) {
 static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
     "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
     "UNSHARD", "RESHARD", "REDUCE_GRAD"};
-static const char *const avgpipe__sched_names[AVGPIPE_SCHED_KIND_COUNT] = {
-    "custom", "afab", "1f1b", "advance", "interleaved", "zbh1", "zbv", "dualpipev"};
+/* The schedule kinds (avgpipe_sched_kind_info), in enum order. */
+static const avgpipe_sched_kind_info avgpipe__kinds[AVGPIPE_SCHED_KIND_COUNT] = {
+    /* kind, name, generated, chunks, placement, advance, split, overlapped, tuned, micro_multiple, micro_pipes_per_stage */
+    {AVGPIPE_SCHED_CUSTOM, "custom", 0, 0, AVGPIPE_PLACE_AUTO, 0, 0, 0, 0, 0, 0, "any valid schedule (imported or built by hand)"},
+    {AVGPIPE_SCHED_AFAB, "afab", 1, 1, AVGPIPE_PLACE_LOOP, 0, 0, 0, 1, 0, 0, "chunks 1, loop placement"},
+    {AVGPIPE_SCHED_1F1B, "1f1b", 1, 1, AVGPIPE_PLACE_LOOP, 0, 0, 0, 1, 0, 0, "chunks 1, loop placement"},
+    {AVGPIPE_SCHED_ADVANCE, "advance", 1, 1, AVGPIPE_PLACE_LOOP, 1, 0, 0, 1, 0, 0, "chunks 1, loop placement; any K >= 0 (K = 0 is 1F1B)"},
+    {AVGPIPE_SCHED_INTERLEAVED, "interleaved", 1, 0, AVGPIPE_PLACE_LOOP, 0, 0, 0, 1, 1, 0,
+     "chunks >= 1 (0 -> 2), loop placement; with chunks > 1, micro % stages == 0; chunks == 1 is 1F1B"},
+    {AVGPIPE_SCHED_ZBH1, "zbh1", 1, 1, AVGPIPE_PLACE_LOOP, 0, 1, 0, 1, 0, 0, "chunks 1, loop placement"},
+    {AVGPIPE_SCHED_ZBV, "zbv", 1, 2, AVGPIPE_PLACE_V, 1, 1, 0, 0, 0, 0, "chunks 2, V placement; any K >= 0"},
+    {AVGPIPE_SCHED_DUALPIPEV, "dualpipev", 1, 2, AVGPIPE_PLACE_V, 0, 1, 1, 0, 0, 2, "chunks 2, V placement; micro x pipes >= 2 x stages"},
+};
+
+AVGPIPE_API const avgpipe_sched_kind_info *avgpipe_sched_kind_query(avgpipe_sched_kind kind) {
+    return (int)kind >= 0 && kind < AVGPIPE_SCHED_KIND_COUNT ? &avgpipe__kinds[kind] : NULL;
+}
 static const char *const avgpipe__place_names[AVGPIPE_PLACE_COUNT] = {"auto", "loop", "v", "custom"};
 
 AVGPIPE_API const char *avgpipe_op_kind_name(avgpipe_op_kind k) {
     return (k >= 0 && k < AVGPIPE_OP_KIND_COUNT) ? avgpipe__op_names[k] : "?";
 }
 AVGPIPE_API const char *avgpipe_sched_kind_name(avgpipe_sched_kind k) {
-    return (k >= 0 && k < AVGPIPE_SCHED_KIND_COUNT) ? avgpipe__sched_names[k] : "?";
+    const avgpipe_sched_kind_info *info = avgpipe_sched_kind_query(k);
+    return info ? info->name : "?";
 }
 AVGPIPE_API const char *avgpipe_placement_name(avgpipe_placement p) {
     return (p >= 0 && p < AVGPIPE_PLACE_COUNT) ? avgpipe__place_names[p] : "?";
@@ -1995,7 +2036,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sc
     int k;
     if (!name || !out) return AVGPIPE_INVALID_ARG;
     for (k = 0; k < AVGPIPE_SCHED_KIND_COUNT; k++)
-        if (strcmp(name, avgpipe__sched_names[k]) == 0) {
+        if (strcmp(name, avgpipe__kinds[k].name) == 0) {
             *out = (avgpipe_sched_kind)k;
             return AVGPIPE_OK;
         }
@@ -2014,8 +2055,9 @@ static int avgpipe__place_formula(avgpipe_placement p, int g, int S) {
 
 /* The placement a description asks for, resolved: AUTO -> the kind's own. */
 static avgpipe_placement avgpipe__placement_of(avgpipe_sched_kind kind, avgpipe_placement p) {
+    const avgpipe_sched_kind_info *info = avgpipe_sched_kind_query(kind);
     if (p != AVGPIPE_PLACE_AUTO) return p;
-    return kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP;
+    return info && info->placement == AVGPIPE_PLACE_V ? AVGPIPE_PLACE_V : AVGPIPE_PLACE_LOOP;
 }
 
 /* A schedule's placement resolved into tables for the passes that walk it (lowering, simulation,
@@ -3049,6 +3091,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out) {
+    const avgpipe_sched_kind_info *info;
     avgpipe_sched_desc d;
     double total;
     if (!desc || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_resolve: NULL argument");
@@ -3069,30 +3112,27 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
     if (d.placement == AVGPIPE_PLACE_CUSTOM)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: generators place stages by a named placement (loop, v); "
                                                        "set a custom map on the schedule (avgpipe_sched_set_place)");
+    info = avgpipe_sched_kind_query(d.kind); /* the kind's row: what follows is read from it */
     if (d.pipes == 0) d.pipes = 1;
     if (d.rounds == 0) d.rounds = 1;
-    if (d.chunks == 0) d.chunks = d.kind == AVGPIPE_SCHED_INTERLEAVED || d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV ? 2 : 1;
+    if (d.chunks == 0) d.chunks = info->chunks ? info->chunks : 2;
     d.placement = avgpipe__placement_of(d.kind, d.placement);
     if (d.chunks == 1) d.placement = AVGPIPE_PLACE_LOOP; /* one stage per rank: the placements agree */
-    if (d.kind != AVGPIPE_SCHED_ADVANCE && d.kind != AVGPIPE_SCHED_ZBV) d.advance = 0;
-    if (d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV) {
-        if (d.chunks != 2)
-            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %s holds two stages per rank (got %d)", avgpipe_sched_kind_name(d.kind), d.chunks);
-        if (d.placement != AVGPIPE_PLACE_V)
-            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: %s places its stages in a V (got %s)", avgpipe_sched_kind_name(d.kind),
-                                 avgpipe_placement_name(d.placement));
-    } else if (d.chunks > 1 && d.kind != AVGPIPE_SCHED_INTERLEAVED)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %d chunks per rank need the interleaved schedule (%s takes 1)",
-                             d.chunks, avgpipe_sched_kind_name(d.kind));
-    if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.placement != AVGPIPE_PLACE_LOOP)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: interleaved 1F1B runs the loop placement (zbv and dualpipev run the V)");
-    if (d.kind == AVGPIPE_SCHED_INTERLEAVED && d.chunks > 1 && d.micro % d.stages != 0)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
-                             "micro: interleaved 1F1B needs micro to be a multiple of stages (micro=%d, stages=%d)", d.micro,
-                             d.stages);
-    if (d.kind == AVGPIPE_SCHED_DUALPIPEV && (long long)d.pipes * d.micro < 2LL * d.stages)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: dualpipev needs micro x pipes >= 2 x stages (%lld < %d)",
-                             (long long)d.pipes * d.micro, 2 * d.stages);
+    if (!info->advance) d.advance = 0;
+    if (info->chunks == 1 && d.chunks > 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %d chunks per rank need a kind that holds several (%s takes 1)",
+                             d.chunks, info->name);
+    if (info->chunks > 1 && d.chunks != info->chunks)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %s holds %d stages per rank (got %d)", info->name, info->chunks, d.chunks);
+    if (d.chunks > 1 && d.placement != info->placement)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: %s places its stages in the %s placement (got %s)", info->name,
+                             avgpipe_placement_name(info->placement), avgpipe_placement_name(d.placement));
+    if (info->micro_multiple && d.chunks > 1 && d.micro % d.stages != 0)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: %s needs micro to be a multiple of stages (micro=%d, stages=%d)", info->name,
+                             d.micro, d.stages);
+    if ((long long)d.pipes * d.micro < (long long)info->micro_pipes_per_stage * d.stages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: %s needs micro x pipes >= %d x stages (%lld < %d)", info->name,
+                             info->micro_pipes_per_stage, (long long)d.pipes * d.micro, info->micro_pipes_per_stage * d.stages);
     if (d.pipes > AVGPIPE__MAX_PIPES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: at most %d (got %d)", AVGPIPE__MAX_PIPES, d.pipes);
     if ((long long)d.stages * d.chunks > AVGPIPE__MAX_STAGES)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: stages x chunks must be at most %d", AVGPIPE__MAX_STAGES);
@@ -3435,8 +3475,6 @@ static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_d
     int *bdone = NULL, r;
     long long *wq = NULL;
     avgpipe_result res = AVGPIPE_OK;
-    if (d->kind == AVGPIPE_SCHED_DUALPIPEV && T < 2LL * d->stages)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: dualpipev needs micro x pipes >= 2 x stages (%lld < %d)", T, 2 * d->stages);
     memset(&g, 0, sizeof g);
     g.ctx = ctx;
     st = (unsigned char *)avgpipe_alloc(ctx, (size_t)(2 * items));
@@ -10527,6 +10565,30 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
     return AVGPIPE_OK;
 }
 
+/* The kinds a search runs (bit 1u << kind), from desc->kinds (0: the table's tuned kinds) and the model's
+   partitions per rank V: a kind runs when it holds V stages per rank (interleaved any V > 1, the others
+   their own count). A kind asked for by name that cannot hold V is refused, naming it: the search never
+   drops what it was asked for without a word. */
+static avgpipe_result avgpipe__tune_kinds(avgpipe_context *ctx, const avgpipe_tune_desc *td, int V, unsigned *out) {
+    unsigned kinds = 0;
+    int k;
+    if (td->kinds & ~((1u << AVGPIPE_SCHED_KIND_COUNT) - 2u))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kinds: 0x%x names no generator kind (bits 1 .. %d)", td->kinds, AVGPIPE_SCHED_KIND_COUNT - 1);
+    for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++) {
+        const avgpipe_sched_kind_info *info = &avgpipe__kinds[k];
+        int holds = info->chunks ? info->chunks == V : V > 1; /* interleaved with V = 1 is 1F1B */
+        if (td->kinds ? !(td->kinds & (1u << k)) : !info->tuned) continue;
+        if (holds) kinds |= 1u << k;
+        else if (td->kinds)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kinds: %s holds %s stage%s per rank, the model %d (chunks = %d)", info->name,
+                                 info->chunks ? (info->chunks == 1 ? "1" : "2") : "several", info->chunks == 1 ? "" : "s", V, V);
+    }
+    if (!kinds)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kinds: none of the kinds searched holds %d stages per rank (chunks = %d)", V, V);
+    *out = kinds;
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count) {
     avgpipe_tune_desc td;
@@ -10534,7 +10596,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     size_t *act = NULL, *pcount = NULL;
     double *mem = NULL;
     int n = 0, cap = 0, kind, N, M, cont, K, S, V, *warm = NULL;
-    unsigned kinds;
+    unsigned kinds = 0;
     avgpipe_result res = AVGPIPE_OK;
     if (!m || !desc || !out || !count) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_search: NULL argument");
     *out = NULL;
@@ -10551,21 +10613,21 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     if (!td.max_pipes) td.max_pipes = 4;
     if (!td.rounds) td.rounds = 1;
     if (!td.min_micro) td.min_micro = 1;
-    kinds = td.kinds ? td.kinds
-                     : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
     if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
-    if (V > 1) kinds = 1u << AVGPIPE_SCHED_INTERLEAVED; /* the one schedule with several partitions per rank */
+    if ((res = avgpipe__tune_kinds(ctx, &td, V, &kinds)) != AVGPIPE_OK) return res;
     S = m->nstages / V;
     act = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t)); /* per partition */
     pcount = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t));
     mem = (double *)avgpipe__calloc(ctx, (size_t)S, sizeof(double)); /* per rank */
     warm = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
     if (!act || !pcount || !mem || !warm) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
-    for (kind = AVGPIPE_SCHED_AFAB; kind <= AVGPIPE_SCHED_ZBH1 && !res; kind++) {
-        if (!(kinds & (1u << kind)) || (kind == AVGPIPE_SCHED_INTERLEAVED) != (V > 1)) continue; /* V fixes interleaved or not */
+    for (kind = AVGPIPE_SCHED_CUSTOM + 1; kind < AVGPIPE_SCHED_KIND_COUNT && !res; kind++) {
+        const avgpipe_sched_kind_info *info = &avgpipe__kinds[kind];
+        if (!(kinds & (1u << kind))) continue;
         for (N = 1; N <= td.max_pipes && !res; N++)
             for (M = 1; M <= td.batch && !res; M++) {
-                if (td.batch % M || td.batch / M < td.min_micro || (V > 1 && M % S)) continue;
+                if (td.batch % M || td.batch / M < td.min_micro || (V > 1 && info->micro_multiple && M % S)) continue;
+                if ((long long)N * M < (long long)info->micro_pipes_per_stage * S) continue; /* the kind's own limit */
                 for (cont = 0; cont <= (td.no_continuous ? 0 : 1) && !res; cont++) {
                     long long kfull = ((long long)N * M - 1) * (S > 1 ? S - 1 : 1); /* in long long: N, M, S are the caller's */
                     int kmax = kind != AVGPIPE_SCHED_ADVANCE ? 0 : td.max_advance ? td.max_advance : kfull < INT_MAX ? (int)kfull : INT_MAX - 1;
@@ -10575,7 +10637,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                         memset(&c, 0, sizeof c);
                         c.sched.kind = (avgpipe_sched_kind)kind;
                         c.sched.stages = S;
-                        c.sched.chunks = V > 1 ? V : 0; /* V = 1: left 0 (the generators' default), as always */
+                        c.sched.chunks = V > 1 || info->chunks == 0 ? V : 0; /* V = 1 on a one-chunk kind: 0, the default */
                         c.sched.micro = M;
                         c.sched.pipes = N;
                         c.sched.rounds = td.rounds;
@@ -10653,13 +10715,14 @@ static int avgpipe__next_split(int *split, int P, int L) {
    batch (F, B and STEP, from avgpipe__op_time at the least util any N <= max_pipes gives), and with cores
    set all ranks' work plus the averaging over the cores. A hair under, so that rounding never lets it
    pass an equal prediction. */
-static double avgpipe__plan_bound(const avgpipe_cost_model *sm, int S, double B, int max_pipes) {
+static double avgpipe__plan_bound(const avgpipe_cost_model *sm, int S, double B, int max_pipes, avgpipe_placement place) {
     int r, g;
     double worst = 0, total = 0, w, bound, util = avgpipe__util(sm, max_pipes); /* util falls as N grows */
     for (r = 0; r < S; r++) {
-        for (g = r, w = 0; g < sm->nstages; g += S)
-            w += avgpipe__op_time(sm, g, AVGPIPE_OP_F, B, util) + avgpipe__op_time(sm, g, AVGPIPE_OP_B, B, util) +
-                 avgpipe__op_time(sm, g, AVGPIPE_OP_STEP, 0, util);
+        for (g = 0, w = 0; g < sm->nstages; g++)
+            if (avgpipe_place_rank(place, S, g) == r) /* the stages rank r holds (loop or V) */
+                w += avgpipe__op_time(sm, g, AVGPIPE_OP_F, B, util) + avgpipe__op_time(sm, g, AVGPIPE_OP_B, B, util) +
+                     avgpipe__op_time(sm, g, AVGPIPE_OP_STEP, 0, util);
         total += w;
         if (w > worst) worst = w;
     }
@@ -10681,7 +10744,7 @@ static int avgpipe__cmp_plan_item(const void *x, const void *y) {
 
 /* Every split (in layer order, into splits[count * P]) with its bound. */
 static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpipe_cost_model *m, int S, int P, double B, int max_pipes,
-                                              int *splits, avgpipe__plan_item *items, long long count) {
+                                              unsigned kinds, int *splits, avgpipe__plan_item *items, long long count) {
     avgpipe_cost_model sm;
     avgpipe_result res = AVGPIPE_OK;
     long long k;
@@ -10695,7 +10758,14 @@ static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpip
         }
         res = avgpipe_tune_split(ctx, m, sp, P, &sm);
         if (res) break;
-        items[k].bound = avgpipe__plan_bound(&sm, S, B, max_pipes);
+        { /* the least bound over the placements of the kinds searched */
+            double lo = -1, b;
+            int kind;
+            for (kind = AVGPIPE_SCHED_CUSTOM + 1; kind < AVGPIPE_SCHED_KIND_COUNT; kind++)
+                if ((kinds & (1u << kind)) && ((b = avgpipe__plan_bound(&sm, S, B, max_pipes, avgpipe__kinds[kind].placement)) < lo || lo < 0))
+                    lo = b;
+            items[k].bound = lo;
+        }
         items[k].index = k;
         avgpipe_cost_model_free(ctx, &sm);
     }
@@ -10777,6 +10847,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe
     avgpipe_result res;
     avgpipe_tune_candidate c, fallback;
     long long fallback_index = -1;
+    unsigned kinds = 0;
     if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: NULL argument");
     memset(out, 0, sizeof *out);
     if ((res = avgpipe__plan_check(ctx, m, desc, pd, &P, &count)) != AVGPIPE_OK) return res;
@@ -10786,9 +10857,10 @@ AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe
     items = (avgpipe__plan_item *)avgpipe_alloc(ctx, (size_t)count * sizeof *items);
     out->split = (int *)avgpipe_alloc(ctx, (size_t)P * sizeof *out->split);
     if (!splits || !items || !out->split) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_plan: out of memory");
+    if (!res) res = avgpipe__tune_kinds(ctx, &td, pd->chunks ? pd->chunks : 1, &kinds);
     if (!res) /* max_pipes: 0 -> 4, as avgpipe_tune_search resolves it */
-        res = avgpipe__plan_enumerate(ctx, m, pd->stages, P, (double)desc->batch, desc->max_pipes > 0 ? desc->max_pipes : 4, splits, items,
-                                      count);
+        res = avgpipe__plan_enumerate(ctx, m, pd->stages, P, (double)desc->batch, desc->max_pipes > 0 ? desc->max_pipes : 4, kinds, splits,
+                                      items, count);
     if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_plan_item);
     for (k = 0; !res && k < count; k++) {
         /* bounded out: no setting of this split (nor of any later one) can beat the best found */

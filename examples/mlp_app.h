@@ -134,7 +134,7 @@ static double parse_size(const char *flag, const char *s) {
 /* --micro or --pipes auto: profile, tune, then train with the tuner's choice. */
 static int tuning(const options *o) { return o->micro == AUTO || o->pipes == AUTO; }
 /* Schedules that hold two stages per rank in a V (rank r: stages r and 2S-1-r). */
-static int v_placed(avgpipe_sched_kind k) { return k == AVGPIPE_SCHED_ZBV || k == AVGPIPE_SCHED_DUALPIPEV; }
+static int v_placed(avgpipe_sched_kind k) { return avgpipe_sched_kind_query(k)->placement == AVGPIPE_PLACE_V; }
 
 /* Output files are created before training, so that a bad path fails now rather than after the run. */
 static void check_output(const char *flag, const char *path) {
@@ -238,7 +238,7 @@ static void mlp_cli_value(const mlp_cli_program *p, options *o, const char *f, c
 
 /* Cross-flag checks of the shared flags that need no data; sets the chunks per rank. */
 static void mlp_cli_check(const mlp_cli_program *p, options *o, const char *advance_flag) {
-    int interleaved = o->schedule == AVGPIPE_SCHED_INTERLEAVED, vplaced = v_placed(o->schedule);
+    int interleaved = avgpipe_sched_kind_query(o->schedule)->chunks == 0 /* takes any count */, vplaced = v_placed(o->schedule);
     if (o->micro != AUTO && o->batch % o->micro != 0)
         bad_usage("--batch %d is not a multiple of --micro %d", o->batch, o->micro);
     if (tuning(o) && (interleaved || vplaced))
@@ -255,13 +255,16 @@ static void mlp_cli_check(const mlp_cli_program *p, options *o, const char *adva
     if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
     if (o->stop_after > o->epochs) bad_usage("--stop-after %d is past --epochs %d", o->stop_after, o->epochs);
     if (interleaved && !o->chunks) o->chunks = 2;
-    if (!interleaved) o->chunks = vplaced ? 2 : 1;
+    if (!interleaved) o->chunks = avgpipe_sched_kind_query(o->schedule)->chunks; /* the kind's own count */
     if (o->stages % o->chunks != 0)
         bad_usage("--stages %d is not a multiple of %d (%s holds %d stages per rank)", o->stages, o->chunks,
                   avgpipe_sched_kind_name(o->schedule), o->chunks);
-    if (o->schedule == AVGPIPE_SCHED_DUALPIPEV && !tuning(o) && o->pipes * o->micro < o->stages)
-        bad_usage("--schedule dualpipev needs --pipes x --micro >= 2 x ranks = %d (got %d x %d)", o->stages, o->pipes,
-                  o->micro);
+    {
+        int per = avgpipe_sched_kind_query(o->schedule)->micro_pipes_per_stage, ranks = o->stages / o->chunks;
+        if (per && !tuning(o) && o->pipes * o->micro < per * ranks)
+            bad_usage("--schedule %s needs --pipes x --micro >= %d x ranks = %d (got %d x %d)", avgpipe_sched_kind_name(o->schedule), per,
+                      per * ranks, o->pipes, o->micro);
+    }
 }
 
 /* Parse argv into *o: defaults, the flags in any order, then the checks (shared, the model for

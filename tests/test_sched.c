@@ -746,3 +746,63 @@ Test(render, record_events_out_of_range_is_refused) {
     cr_assert_not_null(strstr(avgpipe_last_error(NULL), "record_events"), "%s", avgpipe_last_error(NULL));
     avgpipe_sched_free(NULL, &s);
 }
+
+/* ---- the kind table (avgpipe_sched_kind_query) ------------------------------------------------- */
+
+/* Each row says what the generators and the resolver actually do: its name parses back to it, the
+   chunks and placement it resolves to, whether K survives resolution, whether the schedule holds I/W
+   ops and overlapped pairs, and the limits it names (one shape under each limit refused, the shape at
+   it accepted). Checked against what avgpipe_sched_resolve and avgpipe_sched_generate produce. */
+Test(kinds, table_agrees_with_the_resolver_and_the_generators) {
+    int k;
+    cr_assert(avgpipe_sched_kind_query((avgpipe_sched_kind)-1) == NULL);
+    cr_assert(avgpipe_sched_kind_query(AVGPIPE_SCHED_KIND_COUNT) == NULL);
+    cr_assert_str_eq(avgpipe_sched_kind_query(AVGPIPE_SCHED_CUSTOM)->name, "custom");
+    cr_assert_eq(avgpipe_sched_kind_query(AVGPIPE_SCHED_CUSTOM)->generated, 0);
+    for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++) {
+        const avgpipe_sched_kind_info *info = avgpipe_sched_kind_query((avgpipe_sched_kind)k);
+        avgpipe_sched_kind parsed;
+        avgpipe_sched_desc d, r;
+        avgpipe_schedule s;
+        int rank, i, has_split = 0, has_pair = 0, per = info->micro_pipes_per_stage;
+        cr_assert(info && (int)info->kind == k && info->generated, "kind %d: row %d", k, info ? (int)info->kind : -1);
+        cr_assert_eq(avgpipe_sched_kind_parse(info->name, &parsed), AVGPIPE_OK, "%s does not parse", info->name);
+        cr_assert_eq(parsed, k);
+        cr_assert_str_eq(avgpipe_sched_kind_name((avgpipe_sched_kind)k), info->name);
+        cr_assert(info->limits && info->limits[0]);
+        memset(&d, 0, sizeof d);
+        d.kind = (avgpipe_sched_kind)k, d.stages = 3, d.micro = 6, d.pipes = 2, d.advance = 2;
+        cr_assert_eq(avgpipe_sched_resolve(NULL, &d, &r), AVGPIPE_OK, "%s: %s", info->name, avgpipe_last_error(NULL));
+        cr_assert_eq(r.chunks, info->chunks ? info->chunks : 2, "%s resolves chunks 0 to %d", info->name, r.chunks);
+        cr_assert_eq(r.placement, r.chunks > 1 ? info->placement : AVGPIPE_PLACE_LOOP, "%s: placement %d", info->name, (int)r.placement);
+        cr_assert_eq(r.advance, info->advance ? 2 : 0, "%s keeps K = %d", info->name, r.advance);
+        cr_assert_eq(avgpipe_sched_generate(NULL, &d, &s), AVGPIPE_OK, "%s: %s", info->name, avgpipe_last_error(NULL));
+        for (rank = 0; rank < s.nranks; rank++)
+            for (i = 0; i < s.len[rank]; i++) {
+                has_split |= s.ops[rank][i].kind == AVGPIPE_OP_I || s.ops[rank][i].kind == AVGPIPE_OP_W;
+                has_pair |= (s.ops[rank][i].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
+            }
+        cr_assert_eq(has_split, info->split, "%s: I/W ops %d, the table says %d", info->name, has_split, info->split);
+        cr_assert_eq(has_pair, info->overlapped, "%s: overlapped pairs %d, the table says %d", info->name, has_pair, info->overlapped);
+        cr_assert_eq(s.nstages, 3 * r.chunks, "%s: %d stages on 3 ranks", info->name, s.nstages);
+        avgpipe_sched_free(NULL, &s);
+        if (info->chunks == 1) { /* several chunks are refused */
+            d.chunks = 2;
+            cr_assert_eq(avgpipe_sched_resolve(NULL, &d, &r), AVGPIPE_INVALID_ARG, "%s took chunks 2", info->name);
+            cr_assert(strstr(avgpipe_last_error(NULL), "chunks") != NULL, "%s", avgpipe_last_error(NULL));
+            d.chunks = 0;
+        }
+        if (info->micro_multiple) { /* micro not a multiple of stages */
+            d.micro = 4;
+            cr_assert_eq(avgpipe_sched_resolve(NULL, &d, &r), AVGPIPE_INVALID_ARG, "%s took micro 4 on 3 stages", info->name);
+            d.micro = 6;
+        }
+        if (per) { /* micro x pipes just under per x stages, then at it */
+            d.pipes = 1, d.micro = per * 3 - 1;
+            cr_assert_eq(avgpipe_sched_resolve(NULL, &d, &r), AVGPIPE_INVALID_ARG, "%s took micro x pipes %d < %d x 3", info->name, d.micro, per);
+            cr_assert(strstr(avgpipe_last_error(NULL), "micro") != NULL, "%s", avgpipe_last_error(NULL));
+            d.micro = per * 3;
+            cr_assert_eq(avgpipe_sched_resolve(NULL, &d, &r), AVGPIPE_OK, "%s: %s", info->name, avgpipe_last_error(NULL));
+        }
+    }
+}

@@ -1275,6 +1275,7 @@ static void brute_rec(avgpipe_context *ctx, const avgpipe_cost_model *m, const a
     }
 }
 
+static unsigned plan_kinds; /* tune_desc.kinds of plan_vs_brute_o (0: the default search) */
 static void plan_vs_brute_o(int L, int S, int V, unsigned seed, double cores, double mem_frac, double overlap, int max_pipes,
                             int *pruned) {
     avgpipe_context ctx;
@@ -1291,6 +1292,7 @@ static void plan_vs_brute_o(int L, int S, int V, unsigned seed, double cores, do
     m.overlap = overlap;
     memset(&td, 0, sizeof td);
     td.batch = 16, td.max_pipes = max_pipes, td.min_micro = 2, td.opt_bytes_per_param = 8, td.chunks = V;
+    td.kinds = plan_kinds;
     memset(&b, 0, sizeof b);
     b.P = S * V, b.L = L;
     if (mem_frac > 0) { /* a limit that some splits' best settings exceed */
@@ -1339,6 +1341,63 @@ Test(plan, equals_brute_force_with_pipelines_sharing_a_device) {
         plan_vs_brute_o(L, S, 1, 100 + t, t % 3 == 0 ? 2 : 0, 0, overlap, N, &pruned);
     }
     cr_expect_gt(pruned, 2, "the bound pruned splits in only %d of 24 cases", pruned);
+}
+
+/* The V-placed kinds the tuner now searches (ZB-V and DualPipeV hold stages r and 2S-1-r): the bound
+   adds up each rank's stages by the searched kinds' placements, and stays exact. */
+Test(plan, equals_brute_force_with_v_placed_kinds) {
+    int pruned = 0;
+    unsigned seed;
+    plan_kinds = (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
+    for (seed = 1; seed <= 3; seed++) plan_vs_brute_o(6, 2, 2, seed, 0, 0, 0, 2, &pruned);
+    plan_kinds |= 1u << AVGPIPE_SCHED_INTERLEAVED; /* loop and V placements in one search */
+    for (seed = 4; seed <= 6; seed++) plan_vs_brute_o(7, 2, 2, seed, seed == 5 ? 1 : 0, 0, 0.5, 3, &pruned);
+    plan_kinds = 0;
+    cr_expect_gt(pruned, 0, "the bound pruned no split");
+}
+
+/* The tuner searches every kind it is asked for, or refuses naming it: tune_desc.kinds with ZB-V and
+   DualPipeV on a model of 2 stages per rank gives candidates of both (each predicted as
+   avgpipe_tune_predict predicts it, DualPipeV only where micro x pipes >= 2 x ranks); on a model of one
+   stage per rank they are refused by name (they were dropped without a word). */
+Test(search, v_placed_kinds_are_searched_or_refused_by_name) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, sm;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c;
+    int n, i, split[4] = {1, 2, 1, 2}, seen[AVGPIPE_SCHED_KIND_COUNT] = {0};
+    avgpipe_context_init(&ctx, NULL);
+    layered_model(&ctx, 6, 11, &m);
+    cr_assert_eq(avgpipe_tune_split(&ctx, &m, split, 4, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    memset(&td, 0, sizeof td);
+    td.batch = 8, td.max_pipes = 2, td.chunks = 2;
+    td.kinds = (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
+    cr_assert_eq(avgpipe_tune_search(&ctx, &sm, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    for (i = 0; i < n; i++) {
+        double t;
+        seen[c[i].sched.kind]++;
+        cr_assert(c[i].sched.kind == AVGPIPE_SCHED_ZBV || c[i].sched.kind == AVGPIPE_SCHED_DUALPIPEV, "kind %s",
+                  avgpipe_sched_kind_name(c[i].sched.kind));
+        cr_assert_eq(c[i].sched.stages, 2);
+        if (c[i].sched.kind == AVGPIPE_SCHED_DUALPIPEV)
+            cr_assert_geq(c[i].sched.micro * c[i].sched.pipes, 4, "dualpipev with M %d N %d", c[i].sched.micro, c[i].sched.pipes);
+        cr_assert_eq(avgpipe_tune_predict(&ctx, &sm, &c[i].sched, c[i].samples, &t), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert(t == c[i].seconds, "%s M %d N %d: search %.9g s, predict %.9g s", avgpipe_sched_kind_name(c[i].sched.kind), c[i].sched.micro,
+                  c[i].sched.pipes, c[i].seconds, t);
+    }
+    cr_assert_gt(seen[AVGPIPE_SCHED_ZBV], 0, "no zbv candidate");
+    cr_assert_gt(seen[AVGPIPE_SCHED_DUALPIPEV], 0, "no dualpipev candidate");
+    avgpipe_free(&ctx, c);
+    td.kinds = (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ZBV); /* 1f1b cannot hold 2 stages per rank */
+    cr_assert_eq(avgpipe_tune_search(&ctx, &sm, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "kinds: 1f1b holds 1 stage per rank") != NULL, "%s", avgpipe_last_error(&ctx));
+    td.chunks = 0, td.kinds = 1u << AVGPIPE_SCHED_DUALPIPEV; /* one stage per rank */
+    cr_assert_eq(avgpipe_tune_search(&ctx, &sm, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "kinds: dualpipev holds 2 stages per rank") != NULL, "%s", avgpipe_last_error(&ctx));
+    td.kinds = 1u << 30;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &sm, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    avgpipe_cost_model_free(&ctx, &sm);
+    avgpipe_cost_model_free(&ctx, &m);
 }
 
 Test(plan, equals_brute_force_over_every_split) {

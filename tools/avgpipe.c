@@ -428,8 +428,8 @@ static avgpipe_sched_desc make_sched_desc(const cli_opts *o, avgpipe_sched_kind 
     d.rounds = o->rounds;
     d.advance = k;
     d.continuous = o->continuous;
-    if (kind != AVGPIPE_SCHED_INTERLEAVED && (o->cmd == CMD_COMPARE || kind == AVGPIPE_SCHED_ZBV || kind == AVGPIPE_SCHED_DUALPIPEV))
-        d.chunks = 0; /* --chunks is interleaved's; the V kinds hold two */
+    if (avgpipe_sched_kind_query(kind)->chunks != 0 && (o->cmd == CMD_COMPARE || avgpipe_sched_kind_query(kind)->chunks > 1))
+        d.chunks = 0; /* --chunks is for the kinds that take any (interleaved); the others hold their own count */
     return d;
 }
 
@@ -841,7 +841,7 @@ static int make_tune_desc(const cli_opts *o, avgpipe_tune_desc *td) {
     td->max_advance = o->max_advance;
     td->min_micro = o->min_micro;
     for (i = 0; i < o->nkinds; i++) {
-        if (o->kinds[i] == AVGPIPE_SCHED_INTERLEAVED || o->kinds[i] == AVGPIPE_SCHED_ZBV || o->kinds[i] == AVGPIPE_SCHED_DUALPIPEV)
+        if (avgpipe_sched_kind_query(o->kinds[i])->chunks != 1) /* several stages per rank */
             return cli_error("--schedule: tune does not search %s (the profile fixes one stage partition per rank)",
                              avgpipe_sched_kind_name(o->kinds[i]));
         td->kinds |= 1u << o->kinds[i];
@@ -852,12 +852,14 @@ static int make_tune_desc(const cli_opts *o, avgpipe_tune_desc *td) {
 /* Ops the search will simulate, summed over its candidates (an upper bound: advance counts every K up
    to N x M, the library skips those that change no warm-up). */
 static double tune_work(const avgpipe_tune_desc *td, int stages) {
-    unsigned kinds = td->kinds ? td->kinds
-                               : (1u << AVGPIPE_SCHED_AFAB) | (1u << AVGPIPE_SCHED_1F1B) | (1u << AVGPIPE_SCHED_ADVANCE) | (1u << AVGPIPE_SCHED_ZBH1);
+    unsigned kinds = td->kinds;
     double work = 0;
     int M, N, plain = 0, k;
-    for (k = AVGPIPE_SCHED_AFAB; k <= AVGPIPE_SCHED_ZBH1; k++)
-        plain += k != AVGPIPE_SCHED_ADVANCE && k != AVGPIPE_SCHED_INTERLEAVED && (kinds & (1u << k));
+    for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT && !td->kinds; k++) /* 0: the table's tuned one-stage kinds */
+        if (avgpipe_sched_kind_query((avgpipe_sched_kind)k)->tuned && avgpipe_sched_kind_query((avgpipe_sched_kind)k)->chunks == 1)
+            kinds |= 1u << k;
+    for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++)
+        plain += !avgpipe_sched_kind_query((avgpipe_sched_kind)k)->advance && (kinds & (1u << k));
     for (M = 1; M <= td->batch; M++) {
         if (td->batch % M || td->batch / M < (td->min_micro > 0 ? td->min_micro : 1)) continue;
         for (N = 1; N <= td->max_pipes; N++) {
