@@ -5678,14 +5678,59 @@ AVGPIPE__FORCE_INLINE void avgpipe__ea_elem(float *AVGPIPE__RESTRICT w, const fl
     a[i] = acc;
 }
 
+#if defined(__clang__) && (((defined(__x86_64__) || defined(__i386__)) && defined(__SSE__)) || defined(__aarch64__))
+/* clang: the empty asm of AVGPIPE__FP_KEEP on a scalar stops its vectoriser (the pass ran at 0.58 of memcpy's
+   rate, gcc's at 0.92), so four elements at a time go through a 16-byte vector, which the asm keeps in a
+   vector register; the same operations in the same order on each lane as avgpipe__ea_elem. */
+#define AVGPIPE__EA_VEC 1
+typedef float avgpipe__f4 __attribute__((ext_vector_type(4)));
+AVGPIPE__FORCE_INLINE void avgpipe__ea_elem4(float *AVGPIPE__RESTRICT w, const float *AVGPIPE__RESTRICT z,
+                                             const float *AVGPIPE__RESTRICT zp, float *AVGPIPE__RESTRICT a,
+                                             size_t i, float alpha, float scale, float mu, const unsigned f) {
+    const avgpipe__f4 zero = {0.0f, 0.0f, 0.0f, 0.0f};
+    avgpipe__f4 wi, zi = zero, zpi = zero, ai = zero, c, v, acc, m;
+    memcpy(&wi, w + i, sizeof wi);
+    if ((f & AVGPIPE__EA_PULL) || ((f & AVGPIPE__EA_ELASTIC) && (f & AVGPIPE__EA_LAST))) memcpy(&zi, z + i, sizeof zi);
+    if (f & AVGPIPE__EA_MOMENTUM) memcpy(&zpi, zp + i, sizeof zpi);
+    if (!(f & AVGPIPE__EA_FIRST)) memcpy(&ai, a + i, sizeof ai);
+    if (f & AVGPIPE__EA_ELASTIC) {
+        c = (f & AVGPIPE__EA_PULL) ? alpha * (wi - zi) : zero;
+        AVGPIPE__FP_KEEP(c);
+        if (f & AVGPIPE__EA_PULL) {
+            v = wi - c;
+            memcpy(w + i, &v, sizeof v);
+        }
+        acc = (f & AVGPIPE__EA_FIRST) ? c : ai + c;
+        if (f & AVGPIPE__EA_LAST) {
+            m = (f & AVGPIPE__EA_MOMENTUM) ? mu * (zi - zpi) : zero;
+            AVGPIPE__FP_KEEP(m);
+            acc = acc + ((f & AVGPIPE__EA_MOMENTUM) ? zi + m : zi);
+        }
+    } else {
+        m = (f & AVGPIPE__EA_PULL) ? alpha * (wi - zi) : zero;
+        AVGPIPE__FP_KEEP(m);
+        v = (f & AVGPIPE__EA_PULL) ? wi - m : wi;
+        if (f & AVGPIPE__EA_PULL) memcpy(w + i, &v, sizeof v);
+        acc = (f & AVGPIPE__EA_FIRST) ? v : ai + v;
+        if (f & AVGPIPE__EA_LAST) acc = acc * scale;
+    }
+    memcpy(a + i, &acc, sizeof acc);
+}
+#endif
+
 AVGPIPE__FORCE_INLINE void avgpipe__ea_run(float *AVGPIPE__RESTRICT w, const float *AVGPIPE__RESTRICT z,
                                            const float *AVGPIPE__RESTRICT zp, float *AVGPIPE__RESTRICT a, size_t n,
                                            float alpha, float scale, float mu, const unsigned f) {
     size_t i = 0, j;
+#ifdef AVGPIPE__EA_VEC
+    for (; i + 4 <= n; i += 4) avgpipe__ea_elem4(w, z, zp, a, i, alpha, scale, mu, f);
+#else
     for (; i + AVGPIPE__EA_BLOCK <= n; i += AVGPIPE__EA_BLOCK)
         for (j = 0; j < AVGPIPE__EA_BLOCK; j++)
             avgpipe__ea_elem(w, z, zp, a, i + j, alpha, scale, mu, f); /* z, zp may be NULL: index, never offset */
+#endif
     for (; i < n; i++) avgpipe__ea_elem(w, z, zp, a, i, alpha, scale, mu, f);
+    (void)j;
 }
 
 /* The kernel flags of a pass; momentum only matters where it is read (ELASTIC's finalize). */
