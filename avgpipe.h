@@ -5721,16 +5721,16 @@ AVGPIPE__FORCE_INLINE void avgpipe__ea_elem4(float *AVGPIPE__RESTRICT w, const f
 AVGPIPE__FORCE_INLINE void avgpipe__ea_run(float *AVGPIPE__RESTRICT w, const float *AVGPIPE__RESTRICT z,
                                            const float *AVGPIPE__RESTRICT zp, float *AVGPIPE__RESTRICT a, size_t n,
                                            float alpha, float scale, float mu, const unsigned f) {
-    size_t i = 0, j;
+    size_t i = 0;
 #ifdef AVGPIPE__EA_VEC
     for (; i + 4 <= n; i += 4) avgpipe__ea_elem4(w, z, zp, a, i, alpha, scale, mu, f);
 #else
+    size_t j;
     for (; i + AVGPIPE__EA_BLOCK <= n; i += AVGPIPE__EA_BLOCK)
         for (j = 0; j < AVGPIPE__EA_BLOCK; j++)
             avgpipe__ea_elem(w, z, zp, a, i + j, alpha, scale, mu, f); /* z, zp may be NULL: index, never offset */
 #endif
     for (; i < n; i++) avgpipe__ea_elem(w, z, zp, a, i, alpha, scale, mu, f);
-    (void)j;
 }
 
 /* The kernel flags of a pass; momentum only matters where it is read (ELASTIC's finalize). */
