@@ -68,7 +68,7 @@
      avgpipe_hwloc.h  thread placement with hwloc: each rank's threads on the cores nearest its GPU or
                       NIC (AVGPIPE_HWLOC_IMPLEMENTATION; link hwloc).
    AVGPIPE_IMPL turns on the implementation of every header included.
-   Writing your own backend: a comm or device table (sections 7, 9) plus avgpipe_set_error for errors;
+   Writing your own backend: a comm or device table (sections 9, 11) plus avgpipe_set_error for errors;
    examples/custom_comm.c is a complete comm backend over POSIX pipes.
 
    ERRORS
@@ -94,18 +94,32 @@
 
    CONTENTS
    --------
-     1. Basics          avgpipe_result, avgpipe_context (allocator, logger, last error), avgpipe_buf
-     2. Schedule IR     avgpipe_op, avgpipe_schedule, text import/export          (avgpipe_sched_*)
-     3. Generators      AFAB, 1F1B, advance, interleaved, ZB-H1, greedy, lowering (avgpipe_sched_*)
-     4. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
-     5. Validation      invariants and deadlock replay                              (avgpipe_sched_validate)
-     6. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
-     7. Device backend  function-pointer table; the CPU device                      (avgpipe_device_*)
-     8. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
-     9. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
-    10. Runtime         execute schedules: local ranks, processes, replica groups,  (avgpipe_run_*)
-                        the buffer planner, profiles, adaptive K
-    11. Tuner           profile -> cost model -> simulate candidates -> ranking     (avgpipe_tune_*)
+   Nineteen sections, each one subject, in dependency order: no section's implementation calls a later
+   one (scripts/check_order.py checks it, and each section's size, in CI). The declarations and the
+   implementation carry the same numbers.
+     1. Basics          avgpipe_result, avgpipe_context (allocator, logger, last error), avgpipe_buf,
+                        clocks and atomics, file reading                            (avgpipe_context_*, avgpipe_buf_*)
+     2. Schedule IR     avgpipe_op, avgpipe_schedule, the schedule kinds' table, placement
+                                                                                    (avgpipe_sched_*, avgpipe_op_*)
+     3. Text format     PyTorch-compatible CSV/text import and export               (avgpipe_sched_import/_export)
+     4. Generators      AFAB, 1F1B, advance, interleaved, ZB-H1, ZB-V, DualPipeV    (avgpipe_sched_generate)
+     5. Greedy, lowering  greedy list scheduler; SEND/RECV insertion                (avgpipe_sched_greedy/_lower)
+     6. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
+     7. Validation      invariants and deadlock replay                              (avgpipe_sched_validate)
+     8. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
+     9. Device backend  function-pointer table; the CPU device and its kernels      (avgpipe_device_*)
+    10. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
+    11. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
+    12. Buffer plan and run state   slots and their bytes; the run's structures, tags, accessors
+                                                                                    (avgpipe_run_plan_*)
+    13. Execution       callbacks, the run's description, worker and averaging threads
+                                                                                    (avgpipe_run_desc)
+    14. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
+    15. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
+    16. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
+    17. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
+    18. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
+    19. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
 */
 #ifndef AVGPIPE_H
 #define AVGPIPE_H
@@ -408,14 +422,14 @@ typedef struct avgpipe_sched_kind_info {
     int tuned;                   /* 1: in the tuner's search by default (avgpipe_tune_desc.kinds = 0) */
     int micro_multiple;          /* 1: with chunks > 1, micro must be a multiple of stages */
     int micro_pipes_per_stage;   /* micro x pipes >= this x stages (DualPipeV: 2); 0: no such limit */
-    const char *limits;          /* the kind's own shape limits, in words (as section 3 lists them) */
+    const char *limits;          /* the kind's own shape limits, in words (as section 4 lists them) */
 } avgpipe_sched_kind_info;
 
 /* The table's row of `kind` (AVGPIPE_SCHED_CUSTOM included), or NULL for a value outside the enum.
    Static data: thread-safe. */
 AVGPIPE_API const avgpipe_sched_kind_info *avgpipe_sched_kind_query(avgpipe_sched_kind kind);
 
-/* A schedule's shape: what the generators take (avgpipe_sched_generate, section 3), what a schedule
+/* A schedule's shape: what the generators take (avgpipe_sched_generate, section 4), what a schedule
    keeps (avgpipe_schedule.shape) and writes to its text header, and what a profile records. One type
    for all of them. Zero fields mean the defaults avgpipe_sched_resolve documents. */
 typedef struct avgpipe_sched_desc {
@@ -480,8 +494,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sc
    "3STEP1". Writes at most cap bytes including the NUL; returns the length it needed. */
 AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out, size_t cap);
 
-/* ---- Text / CSV import and export ------------------------------------------------------------
-   PyTorch's format (torch.distributed.pipelining): one line per rank, comma-separated actions in
+/* ============================================================================================ */
+/* 3. Text format   (avgpipe_sched_export, _import, _load, _save)                               */
+/* ============================================================================================ */
+/* PyTorch's format (torch.distributed.pipelining): one line per rank, comma-separated actions in
    execution order, an empty field is an idle slot. An action is <stage><KIND><micro> with KIND one
    of F B I W SEND_F RECV_F SEND_B RECV_B (micro required) or UNSHARD RESHARD REDUCE_GRAD (no micro);
    "(a;b)OVERLAP_F_B" runs a and b together.
@@ -522,7 +538,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 #endif
 
 /* ============================================================================================ */
-/* 3. Generators                                                                                 */
+/* 4. Generators   (avgpipe_sched_resolve, _generate, _warmup, _peak_stash)                     */
 /* ============================================================================================ */
 /* A generator takes an avgpipe_sched_desc (section 2). Zero-initialise; zero fields mean:
      stages, micro  required (>= 1)
@@ -566,6 +582,9 @@ AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank);
    continuous ZB-V, whose forwards may wait for their pipeline's STEP: at most this there. */
 AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank);
 
+/* ============================================================================================ */
+/* 5. Greedy scheduler and lowering   (avgpipe_sched_greedy, avgpipe_sched_lower)               */
+/* ============================================================================================ */
 /* Greedy list scheduler for custom schedules (V = 1). It simulates the pipeline with the given op
    costs and free transfers; whenever a rank is free it runs the first ready op in priority order,
    where a forward is ready only while the rank's in-flight micro-batches (forward done, backward
@@ -591,7 +610,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
                                                avgpipe_schedule *out);
 
 /* ============================================================================================ */
-/* 4. Simulation                                                                                 */
+/* 6. Simulation                                                                                */
 /* ============================================================================================ */
 /* Model: per rank one compute resource that runs its ops in list order, and a full-duplex link
    between each pair of ranks (one resource per direction, FIFO in the sender's order). A transfer
@@ -666,7 +685,7 @@ AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_s
 AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_result *r);
 
 /* ============================================================================================ */
-/* 5. Validation                                                                                 */
+/* 7. Validation                                                                                */
 /* ============================================================================================ */
 /* Checks (the invariants of a correct schedule): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
    its W, each op on the rank that holds its stage; forward/backward data dependencies; each channel
@@ -704,7 +723,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
                                                      int mark_rank, int mark_pos, avgpipe_buf *out);
 
 /* ============================================================================================ */
-/* 6. Rendering                                                                                  */
+/* 8. Rendering                                                                                 */
 /* ============================================================================================ */
 /* Renderers take events (from the simulator, or later from a real run's profile). */
 typedef struct avgpipe_render_desc {
@@ -725,7 +744,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
                                               int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
 
 /* ============================================================================================ */
-/* 7. Device backend   (avgpipe_device_*)                                                       */
+/* 9. Device backend   (avgpipe_device_*)                                                       */
 /* ============================================================================================ */
 /* A device is a table of function pointers plus `void *user` (passed back as the first argument of
    every entry). The library never touches device memory itself: it only calls the table. Entries take a
@@ -861,7 +880,7 @@ AVGPIPE_API void avgpipe_device_destroy(avgpipe_device *dev);
 AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgpipe_device *dev);
 
 /* ============================================================================================ */
-/* 8. Averaging   (avgpipe_ea_*)                                                                 */
+/* 10. Averaging   (avgpipe_ea_*)                                                               */
 /* ============================================================================================ */
 /* The elastic-averaging state of ONE stage partition (P floats) shared by N parallel models.
 
@@ -1039,7 +1058,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_load_state(avgpipe_context *ctx, avgpipe_e
 AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream);
 
 /* ============================================================================================ */
-/* 9. Comm backend   (avgpipe_comm_*)                                                            */
+/* 11. Comm backend   (avgpipe_comm_*)                                                          */
 /* ============================================================================================ */
 /* Point-to-point messages between ranks plus the collectives a trainer needs. A backend is this table
    plus `user`; `self` is the calling rank. An in-process backend serves several ranks (threads) of one
@@ -1151,7 +1170,47 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
 AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t stride, int nparts, size_t count);
 
 /* ============================================================================================ */
-/* 10. Runtime   (avgpipe_run_*)                                                                 */
+/* 12. Buffer plan and run state   (avgpipe_run_plan_*, the run's accessors)                    */
+/* ============================================================================================ */
+/* The runtime's buffer plan for a lowered schedule, the one avgpipe_run_create allocates by and the
+   tuner's memory model reads: per stage, the bytes of one slot (input activation, output activation
+   when the next stage is on another rank, gradient of the output, gradient of the input when the
+   previous stage is on another rank) and the slots (micro-batches in flight at once: one is taken at
+   a micro-batch's first op on the stage and given back after its last); per rank and position, the
+   stages whose slot is given back after that op. */
+typedef struct avgpipe_run_plan {
+    int nranks, nstages;  /* S, G */
+    int *slots;           /* [G] (at least 1) */
+    size_t *slot_bytes;   /* [G] */
+    int **release;        /* [S][2 * position + k], k = 0, 1: a stage, or -1 */
+} avgpipe_run_plan;
+/* Plan `lowered` (with SEND/RECV ops; avgpipe_sched_lower) for act_bytes[G-1] (NULL when G = 1).
+   Release with avgpipe_run_plan_free. */
+AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const avgpipe_schedule *lowered, const size_t *act_bytes,
+                                                    avgpipe_run_plan *out);
+AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *plan);
+
+/* A run (avgpipe_run_create, section 16): what it holds, asked between iterations. */
+typedef struct avgpipe_run avgpipe_run; /* opaque */
+/* The reference model's partition of stage g (newest complete) of the first local replica group that
+   holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
+AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count);
+/* The same for replica group `replica`. */
+AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int replica, int stage, size_t *count);
+/* 1 if this process runs global rank `rank`, else 0. */
+AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank);
+/* Iterations run so far (with a loaded checkpoint: counted from the start of that training). */
+AVGPIPE_API long long avgpipe_run_iterations(const avgpipe_run *run);
+/* The schedule being run (lowered; its ranks are those of one replica group), and K for advance. */
+AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
+/* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. With
+   adaptive advance the count changes with K: it grows as K rises and shrinks when the controller steps
+   back to the best K (or a checkpoint restores a smaller one), so query it again after each iteration
+   and after avgpipe_run_load, and key your stash by (stage, slot) below the current count. */
+AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
+
+/* ============================================================================================ */
+/* 13. Execution   (avgpipe_stage_callbacks, avgpipe_run_desc, avgpipe_run_stats)               */
 /* ============================================================================================ */
 /* Executes a schedule: one host worker thread per local rank walks its (lowered) op list and calls
    the user's stage callbacks with the buffers of each (pipeline, micro-batch); receives are posted
@@ -1330,8 +1389,6 @@ typedef struct avgpipe_run_desc {
 #define AVGPIPE_THREAD_WORKER 0
 #define AVGPIPE_THREAD_AVERAGING 1
 
-typedef struct avgpipe_run avgpipe_run; /* opaque */
-
 typedef struct avgpipe_run_stats {
     double seconds;       /* wall time of the iteration (this process) */
     double loss;          /* mean of op->loss over the iteration's last-stage forwards run here */
@@ -1342,6 +1399,53 @@ typedef struct avgpipe_run_stats {
     long long ops;
 } avgpipe_run_stats;
 
+/* ============================================================================================ */
+/* 14. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
+/* ============================================================================================ */
+/* Collective (every process, between iterations): the reference of every stage of replica group 0
+   lands in dst[g] (param_count[g] floats each) on the process that runs global rank 0; other
+   processes pass dst NULL. For evaluating or saving the model when the stages live in several
+   processes. Errors: AVGPIPE_INVALID_ARG, AVGPIPE_TIMEOUT naming the rank that did not send. */
+AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst);
+/* The same for the parameters of parallel model `pipe` (0 .. N-1) of replica group `replica`: each
+   stage's params[(replica * N + pipe) * G + g] lands in dst[g] on the process that runs global rank 0
+   (other processes pass dst NULL), for checks and exports. Collective, between iterations. Errors:
+   AVGPIPE_INVALID_ARG (replica or pipe out of range, dst NULL on the root), AVGPIPE_TIMEOUT naming the
+   rank that did not send. */
+AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int replica, int pipe, float *const *dst);
+/* Collective (every process, between iterations): values[0..count-1] summed over the processes (each
+   process counts once, whatever number of ranks it runs), in rank order, so every process gets the
+   same bits. For reporting: e.g. the loss and accuracy counters of the last stage, printed on rank 0.
+   count <= 4096. */
+AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
+
+/* ============================================================================================ */
+/* 15. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
+/* ============================================================================================ */
+#ifndef AVGPIPE_NO_STDIO
+/* Checkpoints. Collective (every process, between iterations, the same dir name). avgpipe_run_save
+   writes into directory `dir` (which must exist) one file per local rank, "rank-R-iter-I.ckpt": the
+   rank's N models and references of its stages (and ELASTIC's previous reference), the averaging round
+   counters, the iteration count, the adaptive controller's state, and cb.save_state's bytes; then every
+   process writes "manifest" listing all ranks' files with their sizes and checksums, and the run's
+   description (what must match on load). Each file goes to a temporary name and is renamed into place,
+   the manifest last, and a rank's files of its previous checkpoint are removed only after that: a crash
+   at any moment leaves the previous checkpoint loadable (atomic against a process that dies; C11 has no
+   fsync, so against power loss the file system decides). Every file carries a format version and an
+   FNV-1a checksum of all its bytes (any single changed byte is detected).
+   avgpipe_run_load, on a run created from the same description (K and adaptive advance may differ),
+   verifies the manifest, each local rank's file (size, checksum, version, rank, iteration) and the
+   description before changing anything, then restores all of the above into the run, into desc.params
+   and through cb.load_state. Errors name the file: AVGPIPE_IO_ERROR (missing, unreadable), AVGPIPE_PARSE_ERROR
+   (truncated, corrupted, foreign, another format version), AVGPIPE_MISMATCH (made by another run: names the
+   field), AVGPIPE_CALLBACK_ERROR; when any process fails every process fails, naming the rank. */
+AVGPIPE_API avgpipe_result avgpipe_run_save(avgpipe_run *run, const char *dir);
+AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
+#endif
+
+/* ============================================================================================ */
+/* 16. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
+/* ============================================================================================ */
 /* Validate desc, build (or take) the schedule, lower it, check that every process agrees on it,
    allocate the local ranks' buffers and averaging, start their workers. Errors name the field (or,
    AVGPIPE_MISMATCH, the field other processes see differently). ctx must outlive the run. Collective:
@@ -1374,61 +1478,17 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run);
    failed with AVGPIPE_TIMEOUT naming a callback): after avgpipe_run_destroy, cb.abandoned_return is
    called once for each, when its callback returns. Thread-safe with respect to the run's own threads. */
 AVGPIPE_API int avgpipe_run_abandoned(avgpipe_run *run);
-/* The reference model's partition of stage g (newest complete) of the first local replica group that
-   holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
-AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count);
-/* The same for replica group `replica`. */
-AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int replica, int stage, size_t *count);
-/* Collective (every process, between iterations): the reference of every stage of replica group 0
-   lands in dst[g] (param_count[g] floats each) on the process that runs global rank 0; other
-   processes pass dst NULL. For evaluating or saving the model when the stages live in several
-   processes. Errors: AVGPIPE_INVALID_ARG, AVGPIPE_TIMEOUT naming the rank that did not send. */
-AVGPIPE_API avgpipe_result avgpipe_run_gather_reference(avgpipe_run *run, float *const *dst);
-/* The same for the parameters of parallel model `pipe` (0 .. N-1) of replica group `replica`: each
-   stage's params[(replica * N + pipe) * G + g] lands in dst[g] on the process that runs global rank 0
-   (other processes pass dst NULL), for checks and exports. Collective, between iterations. Errors:
-   AVGPIPE_INVALID_ARG (replica or pipe out of range, dst NULL on the root), AVGPIPE_TIMEOUT naming the
-   rank that did not send. */
-AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int replica, int pipe, float *const *dst);
-/* Collective (every process, between iterations): values[0..count-1] summed over the processes (each
-   process counts once, whatever number of ranks it runs), in rank order, so every process gets the
-   same bits. For reporting: e.g. the loss and accuracy counters of the last stage, printed on rank 0.
-   count <= 4096. */
-AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
-/* 1 if this process runs global rank `rank`, else 0. */
-AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank);
-/* Iterations run so far (with a loaded checkpoint: counted from the start of that training). */
-AVGPIPE_API long long avgpipe_run_iterations(const avgpipe_run *run);
-#ifndef AVGPIPE_NO_STDIO
-/* Checkpoints. Collective (every process, between iterations, the same dir name). avgpipe_run_save
-   writes into directory `dir` (which must exist) one file per local rank, "rank-R-iter-I.ckpt": the
-   rank's N models and references of its stages (and ELASTIC's previous reference), the averaging round
-   counters, the iteration count, the adaptive controller's state, and cb.save_state's bytes; then every
-   process writes "manifest" listing all ranks' files with their sizes and checksums, and the run's
-   description (what must match on load). Each file goes to a temporary name and is renamed into place,
-   the manifest last, and a rank's files of its previous checkpoint are removed only after that: a crash
-   at any moment leaves the previous checkpoint loadable (atomic against a process that dies; C11 has no
-   fsync, so against power loss the file system decides). Every file carries a format version and an
-   FNV-1a checksum of all its bytes (any single changed byte is detected).
-   avgpipe_run_load, on a run created from the same description (K and adaptive advance may differ),
-   verifies the manifest, each local rank's file (size, checksum, version, rank, iteration) and the
-   description before changing anything, then restores all of the above into the run, into desc.params
-   and through cb.load_state. Errors name the file: AVGPIPE_IO_ERROR (missing, unreadable), AVGPIPE_PARSE_ERROR
-   (truncated, corrupted, foreign, another format version), AVGPIPE_MISMATCH (made by another run: names the
-   field), AVGPIPE_CALLBACK_ERROR; when any process fails every process fails, naming the rank. */
-AVGPIPE_API avgpipe_result avgpipe_run_save(avgpipe_run *run, const char *dir);
-AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
-#endif
-/* The schedule being run (lowered; its ranks are those of one replica group), and K for advance. */
-AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run);
-/* Slots (in-flight micro-batches) the runtime reserved on stage g: size your per-slot stash so. With
-   adaptive advance the count changes with K: it grows as K rises and shrinks when the controller steps
-   back to the best K (or a checkpoint restores a smaller one), so query it again after each iteration
-   and after avgpipe_run_load, and key your stash by (stage, slot) below the current count. */
-AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
 /* Bytes the runtime allocated for boundary buffers and averaging on global rank `rank` (-1 when it
    is not local): what avgpipe_run_memory predicts. */
 AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
+/* Memory model: bytes the runtime allocates per rank of one group for desc (the buffer plan plus the
+   averaging buffers); per_rank has sched.stages entries. Equals avgpipe_run_bytes of a run created
+   from the same desc. Needs only desc's shape (or schedule), act_bytes, param_count and averaging. */
+AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
+
+/* ============================================================================================ */
+/* 17. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
+/* ============================================================================================ */
 /* Events of the last iteration (desc.profile = 1), of the local ranks: times in seconds from its start. */
 AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count);
 #ifndef AVGPIPE_NO_STDIO
@@ -1446,61 +1506,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_append_profile(avgpipe_run *run, const ch
 AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char *path);
 #endif
 
-/* The runtime's buffer plan for a lowered schedule, the one avgpipe_run_create allocates by and the
-   tuner's memory model reads: per stage, the bytes of one slot (input activation, output activation
-   when the next stage is on another rank, gradient of the output, gradient of the input when the
-   previous stage is on another rank) and the slots (micro-batches in flight at once: one is taken at
-   a micro-batch's first op on the stage and given back after its last); per rank and position, the
-   stages whose slot is given back after that op. */
-typedef struct avgpipe_run_plan {
-    int nranks, nstages;  /* S, G */
-    int *slots;           /* [G] (at least 1) */
-    size_t *slot_bytes;   /* [G] */
-    int **release;        /* [S][2 * position + k], k = 0, 1: a stage, or -1 */
-} avgpipe_run_plan;
-/* Plan `lowered` (with SEND/RECV ops; avgpipe_sched_lower) for act_bytes[G-1] (NULL when G = 1).
-   Release with avgpipe_run_plan_free. */
-AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const avgpipe_schedule *lowered, const size_t *act_bytes,
-                                                    avgpipe_run_plan *out);
-AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *plan);
-/* Memory model: bytes the runtime allocates per rank of one group for desc (the buffer plan plus the
-   averaging buffers); per_rank has sched.stages entries. Equals avgpipe_run_bytes of a run created
-   from the same desc. Needs only desc's shape (or schedule), act_bytes, param_count and averaging. */
-AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
-
-/* ============================================================================================ */
-/* 11. Tuner   (avgpipe_profile_*, avgpipe_tune_*)                                               */
-/* ============================================================================================ */
-/* One profiled run is enough (the paper's Section 5, made exact): fit each stage's op times as a
-   linear function of the micro-batch size (the profile should hold two sizes: two sections), the
-   transfer latency, and take the memory per stage from the profile; then predict every candidate
-   (M, N, K, schedule, round mode) by running the timed simulator on those costs, predict its memory
-   per rank with the runtime's own buffer planner, and rank by time per sample under a memory limit.
-   On CPU stage threads the N pipelines share each rank's core (the simulator's one compute resource
-   per rank); a device that runs pipelines concurrently would need a utilisation factor (not yet).
-
-   What the callbacks' times leave out, also fitted from the profile, because on CPU threads it made
-   predictions 5-10% low: the runtime's own time per op (between the callbacks: posting and copying
-   transfers, waking a waiting thread) and the averaging, which runs on one more thread per rank and
-   takes cores from the stage threads (its time per parameter, from 'averaging' lines the trainer
-   measures with avgpipe_tune_measure_averaging).
-
-   Pipelines sharing a device. On a GPU the N pipelines' kernels of one rank run concurrently (a stream
-   each), so N pipelines get through a rank's ops faster than N times one pipeline's. Profile N = 1 and
-   N = 2 (sections of both in one profile): the fit takes the ops' own costs from the N = 1 sections and
-   the share of an op that overlaps (cost_model.overlap) from how much less time the ranks were busy at
-   N = 2 than those costs add up to; predictions with N pipelines then charge each compute op
-   (N (1 - overlap) + overlap) / N of its cost. On CPU threads the ops of a rank never overlap: 0.
-
-   The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
-   backward time as a + b x samples, its parameters and output bytes, the stage that held it),
-   avgpipe_tune_plan chooses the contiguous split of the L layers into S (or S·V) partitions jointly
-   with M, N, K and the schedule: each split is a cost model (avgpipe_tune_split) searched by
-   avgpipe_tune_search, the splits taken in order of a lower bound on their time per sample (the busiest
-   rank's work, or all work over the cores), stopping when the bound passes the best time found: exact
-   with respect to the predictions, and a handful of searches instead of one per split.
-
-   Profile records read here besides the runtime's (all optional, any order after the header line):
+/* Profile records the tuner reads besides the runtime's (all optional, any order after the header line):
      layer L stage=G f_a=<s> f_b=<s> b_a=<s> b_b=<s> param_floats=P act_bytes=<per sample>
          layer L (0-based, every layer once) of the profiled model: forward f_a + f_b x samples seconds,
          full backward b_a + b_b x samples (I and W are taken as half each), P parameters, and the
@@ -1554,6 +1560,30 @@ AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const cha
 AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char *path, avgpipe_profile *out);
 #endif
 AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p);
+
+/* ============================================================================================ */
+/* 18. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
+/* ============================================================================================ */
+/* One profiled run is enough (the paper's Section 5, made exact): fit each stage's op times as a
+   linear function of the micro-batch size (the profile should hold two sizes: two sections), the
+   transfer latency, and take the memory per stage from the profile; then predict every candidate
+   (M, N, K, schedule, round mode) by running the timed simulator on those costs, predict its memory
+   per rank with the runtime's own buffer planner, and rank by time per sample under a memory limit.
+   On CPU stage threads the N pipelines share each rank's core (the simulator's one compute resource
+   per rank); on a device the pipelines' kernels overlap, which a fitted factor accounts for (below).
+
+   What the callbacks' times leave out, also fitted from the profile, because on CPU threads it made
+   predictions 5-10% low: the runtime's own time per op (between the callbacks: posting and copying
+   transfers, waking a waiting thread) and the averaging, which runs on one more thread per rank and
+   takes cores from the stage threads (its time per parameter, from 'averaging' lines the trainer
+   measures with avgpipe_tune_measure_averaging).
+
+   Pipelines sharing a device. On a GPU the N pipelines' kernels of one rank run concurrently (a stream
+   each), so N pipelines get through a rank's ops faster than N times one pipeline's. Profile N = 1 and
+   N = 2 (sections of both in one profile): the fit takes the ops' own costs from the N = 1 sections and
+   the share of an op that overlaps (cost_model.overlap) from how much less time the ranks were busy at
+   N = 2 than those costs add up to; predictions with N pipelines then charge each compute op
+   (N (1 - overlap) + overlap) / N of its cost. On CPU threads the ops of a rank never overlap: 0. */
 
 /* Fitted costs, seconds. Op time of (stage, kind) = a + b · samples per micro-batch. */
 typedef struct avgpipe_cost_model {
@@ -1617,6 +1647,17 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
    'averaging' line. Errors: AVGPIPE_INVALID_ARG, AVGPIPE_OUT_OF_MEMORY, those of avgpipe_ea_create.
    Thread-safety: touches only ctx and *seconds. */
 AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds);
+
+/* ============================================================================================ */
+/* 19. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_plan)              */
+/* ============================================================================================ */
+/* The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
+   backward time as a + b x samples, its parameters and output bytes, the stage that held it),
+   avgpipe_tune_plan chooses the contiguous split of the L layers into S (or S·V) partitions jointly
+   with M, N, K and the schedule: each split is a cost model (avgpipe_tune_split) searched by
+   avgpipe_tune_search, the splits taken in order of a lower bound on their time per sample (the busiest
+   rank's work, or all work over the cores), stopping when the bound passes the best time found: exact
+   with respect to the predictions, and a handful of searches instead of one per split. */
 
 typedef struct avgpipe_tune_desc {
     int batch;                  /* B: samples per batch of one pipeline (required) */
@@ -1980,9 +2021,94 @@ static double avgpipe__now(void) {
     return (double)ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
+#ifndef AVGPIPE_NO_STDIO
+/* What a file of each kind may hold: at most `max` bytes (far above any real one; checked as the read
+   goes, before the buffer grows), and, for text, no byte that no text holds (NUL, or a control
+   character other than tab, newline, carriage return, vertical tab and form feed): /dev/zero or a
+   binary given by mistake is refused within its first 64 KiB, not after a gigabyte. */
+typedef struct avgpipe__file_kind {
+    const char *what; /* "schedule", ... (for messages) */
+    const char *why;  /* what the cap is, for messages */
+    size_t max;
+    int text;
+} avgpipe__file_kind;
+#define AVGPIPE__MAX_SCHEDULE ((size_t)1 << 30) /* 1 GiB: the largest schedule import takes is about this */
+#define AVGPIPE__MAX_PROFILE ((size_t)1 << 28)  /* 256 MiB: millions of op records */
+static const avgpipe__file_kind avgpipe__file_schedule = {"schedule", "the most a schedule file may hold", AVGPIPE__MAX_SCHEDULE, 1};
+static const avgpipe__file_kind avgpipe__file_profile = {"profile", "the most a profile may hold", AVGPIPE__MAX_PROFILE, 1};
+
+/* The offset of the first byte in p[0, n) that no text file holds, or n. */
+static size_t avgpipe__not_text(const char *p, size_t n) {
+    size_t i;
+    for (i = 0; i < n; i++) {
+        unsigned char c = (unsigned char)p[i];
+        if ((c < 0x20 && (c < 0x09 || c > 0x0d)) || c == 0x7f) return i;
+    }
+    return n;
+}
+
+/* Append n bytes to a file's text, growing the buffer by doubling but never past max (+1 for the
+   NUL). 0: over max, -1: out of memory. */
+static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n, size_t max) {
+    if (n > max - text->len) return 0; /* checked before growing: the total would pass the cap */
+    if (text->len + n + 1 > text->cap) {
+        size_t cap = text->cap ? 2 * text->cap : n + 1;
+        char *q;
+        if (cap < text->len + n + 1) cap = text->len + n + 1;
+        if (cap > max + 1) cap = max + 1;
+        if (!(q = (char *)avgpipe__realloc(ctx, text->data, text->len, cap))) return -1;
+        text->data = q;
+        text->cap = cap;
+    }
+    memcpy(text->data + text->len, p, n);
+    text->len += n;
+    text->data[text->len] = 0;
+    return 1;
+}
+
+/* Read a whole file (to EOF: pipes work too) of kind k: refused as soon as the running total passes
+   k->max, and (text) at the first byte no text holds. */
+static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text, const avgpipe__file_kind *k) {
+    FILE *f = fopen(path, "rb");
+    char chunk[65536];
+    size_t n, at;
+    int bad, put;
+    if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
+    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) {
+        if (k->text && (at = avgpipe__not_text(chunk, n)) < n) {
+            fclose(f);
+            at += text->len;
+            avgpipe_buf_free(ctx, text);
+            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "'%s' is not a %s (text): byte %zu is 0x%02x", path, k->what, at,
+                                 (unsigned)(unsigned char)chunk[at % sizeof chunk]);
+        }
+        if ((put = avgpipe__file_put(ctx, text, chunk, n, k->max)) <= 0) {
+            fclose(f);
+            avgpipe_buf_free(ctx, text);
+            if (put < 0) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
+            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over %zu bytes, %s", path, k->max, k->why);
+        }
+    }
+    bad = ferror(f);
+    fclose(f);
+    if (bad) { /* e.g. a directory */
+        avgpipe_buf_free(ctx, text);
+        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s' (a directory, or a read error)", path);
+    }
+    return AVGPIPE_OK;
+}
+
+/* Prefix the last error with the file's name. */
+static avgpipe_result avgpipe__fail_in_file(avgpipe_context *ctx, avgpipe_result res, const char *path) {
+    char detail[AVGPIPE_ERROR_MAX - 64];
+    snprintf(detail, sizeof detail, "%.900s", avgpipe__ctx(ctx)->error);
+    return avgpipe__fail(ctx, res, "%.60s: %s", path, detail);
+}
+#endif
+
 /* --- 2. Schedule IR ---------------------------------------------------------------------------- */
 
-/* Limits of a schedule, for the generators (section 3) and for imported text alike: a schedule larger
+/* Limits of a schedule, for the generators (section 4) and for imported text alike: a schedule larger
    than this is surely a mistake. */
 #define AVGPIPE__MAX_STAGES 32767          /* stage partitions S x V */
 #define AVGPIPE__MAX_PIPES 32767           /* parallel pipelines (avgpipe_op.pipe is 16 bits) */
@@ -2376,6 +2502,8 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
     *nmicro = U;
     return AVGPIPE_OK;
 }
+
+/* --- 3. Text format --------------------------------------------------------------------------- */
 
 /* ---- export ---- */
 
@@ -2974,89 +3102,6 @@ fail:
 }
 
 #ifndef AVGPIPE_NO_STDIO
-/* What a file of each kind may hold: at most `max` bytes (far above any real one; checked as the read
-   goes, before the buffer grows), and, for text, no byte that no text holds (NUL, or a control
-   character other than tab, newline, carriage return, vertical tab and form feed): /dev/zero or a
-   binary given by mistake is refused within its first 64 KiB, not after a gigabyte. */
-typedef struct avgpipe__file_kind {
-    const char *what; /* "schedule", ... (for messages) */
-    const char *why;  /* what the cap is, for messages */
-    size_t max;
-    int text;
-} avgpipe__file_kind;
-#define AVGPIPE__MAX_SCHEDULE ((size_t)1 << 30) /* 1 GiB: the largest schedule import takes is about this */
-#define AVGPIPE__MAX_PROFILE ((size_t)1 << 28)  /* 256 MiB: millions of op records */
-static const avgpipe__file_kind avgpipe__file_schedule = {"schedule", "the most a schedule file may hold", AVGPIPE__MAX_SCHEDULE, 1};
-static const avgpipe__file_kind avgpipe__file_profile = {"profile", "the most a profile may hold", AVGPIPE__MAX_PROFILE, 1};
-
-/* The offset of the first byte in p[0, n) that no text file holds, or n. */
-static size_t avgpipe__not_text(const char *p, size_t n) {
-    size_t i;
-    for (i = 0; i < n; i++) {
-        unsigned char c = (unsigned char)p[i];
-        if ((c < 0x20 && (c < 0x09 || c > 0x0d)) || c == 0x7f) return i;
-    }
-    return n;
-}
-
-/* Append n bytes to a file's text, growing the buffer by doubling but never past max (+1 for the
-   NUL). 0: over max, -1: out of memory. */
-static int avgpipe__file_put(avgpipe_context *ctx, avgpipe_buf *text, const char *p, size_t n, size_t max) {
-    if (n > max - text->len) return 0; /* checked before growing: the total would pass the cap */
-    if (text->len + n + 1 > text->cap) {
-        size_t cap = text->cap ? 2 * text->cap : n + 1;
-        char *q;
-        if (cap < text->len + n + 1) cap = text->len + n + 1;
-        if (cap > max + 1) cap = max + 1;
-        if (!(q = (char *)avgpipe__realloc(ctx, text->data, text->len, cap))) return -1;
-        text->data = q;
-        text->cap = cap;
-    }
-    memcpy(text->data + text->len, p, n);
-    text->len += n;
-    text->data[text->len] = 0;
-    return 1;
-}
-
-/* Read a whole file (to EOF: pipes work too) of kind k: refused as soon as the running total passes
-   k->max, and (text) at the first byte no text holds. */
-static avgpipe_result avgpipe__read_file(avgpipe_context *ctx, const char *path, avgpipe_buf *text, const avgpipe__file_kind *k) {
-    FILE *f = fopen(path, "rb");
-    char chunk[65536];
-    size_t n, at;
-    int bad, put;
-    if (!f) return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot open '%s'", path);
-    while ((n = fread(chunk, 1, sizeof chunk, f)) > 0) {
-        if (k->text && (at = avgpipe__not_text(chunk, n)) < n) {
-            fclose(f);
-            at += text->len;
-            avgpipe_buf_free(ctx, text);
-            return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "'%s' is not a %s (text): byte %zu is 0x%02x", path, k->what, at,
-                                 (unsigned)(unsigned char)chunk[at % sizeof chunk]);
-        }
-        if ((put = avgpipe__file_put(ctx, text, chunk, n, k->max)) <= 0) {
-            fclose(f);
-            avgpipe_buf_free(ctx, text);
-            if (put < 0) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "out of memory reading '%s'", path);
-            return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "'%s' is over %zu bytes, %s", path, k->max, k->why);
-        }
-    }
-    bad = ferror(f);
-    fclose(f);
-    if (bad) { /* e.g. a directory */
-        avgpipe_buf_free(ctx, text);
-        return avgpipe__fail(ctx, AVGPIPE_IO_ERROR, "cannot read '%s' (a directory, or a read error)", path);
-    }
-    return AVGPIPE_OK;
-}
-
-/* Prefix the last error with the file's name. */
-static avgpipe_result avgpipe__fail_in_file(avgpipe_context *ctx, avgpipe_result res, const char *path) {
-    char detail[AVGPIPE_ERROR_MAX - 64];
-    snprintf(detail, sizeof detail, "%.900s", avgpipe__ctx(ctx)->error);
-    return avgpipe__fail(ctx, res, "%.60s: %s", path, detail);
-}
-
 AVGPIPE_API avgpipe_result avgpipe_sched_load(avgpipe_context *ctx, const char *path, avgpipe_schedule *out) {
     avgpipe_buf text = {NULL, 0, 0};
     avgpipe_result res;
@@ -3087,7 +3132,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 }
 #endif
 
-/* --- 3. Generators ----------------------------------------------------------------------------- */
+/* --- 4. Generators ---------------------------------------------------------------------------- */
 
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out) {
@@ -3541,6 +3586,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
     return res;
 }
 
+/* --- 5. Greedy scheduler and lowering --------------------------------------------------------- */
+
 /* ---- greedy list scheduler ---- */
 
 typedef struct avgpipe__gstage {
@@ -3952,7 +3999,7 @@ done:
 }
 
 
-/* --- 4. Simulation ------------------------------------------------------------------------------ */
+/* --- 6. Simulation ---------------------------------------------------------------------------- */
 
 typedef struct avgpipe__chan {
     double link_free;
@@ -4377,7 +4424,7 @@ done:
     return res;
 }
 
-/* --- 5. Validation (static checks, then a deadlock replay of its own) --------------------------------- */
+/* --- 7. Validation (static checks, then a deadlock replay of its own) ------------------------- */
 
 typedef struct avgpipe__msg {
     uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
@@ -5252,7 +5299,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
     return AVGPIPE_OK;
 }
 
-/* --- 6. Rendering -------------------------------------------------------------------------------- */
+/* --- 8. Rendering ----------------------------------------------------------------------------- */
 
 /* "F3", or "Fb3" (pipeline b = 1, micro-batch 3) when the events span several pipelines. */
 /* The kind part of an op's label. */
@@ -5523,7 +5570,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
     return ok ? AVGPIPE_OK : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
 }
 
-/* --- 7. Device backend ------------------------------------------------------------------------ */
+/* --- 9. Device backend ------------------------------------------------------------------------ */
 
 /* POSIX threads (<pthread.h>, included above) run the CPU device's kernel threads and guard the
    averaging module's bookkeeping. */
@@ -5965,7 +6012,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgp
     return AVGPIPE_OK;
 }
 
-/* --- 8. Averaging ----------------------------------------------------------------------------- */
+/* --- 10. Averaging ---------------------------------------------------------------------------- */
 
 struct avgpipe_ea {
     avgpipe_ea_desc desc;        /* resolved; desc.device points at dev */
@@ -6459,7 +6506,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
     return r;
 }
 
-/* --- 9. Comm backend: in-process threads ------------------------------------------------------ */
+/* --- 11. Comm backend: in-process threads ----------------------------------------------------- */
 
 /* Spin-then-sleep waits: a flag written under the mutex is read lock-free while spinning. */
 #ifndef AVGPIPE_COMM_SPIN
@@ -6971,7 +7018,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
     return AVGPIPE_OK;
 }
 
-/* --- 10. Runtime --------------------------------------------------------------------------------- */
+/* --- 12. Buffer plan; the run's state, message tags, schedule preparation --------------------- */
 
 /* ---- the buffer plan (public: the tuner's memory model uses it too) ---- */
 
@@ -7420,7 +7467,127 @@ static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     return res;
 }
 
-/* ---- execution ---- */
+/* A local rank's streams (one compute stream per parallel pipeline, one for averaging) and events. */
+static avgpipe_result avgpipe__worker_streams(avgpipe_run *run, avgpipe__worker *w) {
+    avgpipe_result res = AVGPIPE_OK;
+    int p;
+    w->cs = (avgpipe_device_stream *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof *w->cs);
+    w->ev_end = (avgpipe_device_event *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof *w->ev_end);
+    if (!w->cs || !w->ev_end) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
+    for (p = 0; p < run->N && !res; p++) {
+        res = run->dev.stream_create(run->dev.user, &w->cs[p]);
+        if (!res) res = run->dev.event_create(run->dev.user, &w->ev_end[p]);
+    }
+    for (p = 0; p < 2 && !res; p++) res = run->dev.event_create(run->dev.user, &w->ev_pair[p]);
+    if (!res) res = run->dev.stream_create(run->dev.user, &w->as);
+    if (!res && run->timed) res = run->dev.event_create(run->dev.user, &w->base);
+    if (res)
+        return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot create rank %d's streams: %s", run->dev.name, w->rank,
+                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
+    return AVGPIPE_OK;
+}
+
+static void avgpipe__worker_streams_free(avgpipe_run *run, avgpipe__worker *w) {
+    int p;
+    for (p = 0; p < 2 * w->npev; p++)
+        if (w->pev[p]) run->dev.event_destroy(run->dev.user, w->pev[p]);
+    for (p = 0; w->cs && p < run->N; p++) {
+        if (w->cs[p]) run->dev.stream_destroy(run->dev.user, w->cs[p]);
+        if (w->ev_end[p]) run->dev.event_destroy(run->dev.user, w->ev_end[p]);
+    }
+    for (p = 0; p < 2; p++)
+        if (w->ev_pair[p]) run->dev.event_destroy(run->dev.user, w->ev_pair[p]), w->ev_pair[p] = NULL;
+    if (w->as) run->dev.stream_destroy(run->dev.user, w->as);
+    if (w->base) run->dev.event_destroy(run->dev.user, w->base);
+    avgpipe_free(run->ctx, w->pev);
+    avgpipe_free(run->ctx, w->cs);
+    avgpipe_free(run->ctx, w->ev_end);
+    avgpipe_free(run->ctx, w->evdev);
+    w->pev = NULL, w->cs = NULL, w->ev_end = NULL, w->evdev = NULL, w->as = NULL, w->base = NULL, w->npev = 0;
+}
+
+/* Free everything a run owns; its threads have ended (or this is the last of them, see below). */
+static void avgpipe__run_free(avgpipe_run *run) {
+    avgpipe_context *ctx = run->ctx;
+    int k, g, p;
+    for (k = 0; run->w && k < run->nlocal; k++) { /* the device's work first (after a failure some may be queued) */
+        avgpipe__worker *w = &run->w[k];
+        for (p = 0; w->cs && p < run->N; p++)
+            if (w->cs[p]) run->dev.stream_synchronize(run->dev.user, w->cs[p]);
+        if (w->as) run->dev.stream_synchronize(run->dev.user, w->as);
+    }
+    if (run->st) /* then the averaging modules, whose last event may be on a worker's averaging stream */
+        for (g = 0; g < run->D * run->G; g++) {
+            avgpipe_ea_destroy(run->st[g].ea);
+            for (p = 0; run->st[g].ev_step && p < 2 * run->N; p++)
+                if (run->st[g].ev_step[p]) run->dev.event_destroy(run->dev.user, run->st[g].ev_step[p]);
+            avgpipe_free(ctx, run->st[g].avg_done);
+            avgpipe_free(ctx, run->st[g].ev_step);
+        }
+    for (k = 0; run->w && k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        avgpipe__worker_streams_free(run, w);
+        avgpipe_free(ctx, w->jobs);
+        avgpipe_free(ctx, w->seq);
+        avgpipe_free(ctx, w->rseq);
+        avgpipe_free(ctx, w->ev);
+        avgpipe_free(ctx, w->evbytes);
+        if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
+    }
+    avgpipe__free_plan(run);
+    avgpipe_sched_free(ctx, &run->given);
+    if (run->own_comm) avgpipe_comm_destroy(&run->comm);
+    if (run->own_dev) avgpipe_device_destroy(&run->dev);
+    avgpipe_free(ctx, run->st);
+    avgpipe_free(ctx, run->w);
+    avgpipe_free(ctx, run->act);
+    avgpipe_free(ctx, run->place);
+    avgpipe_free(ctx, run->win);
+    avgpipe_free(ctx, run->mev);
+    avgpipe_free(ctx, run->mbytes);
+    pthread_mutex_destroy(&run->mu);
+    pthread_cond_destroy(&run->cv);
+    avgpipe_free(ctx, run);
+}
+
+AVGPIPE_API long long avgpipe_run_iterations(const avgpipe_run *run) { return run ? run->iter : 0; }
+
+AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank) {
+    int lo = 0, hi;
+    if (!run || rank < 0 || rank >= run->P) return 0;
+    if (run->all_local) return 1;
+    hi = run->nlocal - 1;
+    while (lo <= hi) { /* the workers are sorted by rank */
+        int mid = (lo + hi) / 2;
+        if (run->w[mid].rank == rank) return 1;
+        if (run->w[mid].rank < rank) lo = mid + 1;
+        else hi = mid - 1;
+    }
+    return 0;
+}
+
+AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int replica, int stage, size_t *count) {
+    if (!run || stage < 0 || stage >= run->G || replica < 0 || replica >= run->D) return NULL;
+    if (!avgpipe_run_is_local(run, replica * run->S + avgpipe__run_rank(run, stage))) return NULL;
+    if (count) *count = run->d.param_count[stage];
+    return avgpipe_ea_reference(avgpipe__run_stage(run, replica, stage)->ea, NULL);
+}
+
+AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count) {
+    int d;
+    if (!run) return NULL;
+    for (d = 0; d < run->D; d++)
+        if (avgpipe_run_is_local(run, d * run->S + avgpipe__run_rank(run, stage))) return avgpipe_run_replica_reference(run, d, stage, count);
+    return NULL;
+}
+
+AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run) { return run ? &run->low : NULL; }
+
+AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
+    return run && stage >= 0 && stage < run->G ? run->plan.slots[stage] : -1;
+}
+
+/* --- 13. Execution: the worker and averaging threads ------------------------------------------ */
 
 static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, int peer, int flow, double a, double b, double bytes) {
     avgpipe_run *run = w->run;
@@ -8232,7 +8399,7 @@ static void avgpipe__run_cancel_pending(avgpipe_run *run) {
     }
 }
 
-/* ---- control messages between processes (on the driving thread, between iterations) ---- */
+/* --- 14. Processes: control messages between iterations, collectives -------------------------- */
 
 /* Post, for local worker k, a receive or a send of `bytes` with rank `peer`; collected in reqs. */
 typedef struct avgpipe__ctl {
@@ -8532,7 +8699,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
     return avgpipe__run_gather(run, replica, pipe, dst, AVGPIPE__TAG_CTL + 0x20000u, what);
 }
 
-/* ---- checkpoints ---- */
+/* --- 15. Checkpoints -------------------------------------------------------------------------- */
 
 #ifndef AVGPIPE_NO_STDIO
 #define AVGPIPE__CKPT_VERSION 1u
@@ -8916,7 +9083,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
 }
 #endif
 
-/* ---- create, iterate, destroy ---- */
+/* --- 16. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
 
 static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
@@ -9014,45 +9181,6 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
     }
     avgpipe_free(ctx, members);
     return res;
-}
-
-/* A local rank's streams (one compute stream per parallel pipeline, one for averaging) and events. */
-static avgpipe_result avgpipe__worker_streams(avgpipe_run *run, avgpipe__worker *w) {
-    avgpipe_result res = AVGPIPE_OK;
-    int p;
-    w->cs = (avgpipe_device_stream *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof *w->cs);
-    w->ev_end = (avgpipe_device_event *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof *w->ev_end);
-    if (!w->cs || !w->ev_end) return avgpipe__fail(run->ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
-    for (p = 0; p < run->N && !res; p++) {
-        res = run->dev.stream_create(run->dev.user, &w->cs[p]);
-        if (!res) res = run->dev.event_create(run->dev.user, &w->ev_end[p]);
-    }
-    for (p = 0; p < 2 && !res; p++) res = run->dev.event_create(run->dev.user, &w->ev_pair[p]);
-    if (!res) res = run->dev.stream_create(run->dev.user, &w->as);
-    if (!res && run->timed) res = run->dev.event_create(run->dev.user, &w->base);
-    if (res)
-        return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot create rank %d's streams: %s", run->dev.name, w->rank,
-                             run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
-    return AVGPIPE_OK;
-}
-
-static void avgpipe__worker_streams_free(avgpipe_run *run, avgpipe__worker *w) {
-    int p;
-    for (p = 0; p < 2 * w->npev; p++)
-        if (w->pev[p]) run->dev.event_destroy(run->dev.user, w->pev[p]);
-    for (p = 0; w->cs && p < run->N; p++) {
-        if (w->cs[p]) run->dev.stream_destroy(run->dev.user, w->cs[p]);
-        if (w->ev_end[p]) run->dev.event_destroy(run->dev.user, w->ev_end[p]);
-    }
-    for (p = 0; p < 2; p++)
-        if (w->ev_pair[p]) run->dev.event_destroy(run->dev.user, w->ev_pair[p]), w->ev_pair[p] = NULL;
-    if (w->as) run->dev.stream_destroy(run->dev.user, w->as);
-    if (w->base) run->dev.event_destroy(run->dev.user, w->base);
-    avgpipe_free(run->ctx, w->pev);
-    avgpipe_free(run->ctx, w->cs);
-    avgpipe_free(run->ctx, w->ev_end);
-    avgpipe_free(run->ctx, w->evdev);
-    w->pev = NULL, w->cs = NULL, w->ev_end = NULL, w->evdev = NULL, w->as = NULL, w->base = NULL, w->npev = 0;
 }
 
 static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
@@ -9204,50 +9332,6 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     }
     *out = run;
     return AVGPIPE_OK;
-}
-
-/* Free everything a run owns; its threads have ended (or this is the last of them, see below). */
-static void avgpipe__run_free(avgpipe_run *run) {
-    avgpipe_context *ctx = run->ctx;
-    int k, g, p;
-    for (k = 0; run->w && k < run->nlocal; k++) { /* the device's work first (after a failure some may be queued) */
-        avgpipe__worker *w = &run->w[k];
-        for (p = 0; w->cs && p < run->N; p++)
-            if (w->cs[p]) run->dev.stream_synchronize(run->dev.user, w->cs[p]);
-        if (w->as) run->dev.stream_synchronize(run->dev.user, w->as);
-    }
-    if (run->st) /* then the averaging modules, whose last event may be on a worker's averaging stream */
-        for (g = 0; g < run->D * run->G; g++) {
-            avgpipe_ea_destroy(run->st[g].ea);
-            for (p = 0; run->st[g].ev_step && p < 2 * run->N; p++)
-                if (run->st[g].ev_step[p]) run->dev.event_destroy(run->dev.user, run->st[g].ev_step[p]);
-            avgpipe_free(ctx, run->st[g].avg_done);
-            avgpipe_free(ctx, run->st[g].ev_step);
-        }
-    for (k = 0; run->w && k < run->nlocal; k++) {
-        avgpipe__worker *w = &run->w[k];
-        avgpipe__worker_streams_free(run, w);
-        avgpipe_free(ctx, w->jobs);
-        avgpipe_free(ctx, w->seq);
-        avgpipe_free(ctx, w->rseq);
-        avgpipe_free(ctx, w->ev);
-        avgpipe_free(ctx, w->evbytes);
-        if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
-    }
-    avgpipe__free_plan(run);
-    avgpipe_sched_free(ctx, &run->given);
-    if (run->own_comm) avgpipe_comm_destroy(&run->comm);
-    if (run->own_dev) avgpipe_device_destroy(&run->dev);
-    avgpipe_free(ctx, run->st);
-    avgpipe_free(ctx, run->w);
-    avgpipe_free(ctx, run->act);
-    avgpipe_free(ctx, run->place);
-    avgpipe_free(ctx, run->win);
-    avgpipe_free(ctx, run->mev);
-    avgpipe_free(ctx, run->mbytes);
-    pthread_mutex_destroy(&run->mu);
-    pthread_cond_destroy(&run->cv);
-    avgpipe_free(ctx, run);
 }
 
 AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
@@ -9435,43 +9519,6 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     return res;
 }
 
-AVGPIPE_API long long avgpipe_run_iterations(const avgpipe_run *run) { return run ? run->iter : 0; }
-
-AVGPIPE_API int avgpipe_run_is_local(const avgpipe_run *run, int rank) {
-    int lo = 0, hi;
-    if (!run || rank < 0 || rank >= run->P) return 0;
-    if (run->all_local) return 1;
-    hi = run->nlocal - 1;
-    while (lo <= hi) { /* the workers are sorted by rank */
-        int mid = (lo + hi) / 2;
-        if (run->w[mid].rank == rank) return 1;
-        if (run->w[mid].rank < rank) lo = mid + 1;
-        else hi = mid - 1;
-    }
-    return 0;
-}
-
-AVGPIPE_API const float *avgpipe_run_replica_reference(avgpipe_run *run, int replica, int stage, size_t *count) {
-    if (!run || stage < 0 || stage >= run->G || replica < 0 || replica >= run->D) return NULL;
-    if (!avgpipe_run_is_local(run, replica * run->S + avgpipe__run_rank(run, stage))) return NULL;
-    if (count) *count = run->d.param_count[stage];
-    return avgpipe_ea_reference(avgpipe__run_stage(run, replica, stage)->ea, NULL);
-}
-
-AVGPIPE_API const float *avgpipe_run_reference(avgpipe_run *run, int stage, size_t *count) {
-    int d;
-    if (!run) return NULL;
-    for (d = 0; d < run->D; d++)
-        if (avgpipe_run_is_local(run, d * run->S + avgpipe__run_rank(run, stage))) return avgpipe_run_replica_reference(run, d, stage, count);
-    return NULL;
-}
-
-AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run) { return run ? &run->low : NULL; }
-
-AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
-    return run && stage >= 0 && stage < run->G ? run->plan.slots[stage] : -1;
-}
-
 /* The averaging buffers of stage g under desc's averaging settings. */
 static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d, int N, size_t count) {
     avgpipe_ea_desc ed;
@@ -9534,6 +9581,8 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     avgpipe_free(ctx, run.place);
     return res;
 }
+
+/* --- 17. Profiles: events, the profile writer and reader, traces ------------------------------ */
 
 /* The local ranks' events of the last iteration, gathered into one array (run->mev). */
 static size_t avgpipe__gather_events(avgpipe_run *run) {
@@ -9628,7 +9677,6 @@ AVGPIPE_API avgpipe_result avgpipe_run_write_trace(avgpipe_run *run, const char 
 }
 #endif
 
-/* --- 11. Tuner ------------------------------------------------------------------------------------- */
 
 AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p) {
     int i;
@@ -9987,6 +10035,8 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
     return res;
 }
 #endif
+
+/* --- 18. Cost model: fitting and prediction --------------------------------------------------- */
 
 AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
     if (!m) return;
@@ -10543,6 +10593,8 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
     }
     return total > 0 ? worst / total : -1;
 }
+
+/* --- 19. Search and the stage partitioner ----------------------------------------------------- */
 
 static int avgpipe__cmp_candidate(const void *x, const void *y) {
     const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;

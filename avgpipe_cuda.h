@@ -1,5 +1,5 @@
 /* avgpipe_cuda.h — the CUDA device backend for avgpipe.h: memory, copies, streams, events and the averaging
-   kernels of one NVIDIA GPU, behind avgpipe.h's device table (section 7).
+   kernels of one NVIDIA GPU, behind avgpipe.h's device table (section 9).
 
    WHAT IT IS
    ----------
@@ -310,7 +310,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
     AVGPIPE__CU_DEVICE avgpipe__cu_u64 avgpipe__cu_threads(void) { return (avgpipe__cu_u64)gridDim.x * blockDim.x; } \
     AVGPIPE__CU_DEVICE void avgpipe__cu_min(avgpipe__cu_u64 *p, avgpipe__cu_u64 v) { atomicMin(p, v); }
 
-/* The element function of avgpipe_ea_pass (avgpipe.h, section 7), operation for operation as the CPU
+/* The element function of avgpipe_ea_pass (avgpipe.h, section 9), operation for operation as the CPU
    kernel avgpipe__ea_elem: w, z, zp, a are the element's inputs (z, zp, a only meaningful where f says they
    are read); *wo receives w's new value (unchanged without PULL), *ao acc's. */
 #define AVGPIPE__CUDA_ELEM_TEXT(Q, NAME, ADD, SUB, MUL)                                                     \

@@ -8,15 +8,23 @@ column 0 that names the function and opens its body ("{" before any ";"); its bo
 that closes it (comments, strings and character constants left out). Every identifier in a body that names a function defined in the implementation is
 a use; a use of a function from a later section is an error, printed as FILE:LINE.
 
+It also checks the sections' layout: the implementation's markers are numbered 1, 2, ... K without a gap,
+the declarations carry the same K section headers ("/* N. Title") and the CONTENTS list at the top names
+the same K numbers, and no section's implementation is longer than MAX_LINES lines (one subject a reader
+can hold in mind: the issue that split the runtime and the tuner asked for about 800).
+
 usage: scripts/check_order.py [HEADER]     (default: avgpipe.h beside this script's folder)
        scripts/check_order.py --self-test  (the checker finds a backward call in a made-up header)
-Exit status: 0 in order, 1 a backward use (each printed), 2 usage or an unreadable header.
+Exit status: 0 in order, 1 a backward use or a layout problem (each printed), 2 usage or an unreadable header.
 """
 import os
 import re
 import sys
 
 SECTION = re.compile(r"^/\* --- (\d+)\. ")
+PUBLIC = re.compile(r"^/\* (\d+)\. \S")
+CONTENTS_ITEM = re.compile(r"^ {3,6}(\d+)\. \S")
+MAX_LINES = 900
 IMPL = "#if defined(AVGPIPE_IMPLEMENTATION) && !defined(AVGPIPE_IMPLEMENTATION_INCLUDED)"
 DEF_START = re.compile(r"^(?![#/ \t}{])[^;(]*?\b(avgpipe_\w+)\s*\(")
 IDENT = re.compile(r"\b(avgpipe_\w+)\b")
@@ -65,6 +73,27 @@ def functions(lines, start):
     return out
 
 
+def layout(lines, start):
+    """Problems with the sections' numbering and sizes, as strings (none: an empty list)."""
+    problems, marks = [], [(int(m.group(1)), n) for n, l in enumerate(lines) if n >= start for m in [SECTION.match(l)] if m]
+    numbers = [k for k, _ in marks]
+    if numbers != list(range(1, len(numbers) + 1)):
+        problems.append(f"implementation sections numbered {numbers}, not 1..{len(numbers)}")
+    public = [int(m.group(1)) for l in lines[:start] for m in [PUBLIC.match(l)] if m]
+    if public != numbers:
+        problems.append(f"declaration sections {public} differ from the implementation's {numbers}")
+    top = lines[:next((n for n, l in enumerate(lines) if l.rstrip() == "*/"), 0)]
+    listed = [int(m.group(1)) for l in top[next((n for n, l in enumerate(top) if l.strip() == "CONTENTS"), len(top)):]
+              for m in [CONTENTS_ITEM.match(l)] if m]
+    if listed != numbers:
+        problems.append(f"CONTENTS lists sections {listed}, the implementation has {numbers}")
+    ends = [n for _, n in marks[1:]] + [len(lines)]
+    for (k, n), end in zip(marks, ends):
+        if end - n > MAX_LINES:
+            problems.append(f"line {n + 1}: section {k} is {end - n} lines, more than {MAX_LINES}: split it")
+    return problems
+
+
 def check(path):
     try:
         with open(path, encoding="utf-8") as f:
@@ -93,12 +122,19 @@ def check(path):
                 print(f"{path}:{line}: {name} (section {sec}) uses {callee}, defined in the later section {csec} (line {cline})")
     verdict = "in order" if bad == 0 else f"{bad} backward uses"
     print(f"check_order: {len(fns)} functions in {nsections} sections, {uses} uses of another function: {verdict}")
-    return 1 if bad else 0
+    problems = layout(lines, start)
+    for p in problems:
+        print(f"{path}: {p}")
+    sizes = [n for n, l in enumerate(lines) if n >= start and SECTION.match(l)] + [len(lines)]
+    print(f"check_order: layout {'ok' if not problems else 'WRONG'}; the largest section is "
+          f"{max(b - a for a, b in zip(sizes, sizes[1:]))} lines (limit {MAX_LINES})")
+    return 1 if bad or problems else 0
 
 
 def self_test():
     import tempfile
-    text = (IMPL + "\n/* --- 1. Basics --- */\nstatic int avgpipe__a(void) {\n    return avgpipe__b();\n}\n"
+    text = ("/*\n   CONTENTS\n     1. Basics\n     2. Later\n*/\n/* 1. Basics */\n/* 2. Later */\n"
+            + IMPL + "\n/* --- 1. Basics --- */\nstatic int avgpipe__a(void) {\n    return avgpipe__b();\n}\n"
             "/* --- 2. Later --- */\nstatic int avgpipe__b(void) {\n    return avgpipe__c(); /* avgpipe__d() */\n}\n"
             "static int\navgpipe__c(void) {\n    return 0;\n}\nstatic int avgpipe__d(void) { return 0; }\n#endif\n")
     with tempfile.NamedTemporaryFile("w", suffix=".h", delete=False) as f:
@@ -111,6 +147,19 @@ def self_test():
         print(f"check_order --self-test: a made-up header with one backward call gave exit status {rc}, not 1")
         return 1
     print("check_order --self-test: the backward call was found")
+    lines = ["/*\n", "   CONTENTS\n", "     1. A\n", "     2. B\n", "*/\n", "/* 1. A */\n", "/* 2. B */\n", IMPL + "\n",
+             "/* --- 1. A --- */\n", "/* --- 2. B --- */\n"]
+    if layout(lines, 7):
+        print(f"check_order --self-test: a well-formed layout was refused: {layout(lines, 7)}")
+        return 1
+    cases = [(lines[:3] + lines[4:], "CONTENTS"), (lines[:6] + lines[7:], "declaration"),
+             (lines[:9] + ["/* --- 3. B --- */\n"], "numbered"), (lines + ["x\n"] * (MAX_LINES + 1), "split it")]
+    for bad, word in cases:
+        found = layout(bad, bad.index(IMPL + "\n"))
+        if not any(word in p for p in found):
+            print(f"check_order --self-test: a layout problem ({word}) was not found: {found}")
+            return 1
+    print("check_order --self-test: the layout problems were found")
     return 0
 
 
