@@ -1178,17 +1178,17 @@ AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t s
    previous stage is on another rank) and the slots (micro-batches in flight at once: one is taken at
    a micro-batch's first op on the stage and given back after its last); per rank and position, the
    stages whose slot is given back after that op. */
-typedef struct avgpipe_run_plan {
+typedef struct avgpipe_buffer_plan {
     int nranks, nstages;  /* S, G */
     int *slots;           /* [G] (at least 1) */
     size_t *slot_bytes;   /* [G] */
     int **release;        /* [S][2 * position + k], k = 0, 1: a stage, or -1 */
-} avgpipe_run_plan;
+} avgpipe_buffer_plan;
 /* Plan `lowered` (with SEND/RECV ops; avgpipe_sched_lower) for act_bytes[G-1] (NULL when G = 1).
-   Release with avgpipe_run_plan_free. */
-AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const avgpipe_schedule *lowered, const size_t *act_bytes,
-                                                    avgpipe_run_plan *out);
-AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *plan);
+   Release with avgpipe_buffer_plan_free. */
+AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const avgpipe_schedule *lowered, const size_t *act_bytes,
+                                                    avgpipe_buffer_plan *out);
+AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_plan *plan);
 
 /* A run (avgpipe_run_create, section 16): what it holds, asked between iterations. */
 typedef struct avgpipe_run avgpipe_run; /* opaque */
@@ -1611,15 +1611,15 @@ typedef struct avgpipe_cost_model {
        times) and N >= 2 (the ranks' busy time, the union of their compute ops' intervals, against the
        isolated time of the same ops); 0 on CPU threads, whose ops never overlap. */
     double overlap;
-    int nlayers;                /* per-layer costs ('layer' lines), for avgpipe_tune_split / _plan */
+    int nlayers;                /* per-layer costs ('layer' lines), for avgpipe_tune_split_model / _plan */
     avgpipe_layer_cost *layers; /* [nlayers]; .stage = the partition that holds the layer in this model */
 } avgpipe_cost_model;
 
 /* Fit a cost model to a profile (every section must have the same stage partitions). Errors:
    AVGPIPE_INVALID_ARG (empty profile, sections that disagree), AVGPIPE_OUT_OF_MEMORY. Free with
-   avgpipe_cost_model_free. */
+   avgpipe_tune_cost_model_free. */
 AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *out);
-AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m);
+AVGPIPE_API void avgpipe_tune_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m);
 
 /* Predicted seconds of one iteration (sched->rounds rounds) with micro-batches of `samples`: the timed
    simulator on the fitted op costs plus op_overhead per op; averaging costs a rank's core when N = 1
@@ -1632,8 +1632,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
    split[g] layers (nparts partitions, each >= 1 layer, L in all); its op costs are the sums of its
    layers', STEP is step_a + step_b x its parameters, its boundary bytes those of its last layer; the
    rest (latency, overheads, averaging, cores) is m's. Errors name the field. Free with
-   avgpipe_cost_model_free. */
-AVGPIPE_API avgpipe_result avgpipe_tune_split(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, int nparts,
+   avgpipe_tune_cost_model_free. */
+AVGPIPE_API avgpipe_result avgpipe_tune_split_model(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, int nparts,
                                               avgpipe_cost_model *out);
 
 /* The busiest rank's share of the work per sample (forward, backward and STEP: what one thread would do)
@@ -1649,12 +1649,12 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
 AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds);
 
 /* ============================================================================================ */
-/* 19. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_plan)              */
+/* 19. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
 /* ============================================================================================ */
 /* The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
    backward time as a + b x samples, its parameters and output bytes, the stage that held it),
-   avgpipe_tune_plan chooses the contiguous split of the L layers into S (or S·V) partitions jointly
-   with M, N, K and the schedule: each split is a cost model (avgpipe_tune_split) searched by
+   avgpipe_tune_choose_split chooses the contiguous split of the L layers into S (or S·V) partitions jointly
+   with M, N, K and the schedule: each split is a cost model (avgpipe_tune_split_model) searched by
    avgpipe_tune_search, the splits taken in order of a lower bound on their time per sample (the busiest
    rank's work, or all work over the cores), stopping when the bound passes the best time found: exact
    with respect to the predictions, and a handful of searches instead of one per split. */
@@ -1691,15 +1691,15 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                                                avgpipe_tune_candidate **out, int *count);
 
 /* The stage partitioner: what to split and what to keep. */
-typedef struct avgpipe_plan_desc {
+typedef struct avgpipe_tune_split_desc {
     int stages;   /* S: ranks (required) */
     int chunks;   /* V: partitions per rank; 0 -> 1 (V > 1: interleaved, S·V partitions) */
     /* optional: keep only the candidates this returns 1 for (e.g. the M and N a user fixed) */
     int (*keep)(const avgpipe_tune_candidate *c, void *user);
     void *keep_user;
-} avgpipe_plan_desc;
+} avgpipe_tune_split_desc;
 
-typedef struct avgpipe_plan {
+typedef struct avgpipe_tune_split_choice {
     int nparts;                  /* S·V */
     int *split;                  /* [nparts] layers per partition, in layer order */
     avgpipe_tune_candidate best; /* the fastest kept candidate of that split that fits */
@@ -1707,16 +1707,16 @@ typedef struct avgpipe_plan {
     double slowest_share;        /* avgpipe_tune_slowest_share of the split at best's micro-batch size */
     double bound;                /* 1 / slowest_share, capped at the cores when m->cores is set */
     long long splits, searched;  /* contiguous splits, and how many were searched (the rest were bounded out) */
-} avgpipe_plan;
+} avgpipe_tune_split_choice;
 
 /* Choose the split of m's layers into S·V contiguous partitions and the setting that minimise the
    predicted time per sample under desc->mem_limit (ties: the split that comes first in layer order).
    Exact: the same as searching every split with avgpipe_tune_search. m needs layer costs (a profile
    with 'layer' lines). Errors: AVGPIPE_INVALID_ARG naming the field (no layer costs, fewer layers than
-   partitions, more than 2e6 splits), those of avgpipe_tune_search. Free with avgpipe_plan_free. */
-AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
-                                             const avgpipe_plan_desc *plan, avgpipe_plan *out);
-AVGPIPE_API void avgpipe_plan_free(avgpipe_context *ctx, avgpipe_plan *p);
+   partitions, more than 2e6 splits), those of avgpipe_tune_search. Free with avgpipe_tune_split_choice_free. */
+AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                             const avgpipe_tune_split_desc *plan, avgpipe_tune_split_choice *out);
+AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tune_split_choice *p);
 
 
 #ifdef __cplusplus
@@ -7022,7 +7022,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
 
 /* ---- the buffer plan (public: the tuner's memory model uses it too) ---- */
 
-AVGPIPE_API void avgpipe_run_plan_free(avgpipe_context *ctx, avgpipe_run_plan *plan) {
+AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_plan *plan) {
     int r;
     if (!plan) return;
     if (plan->release)
@@ -7045,7 +7045,7 @@ static int avgpipe__plan_keys(const avgpipe_schedule *s, int r, const avgpipe_op
 
 /* Slots: a micro-batch takes one on a stage at its first op there (a receive, its forward, or the
    forward of the stage before it on the same rank) and gives it back after its last op there. */
-static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_schedule *s, int N, int U, avgpipe_run_plan *p) {
+static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_schedule *s, int N, int U, avgpipe_buffer_plan *p) {
     int r, i, j, G = s->nstages;
     size_t cells = (size_t)G * N * U;
     int *lastpos = (int *)avgpipe_alloc(ctx, cells * sizeof(int)), *live = (int *)avgpipe__calloc(ctx, (size_t)G, sizeof(int));
@@ -7093,16 +7093,16 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes,
-                                                    avgpipe_run_plan *out) {
+AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes,
+                                                    avgpipe_buffer_plan *out) {
     avgpipe_result res;
     int r, g, N;
     long long U;
-    if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: NULL argument");
+    if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: NULL argument");
     memset(out, 0, sizeof *out);
-    if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: act_bytes is NULL");
+    if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_plan_buffers: the schedule has no SEND/RECV ops (lower it first)");
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: the schedule has no SEND/RECV ops (lower it first)");
     if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
@@ -7113,7 +7113,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const 
     for (r = 0; r < s->nranks && !res; r++)
         if (!(out->release[r] = (int *)avgpipe_alloc(ctx, (2 * (size_t)s->len[r] + 2) * sizeof(int)))) res = AVGPIPE_OUT_OF_MEMORY;
     if (res) {
-        avgpipe_run_plan_free(ctx, out);
+        avgpipe_buffer_plan_free(ctx, out);
         return avgpipe__fail(ctx, res, "runtime: out of memory planning the buffers");
     }
     for (g = 0; g < s->nstages; g++) {
@@ -7124,7 +7124,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_plan_buffers(avgpipe_context *ctx, const 
         out->slot_bytes[g] = in + (remote_next ? o : 0) + o + (remote_prev ? in : 0);
     }
     res = avgpipe__plan_slots(ctx, s, N, (int)U, out);
-    if (res) avgpipe_run_plan_free(ctx, out);
+    if (res) avgpipe_buffer_plan_free(ctx, out);
     return res;
 }
 
@@ -7202,7 +7202,7 @@ struct avgpipe_run {
     avgpipe_sched_desc sd;
     avgpipe_schedule given; /* a copy of desc.schedule (d.schedule points here), or empty */
     avgpipe_schedule base, low;
-    avgpipe_run_plan plan;
+    avgpipe_buffer_plan plan;
     int S, G, N, M, R, U, K;
     int *place, *chunk;   /* [G]: the rank of each stage; its index among that rank's stages */
     int *rst, *roff;      /* [G], [S + 1]: the stages of each stage-rank (AVGPIPE__RANK_STAGES) */
@@ -7379,9 +7379,9 @@ static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe
     return res;
 }
 
-static void avgpipe__free_plan(avgpipe_run *run) {
+static void avgpipe__free_buffer_plan(avgpipe_run *run) {
     int k;
-    avgpipe_run_plan_free(run->ctx, &run->plan);
+    avgpipe_buffer_plan_free(run->ctx, &run->plan);
     if (run->st)
         for (k = 0; k < run->D * run->G; k++) {
             avgpipe__stage *st = &run->st[k];
@@ -7453,13 +7453,13 @@ static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     avgpipe_result res;
     int j;
     int k, g;
-    avgpipe__free_plan(run);
+    avgpipe__free_buffer_plan(run);
     res = avgpipe__run_schedules(ctx, run->d.schedule, &run->sd, run->K, 1, &run->base, &run->low);
     if (res) return res;
     run->M = run->base.shape.micro;
     run->R = run->base.shape.rounds;
     run->U = run->M * run->R;
-    if ((res = avgpipe_run_plan_buffers(ctx, &run->low, run->act, &run->plan)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe_buffer_plan_build(ctx, &run->low, run->act, &run->plan)) != AVGPIPE_OK) return res;
     run->slot_of = (int *)avgpipe_alloc(ctx, (size_t)run->D * run->G * run->N * run->U * sizeof(int));
     if (!run->slot_of) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory");
     for (k = 0; k < run->nlocal && !res; k++)
@@ -7534,7 +7534,7 @@ static void avgpipe__run_free(avgpipe_run *run) {
         avgpipe_free(ctx, w->evbytes);
         if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
     }
-    avgpipe__free_plan(run);
+    avgpipe__free_buffer_plan(run);
     avgpipe_sched_free(ctx, &run->given);
     if (run->own_comm) avgpipe_comm_destroy(&run->comm);
     if (run->own_dev) avgpipe_device_destroy(&run->dev);
@@ -9534,7 +9534,7 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
 }
 
 /* The boundary buffers of stage g: the plan's bytes in one device allocation (its overhead included). */
-static double avgpipe__slot_bytes(const avgpipe_run_desc *d, const avgpipe_run_plan *plan, int g) {
+static double avgpipe__slot_bytes(const avgpipe_run_desc *d, const avgpipe_buffer_plan *plan, int g) {
     double b = (double)plan->slot_bytes[g] * plan->slots[g];
     return b > 0 ? b + (double)(d->device ? d->device->alloc_overhead : AVGPIPE__CPU_OVERHEAD) : 0;
 }
@@ -9554,7 +9554,7 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
     avgpipe_run run;
     avgpipe_schedule base, low;
-    avgpipe_run_plan plan;
+    avgpipe_buffer_plan plan;
     avgpipe_result res;
     int g;
     if (!desc || !per_rank) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: NULL argument");
@@ -9564,7 +9564,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     res = avgpipe__run_shape(ctx, &run);
     if (!res) res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, &base, &low);
     if (!res) {
-        res = avgpipe_run_plan_buffers(ctx, &low, run.act, &plan);
+        res = avgpipe_buffer_plan_build(ctx, &low, run.act, &plan);
         avgpipe_sched_free(ctx, &base);
         avgpipe_sched_free(ctx, &low);
     }
@@ -9575,7 +9575,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
             if (ea < 0) res = avgpipe_last_result(avgpipe__ctx(ctx));
             per_rank[run.place[g]] += avgpipe__slot_bytes(desc, &plan, g) + ea;
         }
-        avgpipe_run_plan_free(ctx, &plan);
+        avgpipe_buffer_plan_free(ctx, &plan);
     }
     avgpipe_free(ctx, run.act);
     avgpipe_free(ctx, run.place);
@@ -10038,7 +10038,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 
 /* --- 18. Cost model: fitting and prediction --------------------------------------------------- */
 
-AVGPIPE_API void avgpipe_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
+AVGPIPE_API void avgpipe_tune_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
     if (!m) return;
     avgpipe_free(ctx, m->a);
     avgpipe_free(ctx, m->b);
@@ -10370,7 +10370,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
     sums = (double *)avgpipe__calloc(ctx, (size_t)G * K * 5, sizeof(double));
     if (!out->a || !out->b || !out->param_floats || !out->act_bytes_per_sample || !sums) {
         avgpipe_free(ctx, sums);
-        avgpipe_cost_model_free(ctx, out);
+        avgpipe_tune_cost_model_free(ctx, out);
         return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
     }
     out->samples_lo = out->samples_hi = p->sections[0].samples;
@@ -10385,7 +10385,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
     res = avgpipe__fit_medians(ctx, p, G, sums);
     if (res) {
         avgpipe_free(ctx, sums);
-        avgpipe_cost_model_free(ctx, out);
+        avgpipe_tune_cost_model_free(ctx, out);
         return res;
     }
     for (g = 0; g < G; g++)
@@ -10406,7 +10406,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
     res = avgpipe__fit_latency(ctx, p, &out->latency);
     if (!res) res = avgpipe__fit_extras(ctx, p, out);
     if (!res) res = avgpipe__fit_overlap(ctx, p, out);
-    if (res) avgpipe_cost_model_free(ctx, out);
+    if (res) avgpipe_tune_cost_model_free(ctx, out);
     return res;
 }
 
@@ -10497,8 +10497,8 @@ static avgpipe_result avgpipe__model_like(avgpipe_context *ctx, const avgpipe_co
     out->act_bytes_per_sample = (double *)avgpipe__calloc(ctx, (size_t)G, sizeof(double));
     out->layers = (avgpipe_layer_cost *)avgpipe_alloc(ctx, (size_t)m->nlayers * sizeof *out->layers);
     if (!out->a || !out->b || !out->param_floats || !out->act_bytes_per_sample || !out->layers) {
-        avgpipe_cost_model_free(ctx, out);
-        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_split: out of memory");
+        avgpipe_tune_cost_model_free(ctx, out);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_split_model: out of memory");
     }
     memcpy(out->layers, m->layers, (size_t)m->nlayers * sizeof *out->layers);
     out->nlayers = m->nlayers;
@@ -10513,12 +10513,12 @@ static avgpipe_result avgpipe__model_like(avgpipe_context *ctx, const avgpipe_co
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API avgpipe_result avgpipe_tune_split(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, int nparts,
+AVGPIPE_API avgpipe_result avgpipe_tune_split_model(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, int nparts,
                                               avgpipe_cost_model *out) {
     int g, l = 0, i, K = AVGPIPE_OP_KIND_COUNT;
     avgpipe_result res;
-    if (!m || !split || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_split: NULL argument");
-    if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_split: the model has no layer costs ('layer' lines)");
+    if (!m || !split || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_split_model: NULL argument");
+    if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_split_model: the model has no layer costs ('layer' lines)");
     if (nparts < 1 || nparts > m->nlayers)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "nparts: %d partitions for %d layers (1..%d)", nparts, m->nlayers, m->nlayers);
     for (g = 0; g < nparts; g++) {
@@ -10784,7 +10784,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
 
 #define AVGPIPE__PLAN_MAX_SPLITS 100000 /* contiguous splits the partitioner enumerates (C(L-1, P-1)) */
 
-AVGPIPE_API void avgpipe_plan_free(avgpipe_context *ctx, avgpipe_plan *p) {
+AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tune_split_choice *p) {
     if (!p) return;
     avgpipe_free(ctx, p->split);
     memset(p, 0, sizeof *p);
@@ -10812,7 +10812,7 @@ static int avgpipe__next_split(int *split, int P, int L) {
    batch (F, B and STEP, from avgpipe__op_time at the least util any N <= max_pipes gives), and with cores
    set all ranks' work plus the averaging over the cores. A hair under, so that rounding never lets it
    pass an equal prediction. */
-static double avgpipe__plan_bound(const avgpipe_cost_model *sm, int S, double B, int max_pipes, avgpipe_placement place) {
+static double avgpipe__split_bound(const avgpipe_cost_model *sm, int S, double B, int max_pipes, avgpipe_placement place) {
     int r, g;
     double worst = 0, total = 0, w, bound, util = avgpipe__util(sm, max_pipes); /* util falls as N grows */
     for (r = 0; r < S; r++) {
@@ -10833,14 +10833,14 @@ typedef struct avgpipe__plan_item {
     long long index; /* position in layer (lexicographic) order */
 } avgpipe__plan_item;
 
-static int avgpipe__cmp_plan_item(const void *x, const void *y) {
+static int avgpipe__cmp_split_item(const void *x, const void *y) {
     const avgpipe__plan_item *a = (const avgpipe__plan_item *)x, *b = (const avgpipe__plan_item *)y;
     if (a->bound != b->bound) return a->bound < b->bound ? -1 : 1;
     return (a->index > b->index) - (a->index < b->index);
 }
 
 /* Every split (in layer order, into splits[count * P]) with its bound. */
-static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpipe_cost_model *m, int S, int P, double B, int max_pipes,
+static avgpipe_result avgpipe__split_enumerate(avgpipe_context *ctx, const avgpipe_cost_model *m, int S, int P, double B, int max_pipes,
                                               unsigned kinds, int *splits, avgpipe__plan_item *items, long long count) {
     avgpipe_cost_model sm;
     avgpipe_result res = AVGPIPE_OK;
@@ -10853,30 +10853,30 @@ static avgpipe_result avgpipe__plan_enumerate(avgpipe_context *ctx, const avgpip
             memcpy(sp, sp - P, (size_t)P * sizeof *sp);
             avgpipe__next_split(sp, P, m->nlayers);
         }
-        res = avgpipe_tune_split(ctx, m, sp, P, &sm);
+        res = avgpipe_tune_split_model(ctx, m, sp, P, &sm);
         if (res) break;
         { /* the least bound over the placements of the kinds searched */
             double lo = -1, b;
             int kind;
             for (kind = AVGPIPE_SCHED_CUSTOM + 1; kind < AVGPIPE_SCHED_KIND_COUNT; kind++)
-                if ((kinds & (1u << kind)) && ((b = avgpipe__plan_bound(&sm, S, B, max_pipes, avgpipe__kinds[kind].placement)) < lo || lo < 0))
+                if ((kinds & (1u << kind)) && ((b = avgpipe__split_bound(&sm, S, B, max_pipes, avgpipe__kinds[kind].placement)) < lo || lo < 0))
                     lo = b;
             items[k].bound = lo;
         }
         items[k].index = k;
-        avgpipe_cost_model_free(ctx, &sm);
+        avgpipe_tune_cost_model_free(ctx, &sm);
     }
     return res;
 }
 
 /* Search one split; *best gets its fastest kept fitting candidate (*found = 1), or when none fits its
    kept candidate with the least memory (*found = 0, *any = 1 if there was one). */
-static avgpipe_result avgpipe__plan_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, const avgpipe_tune_desc *td,
-                                           const avgpipe_plan_desc *pd, avgpipe_tune_candidate *best, int *found, int *any) {
+static avgpipe_result avgpipe__split_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, const avgpipe_tune_desc *td,
+                                           const avgpipe_tune_split_desc *pd, avgpipe_tune_candidate *best, int *found, int *any) {
     avgpipe_cost_model sm;
     avgpipe_tune_candidate *c = NULL;
     int n = 0, i;
-    avgpipe_result res = avgpipe_tune_split(ctx, m, split, pd->stages * (pd->chunks ? pd->chunks : 1), &sm);
+    avgpipe_result res = avgpipe_tune_split_model(ctx, m, split, pd->stages * (pd->chunks ? pd->chunks : 1), &sm);
     *found = *any = 0;
     if (res) return res;
     res = avgpipe_tune_search(ctx, &sm, td, &c, &n);
@@ -10889,7 +10889,7 @@ static avgpipe_result avgpipe__plan_search(avgpipe_context *ctx, const avgpipe_c
         if (!*any || c[i].peak_bytes < best->peak_bytes) *best = c[i], *any = 1;
     }
     avgpipe_free(ctx, c);
-    avgpipe_cost_model_free(ctx, &sm);
+    avgpipe_tune_cost_model_free(ctx, &sm);
     return res;
 }
 
@@ -10902,11 +10902,11 @@ static double avgpipe__choose(int n, int k) {
 }
 
 /* Check the arguments; *P partitions, *count splits. */
-static avgpipe_result avgpipe__plan_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
-                                          const avgpipe_plan_desc *pd, int *P, long long *count) {
+static avgpipe_result avgpipe__split_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                          const avgpipe_tune_split_desc *pd, int *P, long long *count) {
     double c;
-    if (!m || !desc || !pd) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: NULL argument");
-    if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: the model has no layer costs ('layer' lines)");
+    if (!m || !desc || !pd) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: NULL argument");
+    if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: the model has no layer costs ('layer' lines)");
     if (pd->stages < 1 || pd->chunks < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages, chunks: stages >= 1, chunks >= 0");
     if (desc->batch < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "batch: must be >= 1 (got %d)", desc->batch);
     *P = pd->stages * (pd->chunks ? pd->chunks : 1);
@@ -10921,22 +10921,22 @@ static avgpipe_result avgpipe__plan_check(avgpipe_context *ctx, const avgpipe_co
 }
 
 /* The chosen split into out, with its slowest share and the bound it sets. */
-static avgpipe_result avgpipe__plan_finish(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
-                                           const avgpipe_plan_desc *pd, const int *split, int P, avgpipe_plan *out) {
+static avgpipe_result avgpipe__split_finish(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                           const avgpipe_tune_split_desc *pd, const int *split, int P, avgpipe_tune_split_choice *out) {
     avgpipe_cost_model sm;
-    avgpipe_result res = avgpipe_tune_split(ctx, m, split, P, &sm);
+    avgpipe_result res = avgpipe_tune_split_model(ctx, m, split, P, &sm);
     if (res) return res;
     out->nparts = P;
     memcpy(out->split, split, (size_t)P * sizeof *split);
     out->slowest_share = avgpipe_tune_slowest_share(&sm, pd->stages, out->best.samples, desc->batch);
     out->bound = out->slowest_share > 0 ? 1 / out->slowest_share : 0;
     if (m->cores > 0 && out->bound > m->cores) out->bound = m->cores;
-    avgpipe_cost_model_free(ctx, &sm);
+    avgpipe_tune_cost_model_free(ctx, &sm);
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
-                                             const avgpipe_plan_desc *pd, avgpipe_plan *out) {
+AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                             const avgpipe_tune_split_desc *pd, avgpipe_tune_split_choice *out) {
     avgpipe_tune_desc td;
     avgpipe__plan_item *items = NULL;
     int *splits = NULL, P = 0, found, any, have_any = 0;
@@ -10945,24 +10945,24 @@ AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe
     avgpipe_tune_candidate c, fallback;
     long long fallback_index = -1;
     unsigned kinds = 0;
-    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: NULL argument");
+    if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: NULL argument");
     memset(out, 0, sizeof *out);
-    if ((res = avgpipe__plan_check(ctx, m, desc, pd, &P, &count)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__split_check(ctx, m, desc, pd, &P, &count)) != AVGPIPE_OK) return res;
     td = *desc;
     td.chunks = pd->chunks;
     splits = (int *)avgpipe_alloc(ctx, (size_t)count * (size_t)P * sizeof *splits);
     items = (avgpipe__plan_item *)avgpipe_alloc(ctx, (size_t)count * sizeof *items);
     out->split = (int *)avgpipe_alloc(ctx, (size_t)P * sizeof *out->split);
-    if (!splits || !items || !out->split) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_plan: out of memory");
+    if (!splits || !items || !out->split) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_choose_split: out of memory");
     if (!res) res = avgpipe__tune_kinds(ctx, &td, pd->chunks ? pd->chunks : 1, &kinds);
     if (!res) /* max_pipes: 0 -> 4, as avgpipe_tune_search resolves it */
-        res = avgpipe__plan_enumerate(ctx, m, pd->stages, P, (double)desc->batch, desc->max_pipes > 0 ? desc->max_pipes : 4, kinds, splits,
+        res = avgpipe__split_enumerate(ctx, m, pd->stages, P, (double)desc->batch, desc->max_pipes > 0 ? desc->max_pipes : 4, kinds, splits,
                                       items, count);
-    if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_plan_item);
+    if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_split_item);
     for (k = 0; !res && k < count; k++) {
         /* bounded out: no setting of this split (nor of any later one) can beat the best found */
         if (best >= 0 && items[k].bound > out->best.time_per_sample) break;
-        res = avgpipe__plan_search(ctx, m, splits + items[k].index * P, &td, pd, &c, &found, &any);
+        res = avgpipe__split_search(ctx, m, splits + items[k].index * P, &td, pd, &c, &found, &any);
         out->searched++;
         if (!res && found &&
             (best < 0 || c.time_per_sample < out->best.time_per_sample ||
@@ -10971,16 +10971,16 @@ AVGPIPE_API avgpipe_result avgpipe_tune_plan(avgpipe_context *ctx, const avgpipe
         if (!res && !found && any && (!have_any || c.peak_bytes < fallback.peak_bytes)) fallback = c, fallback_index = items[k].index, have_any = 1;
     }
     if (!res && best < 0 && !have_any)
-        res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_plan: no candidate to choose from (the search found none, or keep refused all)");
+        res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: no candidate to choose from (the search found none, or keep refused all)");
     if (!res) {
         out->found = best >= 0;
         if (!out->found) out->best = fallback, best = fallback_index;
-        res = avgpipe__plan_finish(ctx, m, desc, pd, splits + best * P, P, out);
+        res = avgpipe__split_finish(ctx, m, desc, pd, splits + best * P, P, out);
     }
     out->splits = count;
     avgpipe_free(ctx, splits);
     avgpipe_free(ctx, items);
-    if (res) avgpipe_plan_free(ctx, out);
+    if (res) avgpipe_tune_split_choice_free(ctx, out);
     return res;
 }
 

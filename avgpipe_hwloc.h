@@ -5,7 +5,7 @@
    A run starts two threads per local rank: the worker, which walks the rank's op list and calls your
    stage callbacks (on a GPU: enqueues kernels, posts NCCL calls), and the averaging thread (elastic
    averaging, once per pipeline and round). From the machine's topology (hwloc 2.x; this machine's, or
-   one loaded from XML to test or to plan for another machine) this header computes a placement plan for
+   one loaded from XML to test or to plan for another machine) this header computes a placement for
    the ranks that run on one machine:
      - which cores each rank's worker and averaging thread get (distinct cores where there are enough);
      - for a GPU rank, the NUMA node nearest its GPU, and cores there;
@@ -20,30 +20,30 @@
        #include "avgpipe_hwloc.h"              // after avgpipe.h; needs <hwloc.h>: -lhwloc (pkg-config hwloc)
 
        avgpipe_hwloc_topo *topo;                          // this machine (desc NULL), with its PCI devices
-       avgpipe_hwloc_plan *plan;
-       avgpipe_hwloc_plan_desc pd = {0};
+       avgpipe_hwloc_placement *placement;
+       avgpipe_hwloc_placement_desc pd = {0};
        const char *gpus[4] = {"0", "1", "2", "3"};        // rank r on CUDA device r; or PCI bus ids
        pd.count = 4; pd.gpus = gpus;                      // gpus NULL: CPU ranks
-       if (avgpipe_hwloc_topo_load(&ctx, NULL, &topo) || avgpipe_hwloc_plan_create(&ctx, topo, &pd, &plan))
+       if (avgpipe_hwloc_topo_load(&ctx, NULL, &topo) || avgpipe_hwloc_placement_create(&ctx, topo, &pd, &placement))
            fprintf(stderr, "placement: %s\n", avgpipe_last_error(&ctx));      // train unbound
        else {
            avgpipe_buf rep = {0};
-           if (!avgpipe_hwloc_plan_report(&ctx, plan, &rep)) fputs(rep.data, stderr);
+           if (!avgpipe_hwloc_placement_report(&ctx, placement, &rep)) fputs(rep.data, stderr);
            avgpipe_buf_free(&ctx, &rep);
            desc.bind_thread = avgpipe_hwloc_bind_thread;   // avgpipe_run_desc
-           desc.bind_user = plan;
+           desc.bind_user = placement;
        }
        ... avgpipe_run_create / iterations / avgpipe_run_destroy ...
-       avgpipe_hwloc_plan_free(plan);                     // after the run; then the topology
+       avgpipe_hwloc_placement_free(placement);                     // after the run; then the topology
        avgpipe_hwloc_topo_free(topo);
 
    THE POLICY
    ----------
-   Cores. The plan places threads on cores (all the hardware threads of a core: a thread bound to core
+   Cores. The placement puts threads on cores (all the hardware threads of a core: a thread bound to core
    3 of a machine with hyperthreads may run on cpus 3 and 19), in hwloc's logical order (which keeps
    the cores of a cache, a NUMA node and a package together). It uses the cores of the topology's
    allowed cpuset (cgroups), narrowed to desc.cpus when given, else, on this machine, to the cpus the
-   process is bound to when planning (mpirun --bind-to, taskset, numactl: the plan never moves a
+   process is bound to when planning (mpirun --bind-to, taskset, numactl: the placement never moves a
    thread outside its launcher's choice; give desc.cpus or mpirun --bind-to none to plan freely).
 
    Domains. A GPU rank's domain is the set of cores local to its GPU: those of the object its PCI
@@ -66,12 +66,12 @@
               pipeline's STEP and its next forward, so it costs a worker less than a worker costs
               another: workers get cores first.
      f < k    workers share cores: rank i's worker and averaging thread on core floor(i f / k), so
-              neighbouring ranks pile up together. The plan is then not exclusive (see binding).
+              neighbouring ranks pile up together. The placement is then not exclusive (see binding).
 
-   Binding (desc.bind). The plan is plain data: making one and printing its report changes nothing.
+   Binding (desc.bind). The placement is plain data: making one and printing its report changes nothing.
    Binding happens only where you apply it, by installing avgpipe_hwloc_bind_thread as the run's
    bind_thread or calling avgpipe_hwloc_bind / avgpipe_hwloc_bind_process; that is the opt-in. Then:
-     AVGPIPE_HWLOC_BIND_AUTO (default) binds when the plan is exclusive: every worker has cores no
+     AVGPIPE_HWLOC_BIND_AUTO (default) binds when the placement is exclusive: every worker has cores no
         other worker has. That is when binding pays (no migration, memory first-touched on the node
         that uses it, the GPU's PCIe root close) and cannot hurt. When workers would share cores it
         leaves the threads unbound: pinning would freeze a pile-up that the scheduler can even out
@@ -95,7 +95,7 @@
 
    THE REPORT
    ----------
-   avgpipe_hwloc_plan_report writes, for example (two sockets, four GPUs, two InfiniBand NICs):
+   avgpipe_hwloc_placement_report writes, for example (two sockets, four GPUs, two InfiniBand NICs):
      hwloc placement on server2s4g (from XML): 2 packages, 2 NUMA nodes, 16 cores, 32 PUs; 4 ranks over 16 cores (cpus 0-31)
      binding: auto -> on: every worker has cores of its own
      rank 0: gpu 0000:d8:00.0 cuda0 (numa 1); worker cores 8-10 (cpus 8-10,24-26), averaging core 11 (cpus 11,27), numa 1; nic mlx5_1,ib1 0000:b1:00.0 (NODE: same NUMA node)
@@ -109,19 +109,19 @@
    WITH MPI (one process per GPU)
    --------------------------------
    Each process plans every rank of its machine (so that the processes share the cores out without
-   overlap: every process computes the same plan) and applies its own:
+   overlap: every process computes the same placement) and applies its own:
        MPI_Comm node; int nloc, me_loc, ranks[64]; const char *gpus[64]; char ord[64][8];
        MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
        MPI_Comm_size(node, &nloc); MPI_Comm_rank(node, &me_loc);
        MPI_Allgather(&me, 1, MPI_INT, ranks, 1, MPI_INT, node);        // the global ranks on this machine
        for (i = 0; i < nloc; i++) snprintf(ord[i], 8, "%d", i), gpus[i] = ord[i];  // local i on GPU i
        pd.count = nloc; pd.ranks = ranks; pd.gpus = gpus;
-       avgpipe_hwloc_plan_create(&ctx, topo, &pd, &plan);              // same plan in every process
-       avgpipe_hwloc_bind_process(&ctx, plan, me);    // before cudaSetDevice and NCCL: the driver's
+       avgpipe_hwloc_placement_create(&ctx, topo, &pd, &placement);              // same placement in every process
+       avgpipe_hwloc_bind_process(&ctx, placement, me);    // before cudaSetDevice and NCCL: the driver's
                                                       // threads and pinned buffers start near the GPU
-       desc.bind_thread = avgpipe_hwloc_bind_thread; desc.bind_user = plan;
+       desc.bind_thread = avgpipe_hwloc_bind_thread; desc.bind_user = placement;
    Launch with `mpirun --bind-to none` (Open MPI binds to a core for np <= 2 and to a package above:
-   the plan then only sees that). When the launcher gives each process one GPU (CUDA_VISIBLE_DEVICES per
+   the placement then only sees that). When the launcher gives each process one GPU (CUDA_VISIBLE_DEVICES per
    process), every process's ordinal 0 is another GPU: gather PCI bus ids (cudaDeviceGetPCIBusId)
    over `node` instead of ordinals.
 
@@ -131,14 +131,14 @@
    among the topology's PCI devices (on this machine without them: Linux's sysfs local_cpus), or as a
    CUDA ordinal ("2" or "cuda2"): on this machine with the CUDA runtime (AVGPIPE_HWLOC_CUDART, on by
    default under nvcc) through hwloc/cudart.h, whose cudaGetDeviceProperties gives the bus id (this
-   initialises CUDA in the calling process: plan after any fork) and hwloc_cudart_get_device_cpuset the
+   initialises CUDA in the calling process: place after any fork) and hwloc_cudart_get_device_cpuset the
    cpus when the topology has no PCI objects; else through the topology's CUDA OS device "cudaN"
    (hwloc's CUDA plugin adds them; an XML from a GPU machine has them). CUDA numbers devices fastest
    first unless CUDA_DEVICE_ORDER=PCI_BUS_ID: ordinal and bus order may differ.
 
    LIMITS
    ------
-   - Cores only: the plan binds threads, not memory. The runtime's buffers are allocated (and, when
+   - Cores only: the placement binds threads, not memory. The runtime's buffers are allocated (and, when
      zeroed, first touched) by the thread that creates the run: in one process per GPU, bind the
      process first (avgpipe_hwloc_bind_process) so they land on the GPU's node; in threads mode they
      land where the creating thread runs.
@@ -146,7 +146,7 @@
      (avgpipe_device_cpu_desc.threads > 1) start on the averaging thread, and would share its one core
      (keep threads at 1 with binding, or BIND_NONE); BLAS or OpenMP threads your callbacks start share
      the worker's cores.
-   - One plan is one machine: ranks on other machines are planned by their own processes.
+   - One placement is one machine: ranks on other machines are planned by their own processes.
    - Hybrid CPUs (performance and efficiency cores) are treated alike; hwloc's cpukinds are not read.
    - A topology loaded from XML is not this machine unless desc.is_this_system says so: its plans are
      for reading (binding one fails with AVGPIPE_UNSUPPORTED).
@@ -154,9 +154,9 @@
 
    THREAD-SAFETY
    -------------
-   Loading a topology and making a plan use one thread. A finished plan is read-only: any number of
+   Loading a topology and making a placement use one thread. A finished placement is read-only: any number of
    threads may call avgpipe_hwloc_bind_thread, avgpipe_hwloc_bind and the query functions on it at
-   once (the runtime's threads all start together). Keep the plan and its topology alive while a run
+   once (the runtime's threads all start together). Keep the placement and its topology alive while a run
    that uses it exists.
 
    CONFIGURATION MACROS
@@ -197,7 +197,7 @@ typedef struct avgpipe_hwloc_topo avgpipe_hwloc_topo;
      xml_path, xml    NULL -> this machine, discovered now (with its PCI and OS devices: hwloc keeps
                       the "important" ones, GPUs, NICs, disks and the bridges above them)
      xml_len          0 -> strlen(xml)
-     is_this_system   0 -> an XML topology is another machine's: plans from it are for reading only;
+     is_this_system   0 -> an XML topology is another machine's: placements from it are for reading only;
                       1 -> it describes this machine (exported here, e.g. to start faster at scale):
                       binding works                                                                  */
 typedef struct avgpipe_hwloc_topo_desc {
@@ -213,15 +213,15 @@ typedef struct avgpipe_hwloc_topo_desc {
    the file and hwloc's errno text. ctx must outlive the topology. Release with avgpipe_hwloc_topo_free. */
 AVGPIPE_API avgpipe_result avgpipe_hwloc_topo_load(avgpipe_context *ctx, const avgpipe_hwloc_topo_desc *desc,
                                                    avgpipe_hwloc_topo **out);
-/* Release a topology (NULL is harmless), after every plan made from it. */
+/* Release a topology (NULL is harmless), after every placement made from it. */
 AVGPIPE_API void avgpipe_hwloc_topo_free(avgpipe_hwloc_topo *topo);
-/* hwloc's own handle, for what this header does not ask (read it; do not modify it while plans exist). */
+/* hwloc's own handle, for what this header does not ask (read it; do not modify it while placements exist). */
 AVGPIPE_API hwloc_topology_t avgpipe_hwloc_topo_hwloc(const avgpipe_hwloc_topo *topo);
 /* 1 if binding on this topology acts on this machine (discovered here, or XML with is_this_system). */
 AVGPIPE_API int avgpipe_hwloc_topo_is_this_system(const avgpipe_hwloc_topo *topo);
 
 typedef enum avgpipe_hwloc_bind_mode {
-    AVGPIPE_HWLOC_BIND_AUTO = 0, /* bind when every worker has cores of its own (the plan is exclusive) */
+    AVGPIPE_HWLOC_BIND_AUTO = 0, /* bind when every worker has cores of its own (the placement is exclusive) */
     AVGPIPE_HWLOC_BIND_NONE,     /* report only */
     AVGPIPE_HWLOC_BIND_ALWAYS    /* bind as planned, shared cores too */
 } avgpipe_hwloc_bind_mode;
@@ -235,13 +235,13 @@ typedef enum avgpipe_hwloc_bind_mode {
      bind   AVGPIPE_HWLOC_BIND_AUTO
      cpus   NULL -> the allowed cpus, narrowed on this machine to the process's binding; else plan over
             these OS cpus only (hwloc's list syntax, "0-15,32-47")                                      */
-typedef struct avgpipe_hwloc_plan_desc {
+typedef struct avgpipe_hwloc_placement_desc {
     int count;
     const int *ranks;
     const char *const *gpus;
     avgpipe_hwloc_bind_mode bind;
     const char *cpus;
-} avgpipe_hwloc_plan_desc;
+} avgpipe_hwloc_placement_desc;
 
 /* How far a NIC is from a GPU (nvidia-smi topo's names); see "NICs" above. */
 typedef enum avgpipe_hwloc_nic_distance {
@@ -277,11 +277,11 @@ typedef struct avgpipe_hwloc_place {
     char note[192];                        /* why the rank is not where the policy wanted it, else "" */
 } avgpipe_hwloc_place;
 
-/* A plan (opaque): the places of the planned ranks and their cpusets. */
-typedef struct avgpipe_hwloc_plan avgpipe_hwloc_plan;
+/* A placement (opaque): the places of the planned ranks and their cpusets. */
+typedef struct avgpipe_hwloc_placement avgpipe_hwloc_placement;
 
-/* What a plan resolved. */
-typedef struct avgpipe_hwloc_plan_info {
+/* What a placement resolved. */
+typedef struct avgpipe_hwloc_placement_info {
     int count;                     /* ranks planned */
     int cores;                     /* cores planned over (within the cpus below) */
     int numa_nodes;                /* NUMA nodes of those cores */
@@ -291,49 +291,49 @@ typedef struct avgpipe_hwloc_plan_info {
     int this_system;               /* the topology is this machine's */
     char cpus[AVGPIPE_HWLOC_TEXT]; /* the OS cpus planned over */
     char machine[64];              /* the topology's host name */
-} avgpipe_hwloc_plan_info;
+} avgpipe_hwloc_placement_info;
 
-/* Plan desc->count ranks on topo (see THE POLICY). topo must outlive the plan. Errors name the rank and
+/* Plan desc->count ranks on topo (see THE POLICY). topo must outlive the placement. Errors name the rank and
    the field: AVGPIPE_INVALID_ARG (count < 1, duplicate or negative ranks, a GPU that is neither a bus id
    nor an ordinal, a bus id or ordinal the topology does not have, cpus that do not parse or hold no
    core of the topology), AVGPIPE_OUT_OF_MEMORY. Deterministic: the same topology and desc give the
-   same plan in every process. Release with avgpipe_hwloc_plan_free. */
-AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_create(avgpipe_context *ctx, const avgpipe_hwloc_topo *topo,
-                                                     const avgpipe_hwloc_plan_desc *desc, avgpipe_hwloc_plan **out);
-/* Release a plan (NULL is harmless), after the run that binds with it. */
-AVGPIPE_API void avgpipe_hwloc_plan_free(avgpipe_hwloc_plan *plan);
-/* What the plan resolved (zeroes for NULL). Thread-safe. */
-AVGPIPE_API avgpipe_hwloc_plan_info avgpipe_hwloc_plan_query(const avgpipe_hwloc_plan *plan);
-/* The place of global rank `rank`, NULL when the plan has none. Valid while the plan lives. Thread-safe. */
-AVGPIPE_API const avgpipe_hwloc_place *avgpipe_hwloc_plan_place(const avgpipe_hwloc_plan *plan, int rank);
+   same placement in every process. Release with avgpipe_hwloc_placement_free. */
+AVGPIPE_API avgpipe_result avgpipe_hwloc_placement_create(avgpipe_context *ctx, const avgpipe_hwloc_topo *topo,
+                                                     const avgpipe_hwloc_placement_desc *desc, avgpipe_hwloc_placement **out);
+/* Release a placement (NULL is harmless), after the run that binds with it. */
+AVGPIPE_API void avgpipe_hwloc_placement_free(avgpipe_hwloc_placement *placement);
+/* What the placement resolved (zeroes for NULL). Thread-safe. */
+AVGPIPE_API avgpipe_hwloc_placement_info avgpipe_hwloc_placement_query(const avgpipe_hwloc_placement *placement);
+/* The place of global rank `rank`, NULL when the placement has none. Valid while the placement lives. Thread-safe. */
+AVGPIPE_API const avgpipe_hwloc_place *avgpipe_hwloc_placement_rank(const avgpipe_hwloc_placement *placement, int rank);
 /* Copy the cpus planned for a rank's thread into `out` (an hwloc bitmap you allocated): role
    AVGPIPE_THREAD_WORKER, AVGPIPE_THREAD_AVERAGING, or AVGPIPE_HWLOC_ROLE_RANK (both together).
    AVGPIPE_INVALID_ARG for a rank not planned or another role. Thread-safe (ctx: one thread's). */
-AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_cpuset(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank, int role,
+AVGPIPE_API avgpipe_result avgpipe_hwloc_placement_cpuset(avgpipe_context *ctx, const avgpipe_hwloc_placement *placement, int rank, int role,
                                                      hwloc_bitmap_t out);
 /* Append the report (THE REPORT above: a header, one line per rank in the order planned, a footer; each
    line ends in '\n') to *out. AVGPIPE_INVALID_ARG, AVGPIPE_OUT_OF_MEMORY. */
-AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_report(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, avgpipe_buf *out);
+AVGPIPE_API avgpipe_result avgpipe_hwloc_placement_report(avgpipe_context *ctx, const avgpipe_hwloc_placement *placement, avgpipe_buf *out);
 
 /* Role of a rank's threads together (the worker's cores and the averaging core), for binding a whole
    process or your own threads; beside avgpipe.h's AVGPIPE_THREAD_WORKER and AVGPIPE_THREAD_AVERAGING. */
 #define AVGPIPE_HWLOC_ROLE_RANK 2
 
 /* Bind the calling thread as planned for (rank, role) with hwloc_set_cpubind(HWLOC_CPUBIND_THREAD),
-   when the plan binds (avgpipe_hwloc_plan_info.binds; otherwise return AVGPIPE_OK doing nothing).
-   Errors: AVGPIPE_INVALID_ARG (plan NULL, rank not planned, role not WORKER, AVERAGING or
+   when the placement binds (avgpipe_hwloc_placement_info.binds; otherwise return AVGPIPE_OK doing nothing).
+   Errors: AVGPIPE_INVALID_ARG (placement NULL, rank not planned, role not WORKER, AVERAGING or
    AVGPIPE_HWLOC_ROLE_RANK), AVGPIPE_UNSUPPORTED (the topology is not this machine's), AVGPIPE_BACKEND_ERROR
    (hwloc refused: its errno text and the cpus); the detail goes to ctx (NULL: this thread's buffer).
    Thread-safe: any threads at once, each with its own ctx or NULL. */
-AVGPIPE_API avgpipe_result avgpipe_hwloc_bind(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank, int role);
+AVGPIPE_API avgpipe_result avgpipe_hwloc_bind(avgpipe_context *ctx, const avgpipe_hwloc_placement *placement, int rank, int role);
 /* The same for the whole process (HWLOC_CPUBIND_PROCESS: every thread it has, and those it starts later
    inherit it) on the rank's cores (AVGPIPE_HWLOC_ROLE_RANK). For one process per GPU, before CUDA and
    NCCL start their threads. */
-AVGPIPE_API avgpipe_result avgpipe_hwloc_bind_process(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank);
-/* avgpipe_run_desc.bind_thread: desc.bind_user = the plan. avgpipe_hwloc_bind(NULL, plan, rank, role):
+AVGPIPE_API avgpipe_result avgpipe_hwloc_bind_process(avgpipe_context *ctx, const avgpipe_hwloc_placement *placement, int rank);
+/* avgpipe_run_desc.bind_thread: desc.bind_user = the placement. avgpipe_hwloc_bind(NULL, placement, rank, role):
    returns 0, or the avgpipe_result (negative; the runtime logs it and the thread runs unbound; the
    detail is in that thread's avgpipe_last_error(NULL)). */
-AVGPIPE_API int avgpipe_hwloc_bind_thread(int rank, int role, void *plan);
+AVGPIPE_API int avgpipe_hwloc_bind_thread(int rank, int role, void *placement);
 
 #ifdef __cplusplus
 }
@@ -369,7 +369,7 @@ struct avgpipe_hwloc_topo {
     int this_system;
 };
 
-/* A core the plan may use: its cpus within the planned cpus, its NUMA node, the threads planned on it. */
+/* A core the placement may use: its cpus within the planned cpus, its NUMA node, the threads planned on it. */
 typedef struct avgpipe__hwcore {
     hwloc_obj_t obj;
     hwloc_bitmap_t set;
@@ -377,10 +377,10 @@ typedef struct avgpipe__hwcore {
     int workers, threads;
 } avgpipe__hwcore;
 
-struct avgpipe_hwloc_plan {
+struct avgpipe_hwloc_placement {
     avgpipe_context *ctx;
     const avgpipe_hwloc_topo *topo;
-    avgpipe_hwloc_plan_info info;
+    avgpipe_hwloc_placement_info info;
     avgpipe_hwloc_place *place; /* [count] */
     hwloc_bitmap_t *set;        /* [3 * count]: worker, averaging, both */
 };
@@ -527,7 +527,7 @@ static avgpipe_result avgpipe__hw_cores(avgpipe__hwplan *w) {
     hwloc_obj_type_t type = hwloc_get_nbobjs_by_type(w->t, HWLOC_OBJ_CORE) > 0 ? HWLOC_OBJ_CORE : HWLOC_OBJ_PU;
     int n = hwloc_get_nbobjs_by_type(w->t, type), i;
     w->core = (avgpipe__hwcore *)avgpipe_alloc(w->ctx, (size_t)(n > 0 ? n : 1) * sizeof *w->core);
-    if (!w->core) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+    if (!w->core) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
     memset(w->core, 0, (size_t)(n > 0 ? n : 1) * sizeof *w->core);
     w->ncores = 0;
     for (i = 0; i < n; i++) {
@@ -535,7 +535,7 @@ static avgpipe_result avgpipe__hw_cores(avgpipe__hwplan *w) {
         avgpipe__hwcore *c = &w->core[w->ncores];
         if (!o || !o->cpuset || !hwloc_bitmap_intersects(o->cpuset, w->cand)) continue;
         if (!(c->set = hwloc_bitmap_alloc()))
-            return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+            return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
         hwloc_bitmap_and(c->set, o->cpuset, w->cand);
         c->obj = o;
         c->numa = avgpipe__hw_numa_of(w->t, o->cpuset);
@@ -622,12 +622,12 @@ static avgpipe_result avgpipe__hw_cudart(avgpipe__hwplan *w, int i, int ord) {
     avgpipe_hwloc_place *p = &w->place[i];
     if (hwloc_cudart_get_device_pci_ids(w->t, ord, &dom, &bus, &dev) != 0)
         return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG,
-                                 "avgpipe_hwloc_plan_create: rank %d: CUDA device %d: cudaGetDeviceProperties fails (no such device?)", p->rank, ord);
+                                 "avgpipe_hwloc_placement_create: rank %d: CUDA device %d: cudaGetDeviceProperties fails (no such device?)", p->rank, ord);
     snprintf(p->gpu, sizeof p->gpu, "%04x:%02x:%02x.0", (unsigned)dom, (unsigned)bus, (unsigned)dev);
     snprintf(p->gpu_name, sizeof p->gpu_name, "cuda%d", ord);
     w->r[i].pcidev = hwloc_get_pcidev_by_busid(w->t, (unsigned)dom, (unsigned)bus, (unsigned)dev, 0);
     if (!w->r[i].pcidev && hwloc_cudart_get_device_cpuset(w->t, ord, w->r[i].near) != 0)
-        return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: rank %d: CUDA device %d (%s): no local cpus",
+        return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: rank %d: CUDA device %d (%s): no local cpus",
                                  p->rank, ord, p->gpu);
     return AVGPIPE_OK;
 }
@@ -640,7 +640,7 @@ static avgpipe_result avgpipe__hw_gpu(avgpipe__hwplan *w, const avgpipe_hwloc_to
     unsigned dom, bus, dev, fn;
     int ord;
     if (!spec || !*spec) return AVGPIPE_OK;
-    if (!(r->near = hwloc_bitmap_alloc())) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+    if (!(r->near = hwloc_bitmap_alloc())) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
     if (avgpipe__hw_ordinal(spec, &ord)) {
         hwloc_obj_t os;
         p->cuda = ord;
@@ -653,7 +653,7 @@ static avgpipe_result avgpipe__hw_gpu(avgpipe__hwplan *w, const avgpipe_hwloc_to
 #endif
         if (!(os = avgpipe__hw_cuda_osdev(w->t, ord)) || !os->parent || os->parent->type != HWLOC_OBJ_PCI_DEVICE)
             return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG,
-                                     "avgpipe_hwloc_plan_create: rank %d: gpus[%d] = \"%s\": the topology has no CUDA device cuda%d "
+                                     "avgpipe_hwloc_placement_create: rank %d: gpus[%d] = \"%s\": the topology has no CUDA device cuda%d "
                                      "(hwloc lists them with its CUDA plugin)%s: give the GPU's PCI bus id",
                                      p->rank, i, spec, ord,
 #ifdef AVGPIPE_HWLOC_CUDART
@@ -668,12 +668,12 @@ static avgpipe_result avgpipe__hw_gpu(avgpipe__hwplan *w, const avgpipe_hwloc_to
         snprintf(p->gpu, sizeof p->gpu, "%04x:%02x:%02x.%01x", dom, bus, dev, fn);
         if (!r->pcidev) {
             if (avgpipe__hw_sysfs_near(topo, dom, bus, dev, fn, r->near) == 0) return AVGPIPE_OK;
-            return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: rank %d: gpus[%d] = \"%s\": no PCI device %s in the topology",
+            return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: rank %d: gpus[%d] = \"%s\": no PCI device %s in the topology",
                                      p->rank, i, spec, p->gpu);
         }
     } else
         return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG,
-                                 "avgpipe_hwloc_plan_create: rank %d: gpus[%d] = \"%s\" is neither a PCI bus id (\"0000:3b:00.0\") nor a CUDA "
+                                 "avgpipe_hwloc_placement_create: rank %d: gpus[%d] = \"%s\" is neither a PCI bus id (\"0000:3b:00.0\") nor a CUDA "
                                  "ordinal (\"2\", \"cuda2\")", p->rank, i, spec);
     avgpipe__hw_busid(p->gpu, sizeof p->gpu, r->pcidev);
     avgpipe__hw_gpu_name(r->pcidev, p);
@@ -851,7 +851,7 @@ static void avgpipe__hw_nearest_nic(avgpipe__hwplan *w, int i, hwloc_const_bitma
             }
 }
 
-/* ---- the plan ----------------------------------------------------------------------------------- */
+/* ---- the placement ---------------------------------------------------------------------------------- */
 
 static void avgpipe__hw_free_work(avgpipe__hwplan *w) {
     int i;
@@ -867,7 +867,7 @@ static void avgpipe__hw_free_work(avgpipe__hwplan *w) {
     avgpipe_free(w->ctx, w->cl);
 }
 
-AVGPIPE_API void avgpipe_hwloc_plan_free(avgpipe_hwloc_plan *plan) {
+AVGPIPE_API void avgpipe_hwloc_placement_free(avgpipe_hwloc_placement *plan) {
     int i;
     if (!plan) return;
     for (i = 0; plan->set && i < 3 * plan->info.count; i++) hwloc_bitmap_free(plan->set[i]);
@@ -877,16 +877,16 @@ AVGPIPE_API void avgpipe_hwloc_plan_free(avgpipe_hwloc_plan *plan) {
 }
 
 /* The cpus to plan over: allowed, narrowed by desc.cpus or (this machine) the process's binding. */
-static avgpipe_result avgpipe__hw_candidates(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, const avgpipe_hwloc_plan_desc *d) {
+static avgpipe_result avgpipe__hw_candidates(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, const avgpipe_hwloc_placement_desc *d) {
     hwloc_bitmap_t b = hwloc_bitmap_alloc();
     if (!(w->cand = hwloc_bitmap_dup(hwloc_topology_get_allowed_cpuset(w->t))) || !b) {
         hwloc_bitmap_free(b);
-        return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+        return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
     }
     if (d->cpus) {
         if (hwloc_bitmap_list_sscanf(b, d->cpus) != 0 || !hwloc_bitmap_intersects(b, w->cand)) {
             hwloc_bitmap_free(b);
-            return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: cpus \"%s\" %s", d->cpus,
+            return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: cpus \"%s\" %s", d->cpus,
                                      "is not a cpu list of this topology (hwloc list syntax: \"0-7,16-23\")");
         }
         hwloc_bitmap_and(w->cand, w->cand, b);
@@ -896,32 +896,32 @@ static avgpipe_result avgpipe__hw_candidates(avgpipe__hwplan *w, const avgpipe_h
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__hw_check_desc(avgpipe_context *ctx, const avgpipe_hwloc_plan_desc *d) {
+static avgpipe_result avgpipe__hw_check_desc(avgpipe_context *ctx, const avgpipe_hwloc_placement_desc *d) {
     int i, j;
     if (d->count < 1 || d->count > (1 << 20))
-        return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: count is %d (1 .. 2^20)", d->count);
+        return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: count is %d (1 .. 2^20)", d->count);
     if ((int)d->bind < AVGPIPE_HWLOC_BIND_AUTO || (int)d->bind > AVGPIPE_HWLOC_BIND_ALWAYS)
-        return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: bind is %d (auto, none or always)", (int)d->bind);
+        return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: bind is %d (auto, none or always)", (int)d->bind);
     for (i = 0; d->ranks && i < d->count; i++) {
-        if (d->ranks[i] < 0) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: ranks[%d] is %d", i, d->ranks[i]);
+        if (d->ranks[i] < 0) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: ranks[%d] is %d", i, d->ranks[i]);
         for (j = 0; j < i; j++)
             if (d->ranks[j] == d->ranks[i])
-                return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: rank %d is planned twice (ranks[%d] and ranks[%d])",
+                return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: rank %d is planned twice (ranks[%d] and ranks[%d])",
                                          d->ranks[i], j, i);
     }
     return AVGPIPE_OK;
 }
 
 /* Set up the working state: cores, ranks, GPUs, domains. */
-static avgpipe_result avgpipe__hw_prepare(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, const avgpipe_hwloc_plan_desc *d) {
+static avgpipe_result avgpipe__hw_prepare(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, const avgpipe_hwloc_placement_desc *d) {
     avgpipe_result res;
     int i, n;
     if ((res = avgpipe__hw_candidates(w, topo, d)) || (res = avgpipe__hw_cores(w))) return res;
-    if (w->ncores == 0) return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: no core to plan over");
+    if (w->ncores == 0) return avgpipe_set_error(w->ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: no core to plan over");
     n = 6 * w->ncores + 2 * w->count;
     w->r = (avgpipe__hwrank *)avgpipe_alloc(w->ctx, (size_t)w->count * sizeof *w->r);
     w->cl = (int *)avgpipe_alloc(w->ctx, (size_t)n * sizeof(int));
-    if (!w->r || !w->cl) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+    if (!w->r || !w->cl) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
     memset(w->r, 0, (size_t)w->count * sizeof *w->r);
     w->L = w->cl + w->ncores, w->node = w->L + w->ncores, w->cnt = w->node + w->ncores, w->kk = w->cnt + w->ncores;
     w->extra = w->kk + w->ncores, w->members = w->extra + w->ncores, w->seen = w->members + w->count;
@@ -930,7 +930,7 @@ static avgpipe_result avgpipe__hw_prepare(avgpipe__hwplan *w, const avgpipe_hwlo
         p->rank = d->ranks ? d->ranks[i] : i;
         p->cuda = -1, p->gpu_numa = -1, p->numa = -1;
         if (!(w->r[i].worker = hwloc_bitmap_alloc()))
-            return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+            return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
         if ((res = avgpipe__hw_gpu(w, topo, i, d->gpus ? d->gpus[i] : NULL))) return res;
         if (!w->r[i].near) continue;
         {
@@ -938,7 +938,7 @@ static avgpipe_result avgpipe__hw_prepare(avgpipe__hwplan *w, const avgpipe_hwlo
             char near[AVGPIPE_HWLOC_TEXT];
             p->gpu_numa = numa ? (int)numa->os_index : -1;
             if (!(w->r[i].domain = hwloc_bitmap_alloc()))
-                return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+                return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
             hwloc_bitmap_and(w->r[i].domain, w->r[i].near, w->cand);
             if (hwloc_bitmap_iszero(w->r[i].domain)) { /* its GPU's cpus are all outside the planned ones */
                 avgpipe__hw_list(near, sizeof near, w->r[i].near);
@@ -951,18 +951,18 @@ static avgpipe_result avgpipe__hw_prepare(avgpipe__hwplan *w, const avgpipe_hwlo
 }
 
 /* The plan's strings, sharing flags and cpusets from the working state. */
-static avgpipe_result avgpipe__hw_finish(avgpipe__hwplan *w, avgpipe_hwloc_plan *plan) {
+static avgpipe_result avgpipe__hw_finish(avgpipe__hwplan *w, avgpipe_hwloc_placement *plan) {
     hwloc_bitmap_t idx = hwloc_bitmap_alloc();
     int i, exclusive = 1;
     unsigned u;
-    if (!idx) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+    if (!idx) return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
     for (i = 0; i < w->count; i++) {
         avgpipe__hwrank *r = &w->r[i];
         avgpipe_hwloc_place *p = &w->place[i];
         hwloc_bitmap_t *s = &plan->set[3 * i];
         if (!(s[0] = hwloc_bitmap_alloc()) || !(s[1] = hwloc_bitmap_alloc()) || !(s[2] = hwloc_bitmap_alloc())) {
             hwloc_bitmap_free(idx);
-            return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+            return avgpipe_set_error(w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
         }
         hwloc_bitmap_zero(idx);
         hwloc_bitmap_foreach_begin(u, r->worker) {
@@ -992,8 +992,8 @@ static avgpipe_result avgpipe__hw_finish(avgpipe__hwplan *w, avgpipe_hwloc_plan 
     return AVGPIPE_OK;
 }
 
-static void avgpipe__hw_info(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, const avgpipe_hwloc_plan_desc *d, avgpipe_hwloc_plan *plan) {
-    avgpipe_hwloc_plan_info *in = &plan->info;
+static void avgpipe__hw_info(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo, const avgpipe_hwloc_placement_desc *d, avgpipe_hwloc_placement *plan) {
+    avgpipe_hwloc_placement_info *in = &plan->info;
     const char *host = hwloc_obj_get_info_by_name(hwloc_get_root_obj(w->t), "HostName");
     int c, n, nn = 0;
     in->count = w->count;
@@ -1011,18 +1011,18 @@ static void avgpipe__hw_info(avgpipe__hwplan *w, const avgpipe_hwloc_topo *topo,
     snprintf(in->machine, sizeof in->machine, "%s", host ? host : "?");
 }
 
-AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_create(avgpipe_context *ctx, const avgpipe_hwloc_topo *topo,
-                                                     const avgpipe_hwloc_plan_desc *desc, avgpipe_hwloc_plan **out) {
+AVGPIPE_API avgpipe_result avgpipe_hwloc_placement_create(avgpipe_context *ctx, const avgpipe_hwloc_topo *topo,
+                                                     const avgpipe_hwloc_placement_desc *desc, avgpipe_hwloc_placement **out) {
     avgpipe__hwplan w;
-    avgpipe_hwloc_plan *plan;
+    avgpipe_hwloc_placement *plan;
     avgpipe_result res;
-    if (!out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: out is NULL");
+    if (!out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: out is NULL");
     *out = NULL;
-    if (!topo || !desc) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_create: %s is NULL", topo ? "desc" : "topo");
+    if (!topo || !desc) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_create: %s is NULL", topo ? "desc" : "topo");
     if ((res = avgpipe__hw_check_desc(ctx, desc))) return res;
     memset(&w, 0, sizeof w);
     w.ctx = ctx, w.t = topo->t, w.count = desc->count;
-    plan = (avgpipe_hwloc_plan *)avgpipe_alloc(ctx, sizeof *plan);
+    plan = (avgpipe_hwloc_placement *)avgpipe_alloc(ctx, sizeof *plan);
     if (plan) {
         memset(plan, 0, sizeof *plan);
         plan->ctx = ctx, plan->topo = topo;
@@ -1031,7 +1031,7 @@ AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_create(avgpipe_context *ctx, const
     }
     if (!plan || !plan->place || !plan->set) {
         if (plan) avgpipe_free(ctx, plan->place), avgpipe_free(ctx, plan->set), avgpipe_free(ctx, plan);
-        return avgpipe_set_error(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_create: out of memory");
+        return avgpipe_set_error(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_create: out of memory");
     }
     memset(plan->place, 0, (size_t)desc->count * sizeof *plan->place);
     memset(plan->set, 0, 3 * (size_t)desc->count * sizeof *plan->set);
@@ -1045,37 +1045,37 @@ AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_create(avgpipe_context *ctx, const
     if (!res) avgpipe__hw_info(&w, topo, desc, plan);
     avgpipe__hw_free_work(&w);
     if (res) {
-        avgpipe_hwloc_plan_free(plan);
+        avgpipe_hwloc_placement_free(plan);
         return res;
     }
     *out = plan;
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API avgpipe_hwloc_plan_info avgpipe_hwloc_plan_query(const avgpipe_hwloc_plan *plan) {
-    avgpipe_hwloc_plan_info none;
+AVGPIPE_API avgpipe_hwloc_placement_info avgpipe_hwloc_placement_query(const avgpipe_hwloc_placement *plan) {
+    avgpipe_hwloc_placement_info none;
     if (plan) return plan->info;
     memset(&none, 0, sizeof none);
     return none;
 }
 
-static int avgpipe__hw_find(const avgpipe_hwloc_plan *plan, int rank) {
+static int avgpipe__hw_find(const avgpipe_hwloc_placement *plan, int rank) {
     int i;
     for (i = 0; plan && i < plan->info.count; i++)
         if (plan->place[i].rank == rank) return i;
     return -1;
 }
 
-AVGPIPE_API const avgpipe_hwloc_place *avgpipe_hwloc_plan_place(const avgpipe_hwloc_plan *plan, int rank) {
+AVGPIPE_API const avgpipe_hwloc_place *avgpipe_hwloc_placement_rank(const avgpipe_hwloc_placement *plan, int rank) {
     int i = avgpipe__hw_find(plan, rank);
     return i < 0 ? NULL : &plan->place[i];
 }
 
 /* The planned set of (rank, role), or NULL with the error recorded. */
-static hwloc_const_bitmap_t avgpipe__hw_set_of(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank, int role, const char *fn) {
+static hwloc_const_bitmap_t avgpipe__hw_set_of(avgpipe_context *ctx, const avgpipe_hwloc_placement *plan, int rank, int role, const char *fn) {
     int i = avgpipe__hw_find(plan, rank);
     if (!plan) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "%s: plan is NULL", fn), (hwloc_const_bitmap_t)NULL;
-    if (i < 0) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "%s: rank %d is not in the plan", fn, rank), (hwloc_const_bitmap_t)NULL;
+    if (i < 0) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "%s: rank %d is not in the placement", fn, rank), (hwloc_const_bitmap_t)NULL;
     if (role != AVGPIPE_THREAD_WORKER && role != AVGPIPE_THREAD_AVERAGING && role != AVGPIPE_HWLOC_ROLE_RANK)
         return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "%s: role %d (worker %d, averaging %d, rank %d)", fn, role, AVGPIPE_THREAD_WORKER,
                                  AVGPIPE_THREAD_AVERAGING, AVGPIPE_HWLOC_ROLE_RANK),
@@ -1083,39 +1083,39 @@ static hwloc_const_bitmap_t avgpipe__hw_set_of(avgpipe_context *ctx, const avgpi
     return plan->set[3 * i + (role == AVGPIPE_HWLOC_ROLE_RANK ? 2 : role == AVGPIPE_THREAD_AVERAGING ? 1 : 0)];
 }
 
-AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_cpuset(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank, int role,
+AVGPIPE_API avgpipe_result avgpipe_hwloc_placement_cpuset(avgpipe_context *ctx, const avgpipe_hwloc_placement *plan, int rank, int role,
                                                      hwloc_bitmap_t out) {
-    hwloc_const_bitmap_t s = avgpipe__hw_set_of(ctx, plan, rank, role, "avgpipe_hwloc_plan_cpuset");
+    hwloc_const_bitmap_t s = avgpipe__hw_set_of(ctx, plan, rank, role, "avgpipe_hwloc_placement_cpuset");
     if (!s) return AVGPIPE_INVALID_ARG;
-    if (!out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_cpuset: out is NULL");
-    return hwloc_bitmap_copy(out, s) == 0 ? AVGPIPE_OK : avgpipe_set_error(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_plan_cpuset: out of memory");
+    if (!out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_cpuset: out is NULL");
+    return hwloc_bitmap_copy(out, s) == 0 ? AVGPIPE_OK : avgpipe_set_error(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_hwloc_placement_cpuset: out of memory");
 }
 
 /* ---- binding ------------------------------------------------------------------------------------ */
 
-static avgpipe_result avgpipe__hw_bind(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank, int role, int flags, const char *fn) {
+static avgpipe_result avgpipe__hw_bind(avgpipe_context *ctx, const avgpipe_hwloc_placement *plan, int rank, int role, int flags, const char *fn) {
     hwloc_const_bitmap_t s = avgpipe__hw_set_of(ctx, plan, rank, role, fn);
     char cpus[AVGPIPE_HWLOC_TEXT];
     if (!s) return AVGPIPE_INVALID_ARG;
     if (!plan->info.binds) return AVGPIPE_OK;
     if (!plan->topo->this_system)
-        return avgpipe_set_error(ctx, AVGPIPE_UNSUPPORTED, "%s: rank %d: the plan's topology is not this machine's (loaded from XML): nothing to bind",
+        return avgpipe_set_error(ctx, AVGPIPE_UNSUPPORTED, "%s: rank %d: the placement's topology is not this machine's (loaded from XML): nothing to bind",
                                  fn, rank);
     if (hwloc_set_cpubind(plan->topo->t, s, flags) == 0) return AVGPIPE_OK;
     avgpipe__hw_list(cpus, sizeof cpus, s);
     return avgpipe_set_error(ctx, AVGPIPE_BACKEND_ERROR, "%s: rank %d: hwloc_set_cpubind(%s) failed: %s", fn, rank, cpus, strerror(errno));
 }
 
-AVGPIPE_API avgpipe_result avgpipe_hwloc_bind(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank, int role) {
+AVGPIPE_API avgpipe_result avgpipe_hwloc_bind(avgpipe_context *ctx, const avgpipe_hwloc_placement *plan, int rank, int role) {
     return avgpipe__hw_bind(ctx, plan, rank, role, HWLOC_CPUBIND_THREAD, "avgpipe_hwloc_bind");
 }
 
-AVGPIPE_API avgpipe_result avgpipe_hwloc_bind_process(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, int rank) {
+AVGPIPE_API avgpipe_result avgpipe_hwloc_bind_process(avgpipe_context *ctx, const avgpipe_hwloc_placement *plan, int rank) {
     return avgpipe__hw_bind(ctx, plan, rank, AVGPIPE_HWLOC_ROLE_RANK, HWLOC_CPUBIND_PROCESS, "avgpipe_hwloc_bind_process");
 }
 
 AVGPIPE_API int avgpipe_hwloc_bind_thread(int rank, int role, void *plan) {
-    return (int)avgpipe_hwloc_bind(NULL, (const avgpipe_hwloc_plan *)plan, rank, role);
+    return (int)avgpipe_hwloc_bind(NULL, (const avgpipe_hwloc_placement *)plan, rank, role);
 }
 
 /* ---- the report --------------------------------------------------------------------------------- */
@@ -1132,7 +1132,7 @@ static avgpipe_result avgpipe__hw_printf(avgpipe_context *ctx, avgpipe_buf *out,
     va_start(ap, fmt);
     n = vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    if (n < 0) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_report: formatting failed");
+    if (n < 0) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_report: formatting failed");
     return avgpipe_buf_append(ctx, out, line, (size_t)n < sizeof line ? (size_t)n : sizeof line - 1);
 }
 
@@ -1162,13 +1162,13 @@ static avgpipe_result avgpipe__hw_report_rank(avgpipe_context *ctx, const avgpip
                               p->avg_cores, p->avg_cpus, p->avg_shared ? " shared" : "", p->numa, nic, p->note[0] ? "; note: " : "", p->note);
 }
 
-AVGPIPE_API avgpipe_result avgpipe_hwloc_plan_report(avgpipe_context *ctx, const avgpipe_hwloc_plan *plan, avgpipe_buf *out) {
-    const avgpipe_hwloc_plan_info *in;
+AVGPIPE_API avgpipe_result avgpipe_hwloc_placement_report(avgpipe_context *ctx, const avgpipe_hwloc_placement *plan, avgpipe_buf *out) {
+    const avgpipe_hwloc_placement_info *in;
     hwloc_topology_t t;
     avgpipe_result res;
     const char *mode, *why;
     int i;
-    if (!plan || !out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_plan_report: %s is NULL", plan ? "out" : "plan");
+    if (!plan || !out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_placement_report: %s is NULL", plan ? "out" : "plan");
     in = &plan->info, t = plan->topo->t;
     mode = in->bind == AVGPIPE_HWLOC_BIND_NONE ? "none" : in->bind == AVGPIPE_HWLOC_BIND_ALWAYS ? "always" : "auto";
     if (in->bind == AVGPIPE_HWLOC_BIND_NONE) why = "off: report only";

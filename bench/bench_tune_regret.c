@@ -702,7 +702,7 @@ int main(int argc, char **argv) {
            O.passes * nall + 2 * PROFILE_VISITS + redone, others_start, load0, load1, ncores);
     printf("targets met: %d of 3\n", met);
     avgpipe_free(&ctx, cand);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
     avgpipe_profile_free(&ctx, &p);
     mlp_data_free(&TRAIN);
     return 0;

@@ -1149,7 +1149,7 @@ static int tune(app *A, avgpipe_context *ctx) {
     rc = 0;
 done:
     if (path == tmp) remove(tmp);
-    avgpipe_cost_model_free(ctx, &cm);
+    avgpipe_tune_cost_model_free(ctx, &cm);
     avgpipe_profile_free(ctx, &prof);
     return rc;
 }

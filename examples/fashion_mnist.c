@@ -480,7 +480,7 @@ static int setup_model(app *A) {
    bound through run_desc.bind_thread, the profile runs' too. */
 static struct {
     avgpipe_hwloc_topo *topo;
-    avgpipe_hwloc_plan *plan;
+    avgpipe_hwloc_placement *plan;
 } g_place;
 
 static int setup_placement(const app *A, avgpipe_context *ctx) {
@@ -489,7 +489,7 @@ static int setup_placement(const app *A, avgpipe_context *ctx) {
 #ifdef FMNIST_MPI
     int ranks[MAX_REPLICAS * MLP_MAX_LAYERS];
 #endif
-    avgpipe_hwloc_plan_desc pd;
+    avgpipe_hwloc_placement_desc pd;
     avgpipe_buf rep = {0};
     if (!b || !strcmp(b, "none")) return 0;
     memset(&pd, 0, sizeof pd);
@@ -511,15 +511,15 @@ static int setup_placement(const app *A, avgpipe_context *ctx) {
     }
 #endif
     if (avgpipe_hwloc_topo_load(ctx, NULL, &g_place.topo) != AVGPIPE_OK ||
-        avgpipe_hwloc_plan_create(ctx, g_place.topo, &pd, &g_place.plan) != AVGPIPE_OK)
+        avgpipe_hwloc_placement_create(ctx, g_place.topo, &pd, &g_place.plan) != AVGPIPE_OK)
         return fail("--bind %s: %s", b, avgpipe_last_error(ctx));
-    if (show && avgpipe_hwloc_plan_report(ctx, g_place.plan, &rep) == AVGPIPE_OK) fputs(rep.data, stderr);
+    if (show && avgpipe_hwloc_placement_report(ctx, g_place.plan, &rep) == AVGPIPE_OK) fputs(rep.data, stderr);
     avgpipe_buf_free(ctx, &rep);
     return 0;
 }
 
 static void free_placement(void) {
-    avgpipe_hwloc_plan_free(g_place.plan);
+    avgpipe_hwloc_placement_free(g_place.plan);
     avgpipe_hwloc_topo_free(g_place.topo);
 }
 #endif
@@ -923,7 +923,7 @@ static void print_cost_model(const avgpipe_cost_model *m) {
             1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
 }
 
-/* The M and N the user fixed, for the partitioner (avgpipe_plan_desc.keep). */
+/* The M and N the user fixed, for the partitioner (avgpipe_tune_split_desc.keep). */
 static int keep_fixed(const avgpipe_tune_candidate *c, void *user) {
     const options *o = (const options *)user;
     return (o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes);
@@ -972,8 +972,8 @@ static void plan_priorities(app *A) {
    work, and so the most a schedule can gain over one thread. */
 static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm, const avgpipe_tune_desc *td, avgpipe_cost_model *sm) {
     options *o = &A->opt;
-    avgpipe_plan plan;
-    avgpipe_plan_desc pd;
+    avgpipe_tune_split_choice plan;
+    avgpipe_tune_split_desc pd;
     int split[MLP_MAX_LAYERS], g, l, planned = planning(o);
     double t0 = now_s(), share, x, worst;
     char desc[256];
@@ -983,13 +983,13 @@ static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm
     pd.stages = o->stages;
     pd.keep = keep_fixed;
     pd.keep_user = o;
-    if (planned && (r = avgpipe_tune_plan(ctx, cm, td, &pd, &plan)) != AVGPIPE_OK)
+    if (planned && (r = avgpipe_tune_choose_split(ctx, cm, td, &pd, &plan)) != AVGPIPE_OK)
         return fail("tuner: the stage partitioner failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
     for (g = 0; g < o->stages; g++) split[g] = planned ? plan.split[g] : A->model.first[g + 1] - A->model.first[g];
     for (g = 0; g < o->stages; g++) o->split[g] = split[g];
     o->nsplit = o->stages, o->split_planned = planned;
-    if ((r = avgpipe_tune_split(ctx, cm, split, o->stages, sm)) != AVGPIPE_OK) {
-        avgpipe_plan_free(ctx, &plan);
+    if ((r = avgpipe_tune_split_model(ctx, cm, split, o->stages, sm)) != AVGPIPE_OK) {
+        avgpipe_tune_split_choice_free(ctx, &plan);
         return fail("tuner: %s", avgpipe_last_error(ctx));
     }
     x = planned ? plan.best.samples : (double)o->batch / (o->micro != AUTO ? o->micro : 1);
@@ -1009,7 +1009,7 @@ static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm
     else fprintf(stderr, o->split_given ? " (--split)" : " (the only one)");
     fprintf(stderr, "; stage %d, the busiest, does %.1f%% of the work per sample (micro-batches of %g): no schedule gains "
             "more than %.2fx over one thread here\n", l, 100 * share, x, share > 0 ? fmin(1 / share, cm->cores > 0 ? cm->cores : 1e9) : 0.0);
-    avgpipe_plan_free(ctx, &plan);
+    avgpipe_tune_split_choice_free(ctx, &plan);
     return 0;
 }
 
@@ -1082,8 +1082,8 @@ static int tune(app *A, avgpipe_context *ctx) {
     rc = 0;
 done:
     if (path == tmp) remove(tmp);
-    avgpipe_cost_model_free(ctx, &cm);
-    avgpipe_cost_model_free(ctx, &sm);
+    avgpipe_tune_cost_model_free(ctx, &cm);
+    avgpipe_tune_cost_model_free(ctx, &sm);
     avgpipe_profile_free(ctx, &prof);
     for (i = 0; i < 2 * MLP_MAX_LAYERS * 2; i++) {
         free(A->lsamp[i / (2 * MLP_MAX_LAYERS)][i / 2 % MLP_MAX_LAYERS][i % 2]);

@@ -55,36 +55,36 @@ static avgpipe_hwloc_topo *load(const char *name) {
     return t;
 }
 
-static avgpipe_hwloc_plan *plan_full(const avgpipe_hwloc_topo *t, int count, const int *ranks, const char *const *gpus,
+static avgpipe_hwloc_placement *plan_full(const avgpipe_hwloc_topo *t, int count, const int *ranks, const char *const *gpus,
                                      avgpipe_hwloc_bind_mode bind, const char *cpus) {
-    avgpipe_hwloc_plan_desc d;
-    avgpipe_hwloc_plan *p = NULL;
+    avgpipe_hwloc_placement_desc d;
+    avgpipe_hwloc_placement *p = NULL;
     avgpipe_result r;
     memset(&d, 0, sizeof d);
     d.count = count, d.ranks = ranks, d.gpus = gpus, d.bind = bind, d.cpus = cpus;
-    r = avgpipe_hwloc_plan_create(&g_ctx, t, &d, &p);
+    r = avgpipe_hwloc_placement_create(&g_ctx, t, &d, &p);
     cr_assert_eq(r, AVGPIPE_OK, "plan: %s", avgpipe_last_error(&g_ctx));
     return p;
 }
 
-static avgpipe_hwloc_plan *plan(const avgpipe_hwloc_topo *t, int count, const char *const *gpus) {
+static avgpipe_hwloc_placement *plan(const avgpipe_hwloc_topo *t, int count, const char *const *gpus) {
     return plan_full(t, count, NULL, gpus, AVGPIPE_HWLOC_BIND_AUTO, NULL);
 }
 
 /* The error a plan description gets; its detail must contain `want`. */
-static void plan_fails(const avgpipe_hwloc_topo *t, const avgpipe_hwloc_plan_desc *d, avgpipe_result code, const char *want) {
-    avgpipe_hwloc_plan *p = (avgpipe_hwloc_plan *)&g_ctx; /* must be reset to NULL */
-    avgpipe_result r = avgpipe_hwloc_plan_create(&g_ctx, t, d, &p);
+static void plan_fails(const avgpipe_hwloc_topo *t, const avgpipe_hwloc_placement_desc *d, avgpipe_result code, const char *want) {
+    avgpipe_hwloc_placement *p = (avgpipe_hwloc_placement *)&g_ctx; /* must be reset to NULL */
+    avgpipe_result r = avgpipe_hwloc_placement_create(&g_ctx, t, d, &p);
     cr_assert_eq(r, code, "want %s, got %s: %s", avgpipe_result_string(code), avgpipe_result_string(r), avgpipe_last_error(&g_ctx));
     cr_assert(p == NULL);
     cr_assert(strstr(avgpipe_last_error(&g_ctx), want) != NULL, "detail '%s' lacks '%s'", avgpipe_last_error(&g_ctx), want);
 }
 
 /* Rank `rank`'s worker on cores wc (cpus wcpu), averaging on core ac (cpus acpu), on NUMA node numa. */
-static const avgpipe_hwloc_place *expect(const avgpipe_hwloc_plan *p, int rank, const char *wc, const char *wcpu, const char *ac,
+static const avgpipe_hwloc_place *expect(const avgpipe_hwloc_placement *p, int rank, const char *wc, const char *wcpu, const char *ac,
                                          const char *acpu, int numa) {
-    const avgpipe_hwloc_place *pl = avgpipe_hwloc_plan_place(p, rank);
-    cr_assert(pl != NULL, "rank %d is not in the plan", rank);
+    const avgpipe_hwloc_place *pl = avgpipe_hwloc_placement_rank(p, rank);
+    cr_assert(pl != NULL, "rank %d is not in the placement", rank);
     cr_assert_eq(pl->rank, rank);
     cr_assert_str_eq(pl->worker_cores, wc, "rank %d: worker cores %s, want %s", rank, pl->worker_cores, wc);
     cr_assert_str_eq(pl->worker_cpus, wcpu, "rank %d: worker cpus %s, want %s", rank, pl->worker_cpus, wcpu);
@@ -164,9 +164,9 @@ Test(hwloc, topology_from_memory) {
         cr_assert_eq(hwloc_get_nbobjs_by_type(avgpipe_hwloc_topo_hwloc(t), HWLOC_OBJ_CORE), 16);
         {
             const char *gpus[1] = {"cuda2"};
-            avgpipe_hwloc_plan *p = plan(t, 1, gpus);
+            avgpipe_hwloc_placement *p = plan(t, 1, gpus);
             expect_gpu(expect(p, 0, "8-14", "8-14,24-30", "15", "15,31", 1), "0000:b0:00.0", "cuda2", 2, 1);
-            avgpipe_hwloc_plan_free(p);
+            avgpipe_hwloc_placement_free(p);
         }
         avgpipe_hwloc_topo_free(t);
     }
@@ -201,8 +201,8 @@ Test(hwloc, topology_errors) {
 Test(hwloc, server_cuda_ordinals) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[4] = {"0", "1", "cuda2", "cuda:3"};
-    avgpipe_hwloc_plan *p = plan(t, 4, gpus);
-    avgpipe_hwloc_plan_info in = avgpipe_hwloc_plan_query(p);
+    avgpipe_hwloc_placement *p = plan(t, 4, gpus);
+    avgpipe_hwloc_placement_info in = avgpipe_hwloc_placement_query(p);
     const avgpipe_hwloc_place *pl;
     pl = expect(p, 0, "8-10", "8-10,24-26", "11", "11,27", 1);
     expect_gpu(pl, "0000:d8:00.0", "cuda0", 0, 1);
@@ -225,7 +225,7 @@ Test(hwloc, server_cuda_ordinals) {
     cr_assert_eq(in.this_system, 0);
     cr_assert_str_eq(in.cpus, "0-31");
     cr_assert_str_eq(in.machine, "server2s4g");
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -234,14 +234,14 @@ Test(hwloc, server_pci_bus_ids_and_global_ranks) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[4] = {"0000:3b:00.0", "5e:00.0", "0000:B0:00.0", "0000:d8:00.0"};
     const int ranks[4] = {8, 9, 10, 11};
-    avgpipe_hwloc_plan *p = plan_full(t, 4, ranks, gpus, AVGPIPE_HWLOC_BIND_AUTO, NULL);
+    avgpipe_hwloc_placement *p = plan_full(t, 4, ranks, gpus, AVGPIPE_HWLOC_BIND_AUTO, NULL);
     expect_nic(expect(p, 8, "0-2", "0-2,16-18", "3", "3,19", 0), "mlx5_0,ib0", "0000:3c:00.0", AVGPIPE_HWLOC_NIC_PIX);
     expect_gpu(expect(p, 9, "4-6", "4-6,20-22", "7", "7,23", 0), "0000:5e:00.0", "cuda3", 3, 0);
     expect_gpu(expect(p, 10, "8-10", "8-10,24-26", "11", "11,27", 1), "0000:b0:00.0", "cuda2", 2, 1);
     expect_nic(expect(p, 11, "12-14", "12-14,28-30", "15", "15,31", 1), "mlx5_1,ib1", "0000:b1:00.0", AVGPIPE_HWLOC_NIC_NODE);
-    cr_assert(avgpipe_hwloc_plan_place(p, 0) == NULL, "rank 0 was not planned");
-    cr_assert(avgpipe_hwloc_plan_place(p, 12) == NULL);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert(avgpipe_hwloc_placement_rank(p, 0) == NULL, "rank 0 was not planned");
+    cr_assert(avgpipe_hwloc_placement_rank(p, 12) == NULL);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -251,7 +251,7 @@ Test(hwloc, server_two_ranks_per_gpu) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[8] = {"0000:3b:00.0", "0000:3b:00.0", "0000:5e:00.0", "0000:5e:00.0",
                            "0000:b0:00.0", "0000:b0:00.0", "0000:d8:00.0", "0000:d8:00.0"};
-    avgpipe_hwloc_plan *p = plan(t, 8, gpus);
+    avgpipe_hwloc_placement *p = plan(t, 8, gpus);
     int r;
     char wc[16], wcpu[32], ac[16], acpu[32];
     for (r = 0; r < 8; r++) {
@@ -261,8 +261,8 @@ Test(hwloc, server_two_ranks_per_gpu) {
         snprintf(acpu, sizeof acpu, "%d,%d", 2 * r + 1, 2 * r + 17);
         expect(p, r, wc, wcpu, ac, acpu, r / 4);
     }
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).exclusive, 1);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).exclusive, 1);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -271,7 +271,7 @@ Test(hwloc, server_two_ranks_per_gpu) {
 Test(hwloc, server_five_ranks_on_one_gpu) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[5] = {"cuda1", "cuda1", "cuda1", "cuda1", "cuda1"};
-    avgpipe_hwloc_plan *p = plan(t, 5, gpus);
+    avgpipe_hwloc_placement *p = plan(t, 5, gpus);
     static const char *const avg[5] = {"5", "5", "6", "6", "7"}, *const avgcpu[5] = {"5,21", "5,21", "6,22", "6,22", "7,23"};
     int r;
     for (r = 0; r < 5; r++) {
@@ -283,9 +283,9 @@ Test(hwloc, server_five_ranks_on_one_gpu) {
         cr_assert_eq(pl->worker_shared, 0);
         cr_assert_eq(pl->avg_shared, r < 4, "rank %d: averaging core shared %d", r, pl->avg_shared);
     }
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).exclusive, 1);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 1);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).exclusive, 1);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 1);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -299,8 +299,8 @@ Test(hwloc, server_more_ranks_than_cores_near_the_gpu) {
     int r, m;
     for (r = 0; r < 10; r++) gpus[r] = "0000:3b:00.0";
     for (m = 0; m < 3; m++) {
-        avgpipe_hwloc_plan *p = plan_full(t, 10, NULL, gpus, modes[m], NULL);
-        avgpipe_hwloc_plan_info in = avgpipe_hwloc_plan_query(p);
+        avgpipe_hwloc_placement *p = plan_full(t, 10, NULL, gpus, modes[m], NULL);
+        avgpipe_hwloc_placement_info in = avgpipe_hwloc_placement_query(p);
         for (r = 0; r < 10; r++) {
             char c[16], cpu[32];
             const avgpipe_hwloc_place *pl;
@@ -315,7 +315,7 @@ Test(hwloc, server_more_ranks_than_cores_near_the_gpu) {
         if (modes[m] == AVGPIPE_HWLOC_BIND_AUTO) { /* report only: binding it on a foreign topology does nothing */
             cr_assert_eq(avgpipe_hwloc_bind(&g_ctx, p, 0, AVGPIPE_THREAD_WORKER), AVGPIPE_OK);
         }
-        avgpipe_hwloc_plan_free(p);
+        avgpipe_hwloc_placement_free(p);
     }
     avgpipe_hwloc_topo_free(t);
 }
@@ -324,42 +324,42 @@ Test(hwloc, server_more_ranks_than_cores_near_the_gpu) {
    CPU rank's NIC is the one on its NUMA node. */
 Test(hwloc, server_cpu_ranks) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
-    avgpipe_hwloc_plan *p = plan(t, 4, NULL);
+    avgpipe_hwloc_placement *p = plan(t, 4, NULL);
     expect_nic(expect(p, 0, "0-2", "0-2,16-18", "3", "3,19", 0), "mlx5_0,ib0", "0000:3c:00.0", AVGPIPE_HWLOC_NIC_NODE);
     expect(p, 1, "4-6", "4-6,20-22", "7", "7,23", 0);
     expect(p, 2, "8-10", "8-10,24-26", "11", "11,27", 1);
     expect_nic(expect(p, 3, "12-14", "12-14,28-30", "15", "15,31", 1), "mlx5_1,ib1", "0000:b1:00.0", AVGPIPE_HWLOC_NIC_NODE);
-    cr_assert_str_eq(avgpipe_hwloc_plan_place(p, 0)->gpu, "");
-    cr_assert_eq(avgpipe_hwloc_plan_place(p, 0)->gpu_numa, -1);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_str_eq(avgpipe_hwloc_placement_rank(p, 0)->gpu, "");
+    cr_assert_eq(avgpipe_hwloc_placement_rank(p, 0)->gpu_numa, -1);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 3, NULL); /* 1.5 ranks per socket: two on the first, the third alone on the second */
     expect(p, 0, "0-2", "0-2,16-18", "3", "3,19", 0);
     expect(p, 1, "4-6", "4-6,20-22", "7", "7,23", 0);
     expect(p, 2, "8-14", "8-14,24-30", "15", "15,31", 1);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 1, NULL); /* one rank stays on one NUMA node */
     expect(p, 0, "0-6", "0-6,16-22", "7", "7,23", 0);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
-/* desc.cpus narrows the plan (here to the first hyperthread of socket 0's cores); a GPU whose cores
+/* desc.cpus narrows the placement (here to the first hyperthread of socket 0's cores); a GPU whose cores
    are all outside gets cores anyway, with a note. */
 Test(hwloc, server_cpus_restriction) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[1] = {"0000:b0:00.0"};
-    avgpipe_hwloc_plan *p = plan_full(t, 2, NULL, NULL, AVGPIPE_HWLOC_BIND_AUTO, "0-7");
+    avgpipe_hwloc_placement *p = plan_full(t, 2, NULL, NULL, AVGPIPE_HWLOC_BIND_AUTO, "0-7");
     const avgpipe_hwloc_place *pl;
     expect(p, 0, "0-2", "0-2", "3", "3", 0);
     expect(p, 1, "4-6", "4-6", "7", "7", 0);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).cores, 8);
-    cr_assert_str_eq(avgpipe_hwloc_plan_query(p).cpus, "0-7");
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).cores, 8);
+    cr_assert_str_eq(avgpipe_hwloc_placement_query(p).cpus, "0-7");
+    avgpipe_hwloc_placement_free(p);
     p = plan_full(t, 1, NULL, gpus, AVGPIPE_HWLOC_BIND_AUTO, "0-7");
     pl = expect(p, 0, "0-6", "0-6", "7", "7", 0);
     cr_assert_eq(pl->gpu_numa, 1);
     cr_assert(strstr(pl->note, "outside the cpus planned over") != NULL, "note: %s", pl->note);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -367,11 +367,11 @@ Test(hwloc, server_cpus_restriction) {
 Test(hwloc, server_gpu_and_cpu_ranks) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[3] = {"0000:3b:00.0", NULL, ""};
-    avgpipe_hwloc_plan *p = plan(t, 3, gpus);
+    avgpipe_hwloc_placement *p = plan(t, 3, gpus);
     expect(p, 0, "0-6", "0-6,16-22", "7", "7,23", 0);
     expect(p, 1, "8-10", "8-10,24-26", "11", "11,27", 1);
     expect(p, 2, "12-14", "12-14,28-30", "15", "15,31", 1);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -379,7 +379,7 @@ Test(hwloc, server_gpu_and_cpu_ranks) {
 Test(hwloc, server_report) {
     avgpipe_hwloc_topo *t = load("topo_server2s4g.xml");
     const char *gpus[4] = {"0", "1", "2", "3"};
-    avgpipe_hwloc_plan *p = plan(t, 4, gpus);
+    avgpipe_hwloc_placement *p = plan(t, 4, gpus);
     avgpipe_buf b = {0};
     static const char want[] =
         "hwloc placement on server2s4g (from XML): 2 packages, 2 NUMA nodes, 16 cores, 32 PUs; 4 ranks over 16 cores (cpus 0-31)\n"
@@ -393,10 +393,10 @@ Test(hwloc, server_report) {
         "rank 3: gpu 0000:5e:00.0 cuda3 (numa 0); worker cores 4-6 (cpus 4-6,20-22), averaging core 7 (cpus 7,23), numa 0; "
         "nic mlx5_0,ib0 0000:3c:00.0 (NODE: same NUMA node)\n"
         "NICs are diagnostic: NCCL and MPI choose their own.\n";
-    cr_assert_eq(avgpipe_hwloc_plan_report(&g_ctx, p, &b), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_hwloc_placement_report(&g_ctx, p, &b), AVGPIPE_OK);
     cr_assert_str_eq(b.data, want, "report:\n%s", b.data);
     avgpipe_buf_free(&g_ctx, &b);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -407,24 +407,24 @@ Test(hwloc, server_report) {
 Test(hwloc, laptop_gpu) {
     avgpipe_hwloc_topo *t = load("topo_laptop.xml");
     const char *gpus[1] = {"0000:01:00.0"}, *igpu[1] = {"00:02.0"};
-    avgpipe_hwloc_plan *p = plan(t, 1, gpus);
+    avgpipe_hwloc_placement *p = plan(t, 1, gpus);
     const avgpipe_hwloc_place *pl = expect(p, 0, "0-2", "0-5", "3", "6-7", 0);
     expect_gpu(pl, "0000:01:00.0", "", -1, 0);
     expect_nic(pl, "wlp2s0", "0000:02:00.0", AVGPIPE_HWLOC_NIC_PHB);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 1, igpu);
-    expect_gpu(avgpipe_hwloc_plan_place(p, 0), "0000:00:02.0", "card0", -1, 0);
-    avgpipe_hwloc_plan_free(p);
+    expect_gpu(avgpipe_hwloc_placement_rank(p, 0), "0000:00:02.0", "card0", -1, 0);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
 Test(hwloc, laptop_cpu_ranks) {
     avgpipe_hwloc_topo *t = load("topo_laptop.xml");
-    avgpipe_hwloc_plan *p = plan(t, 2, NULL);
+    avgpipe_hwloc_placement *p = plan(t, 2, NULL);
     int r;
     expect_nic(expect(p, 0, "0", "0-1", "1", "2-3", 0), "wlp2s0", "0000:02:00.0", AVGPIPE_HWLOC_NIC_NODE);
     expect(p, 1, "2", "4-5", "3", "6-7", 0);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 4, NULL); /* a core per worker, no spare: the averaging thread shares its worker's core */
     for (r = 0; r < 4; r++) {
         char c[16], cpu[32];
@@ -434,15 +434,15 @@ Test(hwloc, laptop_cpu_ranks) {
         pl = expect(p, r, c, cpu, c, cpu, 0);
         cr_assert(!pl->worker_shared && pl->avg_shared);
     }
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).exclusive, 1);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 1);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).exclusive, 1);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 1);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
 Test(hwloc, bad_plan_descriptions) {
     avgpipe_hwloc_topo *t = load("topo_laptop.xml");
-    avgpipe_hwloc_plan_desc d;
+    avgpipe_hwloc_placement_desc d;
     const char *ordinal[1] = {"0"}, *nobus[1] = {"0000:99:00.0"}, *junk[2] = {NULL, "0x01:00.0"};
     const int dup[2] = {3, 3}, neg[1] = {-2};
     memset(&d, 0, sizeof d);
@@ -470,7 +470,7 @@ Test(hwloc, bad_plan_descriptions) {
 
 Test(hwloc, small_machine_scarce_cores) {
     avgpipe_hwloc_topo *t = load("topo_small6.xml");
-    avgpipe_hwloc_plan *p = plan(t, 4, NULL);
+    avgpipe_hwloc_placement *p = plan(t, 4, NULL);
     static const int w7[7] = {0, 0, 1, 2, 3, 4, 5};
     int r;
     /* 8 threads, 6 cores: two ranks per NUMA node, a core per worker, the node's third core for both
@@ -479,49 +479,49 @@ Test(hwloc, small_machine_scarce_cores) {
     expect(p, 1, "1", "1", "2", "2", 0);
     expect(p, 2, "3", "3", "5", "5", 1);
     expect_nic(expect(p, 3, "4", "4", "5", "5", 1), "", "", AVGPIPE_HWLOC_NIC_NONE);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 1);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 1);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 3, NULL);
     expect(p, 0, "0", "0", "2", "2", 0);
     expect(p, 1, "1", "1", "2", "2", 0);
     expect(p, 2, "3-4", "3-4", "5", "5", 1);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 6, NULL);
     for (r = 0; r < 6; r++) {
         char c[16];
         snprintf(c, sizeof c, "%d", r);
         expect(p, r, c, c, c, c, r / 3);
     }
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 1);
-    avgpipe_hwloc_plan_free(p);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 1);
+    avgpipe_hwloc_placement_free(p);
     p = plan(t, 7, NULL); /* more workers than cores: they share, auto leaves the threads unbound */
     for (r = 0; r < 7; r++) {
         char c[16];
         snprintf(c, sizeof c, "%d", w7[r]);
         cr_assert_eq(expect(p, r, c, c, c, c, w7[r] / 3)->worker_shared, r < 2);
     }
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).exclusive, 0);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 0);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).exclusive, 0);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 0);
     {
         avgpipe_buf b = {0};
-        cr_assert_eq(avgpipe_hwloc_plan_report(&g_ctx, p, &b), AVGPIPE_OK);
+        cr_assert_eq(avgpipe_hwloc_placement_report(&g_ctx, p, &b), AVGPIPE_OK);
         cr_assert(strstr(b.data, "binding: auto -> off: workers would share cores") != NULL, "%s", b.data);
         cr_assert(strstr(b.data, "rank 0: cpu; worker core 0 (cpus 0) shared, averaging core 0 (cpus 0) shared, numa 0; nic none\n") != NULL,
                   "%s", b.data);
         avgpipe_buf_free(&g_ctx, &b);
     }
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
 /* ---- binding on this machine ------------------------------------------------------------------ */
 
-/* The calling thread's binding equals the plan's set for (rank, role). */
-static void assert_bound(avgpipe_hwloc_topo *t, const avgpipe_hwloc_plan *p, int rank, int role, int flags) {
+/* The calling thread's binding equals the placement's set for (rank, role). */
+static void assert_bound(avgpipe_hwloc_topo *t, const avgpipe_hwloc_placement *p, int rank, int role, int flags) {
     hwloc_topology_t h = avgpipe_hwloc_topo_hwloc(t);
     hwloc_bitmap_t want = hwloc_bitmap_alloc(), got = hwloc_bitmap_alloc();
     char ws[128], gs[128];
-    cr_assert_eq(avgpipe_hwloc_plan_cpuset(&g_ctx, p, rank, role, want), AVGPIPE_OK, "%s", avgpipe_last_error(&g_ctx));
+    cr_assert_eq(avgpipe_hwloc_placement_cpuset(&g_ctx, p, rank, role, want), AVGPIPE_OK, "%s", avgpipe_last_error(&g_ctx));
     cr_assert_eq(hwloc_get_cpubind(h, got, flags), 0);
     hwloc_bitmap_list_snprintf(ws, sizeof ws, want);
     hwloc_bitmap_list_snprintf(gs, sizeof gs, got);
@@ -532,8 +532,8 @@ static void assert_bound(avgpipe_hwloc_topo *t, const avgpipe_hwloc_plan *p, int
 
 Test(hwloc, bind_thread_binds_the_calling_thread) {
     avgpipe_hwloc_topo *t = load(NULL);
-    avgpipe_hwloc_plan *p = plan_full(t, 1, NULL, NULL, AVGPIPE_HWLOC_BIND_ALWAYS, NULL);
-    const avgpipe_hwloc_place *pl = avgpipe_hwloc_plan_place(p, 0);
+    avgpipe_hwloc_placement *p = plan_full(t, 1, NULL, NULL, AVGPIPE_HWLOC_BIND_ALWAYS, NULL);
+    const avgpipe_hwloc_place *pl = avgpipe_hwloc_placement_rank(p, 0);
     cr_assert_eq(avgpipe_hwloc_topo_is_this_system(t), 1);
     cr_assert(pl && pl->worker_cpus[0] && pl->avg_cpus[0]);
     cr_assert_eq(avgpipe_hwloc_bind_thread(0, AVGPIPE_THREAD_WORKER, p), 0, "%s", avgpipe_last_error(NULL));
@@ -546,10 +546,10 @@ Test(hwloc, bind_thread_binds_the_calling_thread) {
     assert_bound(t, p, 0, AVGPIPE_HWLOC_ROLE_RANK, HWLOC_CPUBIND_PROCESS);
     /* errors */
     cr_assert_eq(avgpipe_hwloc_bind_thread(5, AVGPIPE_THREAD_WORKER, p), (int)AVGPIPE_INVALID_ARG);
-    cr_assert(strstr(avgpipe_last_error(NULL), "rank 5 is not in the plan") != NULL, "%s", avgpipe_last_error(NULL));
+    cr_assert(strstr(avgpipe_last_error(NULL), "rank 5 is not in the placement") != NULL, "%s", avgpipe_last_error(NULL));
     cr_assert_eq(avgpipe_hwloc_bind(&g_ctx, p, 0, 7), AVGPIPE_INVALID_ARG);
     cr_assert_eq(avgpipe_hwloc_bind_thread(0, AVGPIPE_THREAD_WORKER, NULL), (int)AVGPIPE_INVALID_ARG);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -558,8 +558,8 @@ Test(hwloc, bind_none_changes_nothing) {
     avgpipe_hwloc_topo *t = load(NULL);
     hwloc_topology_t h = avgpipe_hwloc_topo_hwloc(t);
     hwloc_bitmap_t before = hwloc_bitmap_alloc(), after = hwloc_bitmap_alloc();
-    avgpipe_hwloc_plan *p = plan_full(t, 1, NULL, NULL, AVGPIPE_HWLOC_BIND_NONE, NULL);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 0);
+    avgpipe_hwloc_placement *p = plan_full(t, 1, NULL, NULL, AVGPIPE_HWLOC_BIND_NONE, NULL);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 0);
     cr_assert_eq(hwloc_get_cpubind(h, before, HWLOC_CPUBIND_THREAD), 0);
     cr_assert_eq(avgpipe_hwloc_bind_thread(0, AVGPIPE_THREAD_AVERAGING, p), 0);
     cr_assert_eq(avgpipe_hwloc_bind_process(&g_ctx, p, 0), AVGPIPE_OK);
@@ -567,19 +567,19 @@ Test(hwloc, bind_none_changes_nothing) {
     cr_assert(hwloc_bitmap_isequal(before, after));
     hwloc_bitmap_free(before);
     hwloc_bitmap_free(after);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
 /* A plan of another machine cannot bind this one. */
 Test(hwloc, bind_refuses_a_foreign_topology) {
     avgpipe_hwloc_topo *t = load("topo_laptop.xml");
-    avgpipe_hwloc_plan *p = plan(t, 2, NULL);
-    cr_assert_eq(avgpipe_hwloc_plan_query(p).binds, 1);
+    avgpipe_hwloc_placement *p = plan(t, 2, NULL);
+    cr_assert_eq(avgpipe_hwloc_placement_query(p).binds, 1);
     cr_assert_eq(avgpipe_hwloc_bind(&g_ctx, p, 1, AVGPIPE_THREAD_WORKER), AVGPIPE_UNSUPPORTED);
     cr_assert(strstr(avgpipe_last_error(&g_ctx), "not this machine's") != NULL, "%s", avgpipe_last_error(&g_ctx));
     cr_assert_eq(avgpipe_hwloc_bind_thread(0, AVGPIPE_THREAD_AVERAGING, p), (int)AVGPIPE_UNSUPPORTED);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
@@ -589,7 +589,7 @@ Test(hwloc, bind_refuses_a_foreign_topology) {
 /* What the recording bind_thread saw, per (rank, role). */
 static struct {
     pthread_mutex_t mu;
-    const avgpipe_hwloc_plan *plan;
+    const avgpipe_hwloc_placement *plan;
     avgpipe_hwloc_topo *topo;
     int calls[RANKS][2], bound_ok[RANKS][2], rc[RANKS][2];
     pthread_t tid[RANKS][2];
@@ -598,7 +598,7 @@ static struct {
 
 static int thread_bound_as(int rank, int role) {
     hwloc_bitmap_t want = hwloc_bitmap_alloc(), got = hwloc_bitmap_alloc();
-    int ok = avgpipe_hwloc_plan_cpuset(NULL, B.plan, rank, role, want) == AVGPIPE_OK &&
+    int ok = avgpipe_hwloc_placement_cpuset(NULL, B.plan, rank, role, want) == AVGPIPE_OK &&
              hwloc_get_cpubind(avgpipe_hwloc_topo_hwloc(B.topo), got, HWLOC_CPUBIND_THREAD) == 0 && hwloc_bitmap_isequal(want, got);
     hwloc_bitmap_free(want);
     hwloc_bitmap_free(got);
@@ -625,7 +625,7 @@ static int checking_forward(avgpipe_op_ctx *op) {
     same = B.calls[op->rank][AVGPIPE_THREAD_WORKER] == 1 && pthread_equal(B.tid[op->rank][AVGPIPE_THREAD_WORKER], pthread_self());
     pthread_mutex_unlock(&B.mu);
     if (!same) __atomic_store_n(&B.wrong_thread, 1, __ATOMIC_SEQ_CST);
-    if (B.plan && avgpipe_hwloc_plan_query(B.plan).binds && avgpipe_hwloc_topo_is_this_system(B.topo) &&
+    if (B.plan && avgpipe_hwloc_placement_query(B.plan).binds && avgpipe_hwloc_topo_is_this_system(B.topo) &&
         !thread_bound_as(op->rank, AVGPIPE_THREAD_WORKER))
         __atomic_store_n(&B.wrong_binding, 1, __ATOMIC_SEQ_CST);
     return cb_forward(op);
@@ -648,7 +648,7 @@ static void log_warn(avgpipe_log_level level, const char *msg, void *user) {
 
 /* A small run (1F1B, 2 stages, 2 pipelines, 2 replica groups: 4 ranks, 8 threads) for two iterations,
    with bind_thread recording its calls and binding per `p`. */
-static void run_with_binding(avgpipe_hwloc_topo *t, const avgpipe_hwloc_plan *p, logged *lg) {
+static void run_with_binding(avgpipe_hwloc_topo *t, const avgpipe_hwloc_placement *p, logged *lg) {
     avgpipe_context ctx;
     avgpipe_context_desc cd;
     avgpipe_run *run = NULL;
@@ -682,7 +682,7 @@ static void run_with_binding(avgpipe_hwloc_topo *t, const avgpipe_hwloc_plan *p,
    callbacks run on the worker thread that was bound, and each thread is bound as planned. */
 Test(hwloc, runtime_calls_bind_thread_once_per_thread) {
     avgpipe_hwloc_topo *t = load(NULL);
-    avgpipe_hwloc_plan *p = plan_full(t, RANKS, NULL, NULL, AVGPIPE_HWLOC_BIND_ALWAYS, NULL);
+    avgpipe_hwloc_placement *p = plan_full(t, RANKS, NULL, NULL, AVGPIPE_HWLOC_BIND_ALWAYS, NULL);
     logged lg = {PTHREAD_MUTEX_INITIALIZER, 0, ""};
     int r, role, r2, role2;
     run_with_binding(t, p, &lg);
@@ -701,14 +701,14 @@ Test(hwloc, runtime_calls_bind_thread_once_per_thread) {
     cr_assert_eq(B.wrong_thread, 0, "a forward ran on another thread than its rank's bound worker");
     cr_assert_eq(B.wrong_binding, 0, "a forward ran on a worker not bound as planned");
     cr_assert_eq(lg.warnings, 0, "%s", lg.first);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }
 
 /* A bind_thread that fails (a plan of another machine) is a warning: the run goes on, unbound. */
 Test(hwloc, runtime_runs_on_when_binding_fails) {
     avgpipe_hwloc_topo *t = load("topo_laptop.xml");
-    avgpipe_hwloc_plan *p = plan(t, RANKS, NULL);
+    avgpipe_hwloc_placement *p = plan(t, RANKS, NULL);
     logged lg = {PTHREAD_MUTEX_INITIALIZER, 0, ""};
     int r, role;
     run_with_binding(t, p, &lg);
@@ -720,6 +720,6 @@ Test(hwloc, runtime_runs_on_when_binding_fails) {
     cr_assert_eq(lg.warnings, 2 * RANKS, "%d warnings", lg.warnings);
     cr_assert(strstr(lg.first, "runs unbound") != NULL, "%s", lg.first);
     cr_assert_eq(B.wrong_thread, 0);
-    avgpipe_hwloc_plan_free(p);
+    avgpipe_hwloc_placement_free(p);
     avgpipe_hwloc_topo_free(t);
 }

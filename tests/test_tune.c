@@ -390,7 +390,7 @@ static void predict_attempt(avgpipe_context *ctx, avgpipe_sched_desc *sd, attemp
                     100 * (a->predicted[i] / a->measured[i] - 1), 1e6 * m.a[AVGPIPE_OP_F], 1e6 * m.b[AVGPIPE_OP_F],
                     1e6 * m.a[AVGPIPE_OP_B], 1e6 * m.b[AVGPIPE_OP_B], 1e6 * m.latency);
     }
-    avgpipe_cost_model_free(ctx, &m);
+    avgpipe_tune_cost_model_free(ctx, &m);
     avgpipe_profile_free(ctx, &p);
 }
 
@@ -518,7 +518,7 @@ Test(search, fit_recovers_the_synthetic_costs) {
     cr_expect(m.act_bytes_per_sample[0] == 128 && m.act_bytes_per_sample[2] == 0);
     cr_expect(close_rel(m.latency, 20e-6), "latency %g", m.latency);
     cr_expect(m.samples_lo == 4 && m.samples_hi == 8);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* The iteration's own overhead (workers woken, the end waited for): what a section's time holds beyond its
@@ -552,9 +552,9 @@ Test(search, iteration_overhead_fitted_and_predicted) {
     for (i = 0; i < p.nsections; i++) p.sections[i].seconds *= 2; /* half the time outside the ops: not this iteration's */
     cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m2), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     cr_expect(m2.iter_overhead == 0, "overhead %g from times twice the ops' span", m2.iter_overhead);
-    avgpipe_cost_model_free(&ctx, &m0);
-    avgpipe_cost_model_free(&ctx, &m1);
-    avgpipe_cost_model_free(&ctx, &m2);
+    avgpipe_tune_cost_model_free(&ctx, &m0);
+    avgpipe_tune_cost_model_free(&ctx, &m1);
+    avgpipe_tune_cost_model_free(&ctx, &m2);
     avgpipe_profile_free(&ctx, &p);
     free(text);
 }
@@ -632,10 +632,10 @@ Test(search, overlap_of_pipelines_on_a_device_is_fitted_and_predicted) {
         cr_expect(fabs(with / without - (N * 0.4 + 0.6) / N) < 1e-9, "N = %d: predicted %.6g s with the overlap, %.6g without (ratio %.6f, want %.6f)",
                   N, with, without, with / without, (N * 0.4 + 0.6) / N);
     }
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
     fit_overlap(&ctx, 0.6, 1, &m);
     cr_expect(fabs(m.overlap) < 1e-9, "serial ops (CPU threads): fitted overlap %.9f", m.overlap);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* Every candidate: fits == (peak_bytes <= limit); fitting ones first; each group fastest per sample
@@ -702,7 +702,7 @@ Test(search, per_op_overhead_favours_one_micro_batch_and_most_pipes) {
     cr_expect_eq(c[0].sched.pipes, 3);
     for (i = 1; i < n; i++) cr_assert(c[i].time_per_sample >= c[0].time_per_sample);
     avgpipe_free(&ctx, c);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* Op times proportional to the samples, one pipeline, free transfers: the bubble (S-1)/(M+S-1) shrinks
@@ -724,7 +724,7 @@ Test(search, proportional_costs_favour_the_most_micro_batches) {
     check_ranking(&ctx, &m, &td, c, n);
     cr_expect_eq(c[0].sched.micro, 16, "best: %s M=%d", avgpipe_sched_kind_name(c[0].sched.kind), c[0].sched.micro);
     avgpipe_free(&ctx, c);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* Large models: a memory limit between the peaks of N = 2 and N = 3 excludes the otherwise fastest
@@ -763,7 +763,7 @@ Test(search, memory_limit_excludes_the_fastest) {
     cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     cr_expect_eq(check_ranking(&ctx, &m, &td, c, n), 0);
     avgpipe_free(&ctx, c);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 Test(search, bad_descriptions) {
@@ -782,7 +782,7 @@ Test(search, bad_descriptions) {
     td.mem_limit = -1;
     cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG);
     cr_expect_eq(avgpipe_tune_search(&ctx, NULL, &td, &c, &n), AVGPIPE_INVALID_ARG);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* A model no profile can produce: the search used to convert act_bytes_per_sample x samples (1e30 bytes)
@@ -824,7 +824,7 @@ Test(search, out_of_range_models_are_refused) {
     cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG, "2^48 bytes per sample: %s", avgpipe_last_error(&ctx));
     cr_expect(has(avgpipe_last_error(&ctx), "stage 0"), "%s", avgpipe_last_error(&ctx));
     if (c) avgpipe_free(&ctx, c);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* An allocator that refuses any block over 16 MiB. */
@@ -857,7 +857,7 @@ Test(search, fit_memory_follows_the_ops) {
     cr_assert_eq(avgpipe_profile_parse(&ctx, text, sizeof text - 1, &p), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     cr_expect(close_rel(m.latency, 0.25), "latency %g: the RECV_F waited 0.25 s after its forward", m.latency);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
     avgpipe_profile_free(&ctx, &p);
 }
 
@@ -1136,7 +1136,7 @@ Test(layers, parsed_and_fitted) {
        10 + 20 + 10 us (gap, send, gap; the wait is not counted), B -> STEP 10; rank 1: F -> B 10, B -> STEP
        10 + 20 + 10. Trimmed mean of {40, 10, 10, 40} (the middle 60% of four is all four) = 25 us */
     cr_expect(fabs(m.op_overhead - 25e-6) < 1e-9, "op overhead %g", m.op_overhead);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
     avgpipe_profile_free(&ctx, &p);
 }
 
@@ -1199,7 +1199,7 @@ Test(layers, predict_adds_overheads_and_averaging) {
     m.cores = 1;
     cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &d, 8, &t2), AVGPIPE_OK);
     cr_expect(close_rel(t2, 2 * t1 + 2e-6), "N = 2 on one core: %g, expected 2 x %g + 2 us", t2, t1);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* ---- the stage partitioner ------------------------------------------------------------------------ */
@@ -1255,7 +1255,7 @@ static void brute_rec(avgpipe_context *ctx, const avgpipe_cost_model *m, const a
         int n;
         b->split[part] = left;
         ++*count;
-        cr_assert_eq(avgpipe_tune_split(ctx, m, b->split, b->P, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
+        cr_assert_eq(avgpipe_tune_split_model(ctx, m, b->split, b->P, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
         cr_assert_eq(avgpipe_tune_search(ctx, &sm, td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(ctx));
         for (i = 0; i < n; i++)
             if (c[i].fits) {
@@ -1266,7 +1266,7 @@ static void brute_rec(avgpipe_context *ctx, const avgpipe_cost_model *m, const a
                 break;
             }
         avgpipe_free(ctx, c);
-        avgpipe_cost_model_free(ctx, &sm);
+        avgpipe_tune_cost_model_free(ctx, &sm);
         return;
     }
     for (k = 1; k <= left - (b->P - 1 - part); k++) {
@@ -1281,8 +1281,8 @@ static void plan_vs_brute_o(int L, int S, int V, unsigned seed, double cores, do
     avgpipe_context ctx;
     avgpipe_cost_model m;
     avgpipe_tune_desc td;
-    avgpipe_plan_desc pd;
-    avgpipe_plan plan;
+    avgpipe_tune_split_desc pd;
+    avgpipe_tune_split_choice plan;
     brute b;
     long long count = 0;
     int g;
@@ -1296,17 +1296,17 @@ static void plan_vs_brute_o(int L, int S, int V, unsigned seed, double cores, do
     memset(&b, 0, sizeof b);
     b.P = S * V, b.L = L;
     if (mem_frac > 0) { /* a limit that some splits' best settings exceed */
-        avgpipe_plan_desc q;
+        avgpipe_tune_split_desc q;
         memset(&q, 0, sizeof q);
         q.stages = S, q.chunks = V;
-        cr_assert_eq(avgpipe_tune_plan(&ctx, &m, &td, &q, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_eq(avgpipe_tune_choose_split(&ctx, &m, &td, &q, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
         td.mem_limit = plan.best.peak_bytes * mem_frac;
-        avgpipe_plan_free(&ctx, &plan);
+        avgpipe_tune_split_choice_free(&ctx, &plan);
     }
     brute_rec(&ctx, &m, &td, &b, 0, L, &count);
     memset(&pd, 0, sizeof pd);
     pd.stages = S, pd.chunks = V;
-    cr_assert_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_choose_split(&ctx, &m, &td, &pd, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     cr_assert_eq(plan.splits, count, "L %d, P %d: %lld splits, brute force %lld", L, b.P, plan.splits, count);
     cr_assert_eq(plan.found, b.found, "L %d S %d V %d seed %u overlap %g: found %d, brute force %d", L, S, V, seed, overlap, plan.found,
                  b.found);
@@ -1321,8 +1321,8 @@ static void plan_vs_brute_o(int L, int S, int V, unsigned seed, double cores, do
     }
     if (getenv("AVGPIPE_TEST_VERBOSE")) fprintf(stderr, "L %d S %d V %d seed %u: %lld splits, %lld searched, best %.4g us/sample\n", L, S, V, seed, plan.splits, plan.searched, 1e6 * plan.best.time_per_sample);
     *pruned += plan.searched < plan.splits;
-    avgpipe_plan_free(&ctx, &plan);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_split_choice_free(&ctx, &plan);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 static void plan_vs_brute(int L, int S, int V, unsigned seed, double cores, double mem_frac, int *pruned) {
@@ -1368,7 +1368,7 @@ Test(search, v_placed_kinds_are_searched_or_refused_by_name) {
     int n, i, split[4] = {1, 2, 1, 2}, seen[AVGPIPE_SCHED_KIND_COUNT] = {0};
     avgpipe_context_init(&ctx, NULL);
     layered_model(&ctx, 6, 11, &m);
-    cr_assert_eq(avgpipe_tune_split(&ctx, &m, split, 4, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split, 4, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     memset(&td, 0, sizeof td);
     td.batch = 8, td.max_pipes = 2, td.chunks = 2;
     td.kinds = (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
@@ -1396,8 +1396,8 @@ Test(search, v_placed_kinds_are_searched_or_refused_by_name) {
     cr_assert(strstr(avgpipe_last_error(&ctx), "kinds: dualpipev holds 2 stages per rank") != NULL, "%s", avgpipe_last_error(&ctx));
     td.kinds = 1u << 30;
     cr_assert_eq(avgpipe_tune_search(&ctx, &sm, &td, &c, &n), AVGPIPE_INVALID_ARG);
-    avgpipe_cost_model_free(&ctx, &sm);
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &sm);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 Test(plan, equals_brute_force_over_every_split) {
@@ -1422,7 +1422,7 @@ Test(plan, split_model_adds_up_its_layers) {
     avgpipe_context_init(&ctx, NULL);
     cr_assert_eq(avgpipe_profile_parse(&ctx, LAYERED, strlen(LAYERED), &p), AVGPIPE_OK);
     cr_assert_eq(avgpipe_tune_fit(&ctx, &p, &m), AVGPIPE_OK);
-    cr_assert_eq(avgpipe_tune_split(&ctx, &m, split, 2, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split, 2, &sm), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
     cr_expect(close_rel(sm.a[1 * K + AVGPIPE_OP_F], 2e-5) && close_rel(sm.b[1 * K + AVGPIPE_OP_F], 1.1e-6));
     cr_expect(close_rel(sm.b[1 * K + AVGPIPE_OP_B], 2.2e-6) && close_rel(sm.b[1 * K + AVGPIPE_OP_I], 1.1e-6) &&
               close_rel(sm.b[1 * K + AVGPIPE_OP_W], 1.1e-6));
@@ -1435,14 +1435,14 @@ Test(plan, split_model_adds_up_its_layers) {
     cr_expect(close_rel(avgpipe_tune_slowest_share(&sm, 2, 8, 16), 24.55 / 38.3), "share %g", avgpipe_tune_slowest_share(&sm, 2, 8, 16));
     cr_expect(avgpipe_tune_slowest_share(&sm, 1, 8, 16) == 1);
     cr_expect(avgpipe_tune_slowest_share(&sm, 3, 8, 16) == -1, "2 partitions on 3 ranks");
-    avgpipe_cost_model_free(&ctx, &sm);
+    avgpipe_tune_cost_model_free(&ctx, &sm);
     split[0] = 2, split[1] = 2;
-    cr_expect_eq(avgpipe_tune_split(&ctx, &m, split, 2, &sm), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_tune_split_model(&ctx, &m, split, 2, &sm), AVGPIPE_INVALID_ARG);
     cr_expect(has(avgpipe_last_error(&ctx), "split"), "%s", avgpipe_last_error(&ctx));
     split[0] = 0, split[1] = 3;
-    cr_expect_eq(avgpipe_tune_split(&ctx, &m, split, 2, &sm), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_tune_split_model(&ctx, &m, split, 2, &sm), AVGPIPE_INVALID_ARG);
     cr_expect(has(avgpipe_last_error(&ctx), "split[0]"), "%s", avgpipe_last_error(&ctx));
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
     avgpipe_profile_free(&ctx, &p);
 }
 
@@ -1450,8 +1450,8 @@ Test(plan, bad_arguments_name_the_field) {
     avgpipe_context ctx;
     avgpipe_cost_model m;
     avgpipe_tune_desc td;
-    avgpipe_plan_desc pd;
-    avgpipe_plan plan;
+    avgpipe_tune_split_desc pd;
+    avgpipe_tune_split_choice plan;
     synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
     avgpipe_context_init(&ctx, NULL);
     memset(&td, 0, sizeof td);
@@ -1459,16 +1459,16 @@ Test(plan, bad_arguments_name_the_field) {
     td.batch = 8;
     pd.stages = 2;
     fit_synth(&ctx, &s, &m); /* no layer lines */
-    cr_expect_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_tune_choose_split(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
     cr_expect(has(avgpipe_last_error(&ctx), "layer"), "%s", avgpipe_last_error(&ctx));
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
     layered_model(&ctx, 3, 1, &m);
     pd.stages = 4;
-    cr_expect_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_tune_choose_split(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
     cr_expect(has(avgpipe_last_error(&ctx), "stages"), "%s", avgpipe_last_error(&ctx));
     pd.stages = 2;
     td.batch = 0;
-    cr_expect_eq(avgpipe_tune_plan(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
+    cr_expect_eq(avgpipe_tune_choose_split(&ctx, &m, &td, &pd, &plan), AVGPIPE_INVALID_ARG);
     cr_expect(has(avgpipe_last_error(&ctx), "batch"), "%s", avgpipe_last_error(&ctx));
-    avgpipe_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }

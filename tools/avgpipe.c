@@ -876,8 +876,8 @@ static double tune_work(const avgpipe_tune_desc *td, int stages) {
    nothing (0), or an error when --stages asks for a split. */
 static int tune_plan(avgpipe_context *ctx, const cli_opts *o, const avgpipe_profile *p, const avgpipe_cost_model *m,
                      const avgpipe_tune_desc *td, avgpipe_cost_model *sm, char *split, size_t cap) {
-    avgpipe_plan plan;
-    avgpipe_plan_desc pd;
+    avgpipe_tune_split_choice plan;
+    avgpipe_tune_split_desc pd;
     size_t len = 0;
     int g;
     if (m->nlayers < 1) {
@@ -888,17 +888,17 @@ static int tune_plan(avgpipe_context *ctx, const cli_opts *o, const avgpipe_prof
     }
     memset(&pd, 0, sizeof pd);
     pd.stages = o->stages ? o->stages : p->sections[0].shape.stages;
-    if (avgpipe_tune_plan(ctx, m, td, &pd, &plan) != AVGPIPE_OK) return lib_error(ctx);
+    if (avgpipe_tune_choose_split(ctx, m, td, &pd, &plan) != AVGPIPE_OK) return lib_error(ctx);
     for (g = 0; g < plan.nparts && len < cap; g++) len += (size_t)snprintf(split + len, cap - len, "%s%d", g ? "," : "", plan.split[g]);
-    if (avgpipe_tune_split(ctx, m, plan.split, plan.nparts, sm) != AVGPIPE_OK) {
-        avgpipe_plan_free(ctx, &plan);
+    if (avgpipe_tune_split_model(ctx, m, plan.split, plan.nparts, sm) != AVGPIPE_OK) {
+        avgpipe_tune_split_choice_free(ctx, &plan);
         return lib_error(ctx);
     }
     if (!o->tsv)
         printf("split %s (layers per stage, of %d layers) chosen among %lld splits, %lld searched: the busiest stage does %.1f%% of "
                "the work per sample at %g samples per micro-batch, so no schedule gains more than %.3gx over one thread\n", split,
                m->nlayers, plan.splits, plan.searched, 100 * plan.slowest_share, plan.best.samples, plan.bound);
-    avgpipe_plan_free(ctx, &plan);
+    avgpipe_tune_split_choice_free(ctx, &plan);
     return 0;
 }
 
@@ -991,8 +991,8 @@ static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
         rc = CLI_EXIT_INVALID;
     }
     avgpipe_free(ctx, c);
-    avgpipe_cost_model_free(ctx, &m);
-    avgpipe_cost_model_free(ctx, &sm);
+    avgpipe_tune_cost_model_free(ctx, &m);
+    avgpipe_tune_cost_model_free(ctx, &sm);
     avgpipe_profile_free(ctx, &p);
     return rc;
 }

@@ -9,9 +9,9 @@
 int main(void) {
     avgpipe_context ctx;
     avgpipe_hwloc_topo_desc td;
-    avgpipe_hwloc_plan_desc pd;
+    avgpipe_hwloc_placement_desc pd;
     avgpipe_hwloc_topo *topo = NULL;
-    avgpipe_hwloc_plan *plan = NULL;
+    avgpipe_hwloc_placement *plan = NULL;
     const char *gpus[1] = {"cuda0"};
     avgpipe_result r;
     memset(&td, 0, sizeof td);
@@ -20,7 +20,7 @@ int main(void) {
     td.xml = xml;
     pd.count = 1, pd.gpus = gpus;
     if (hwloc_impl_main() != 0 || avgpipe_hwloc_topo_load(&ctx, &td, &topo) != AVGPIPE_OK) return 1;
-    r = avgpipe_hwloc_plan_create(&ctx, topo, &pd, &plan);
+    r = avgpipe_hwloc_placement_create(&ctx, topo, &pd, &plan);
     avgpipe_hwloc_topo_free(topo);
     return r == AVGPIPE_INVALID_ARG && strstr(avgpipe_last_error(&ctx), "cuda0") ? 0 : 1;
 }

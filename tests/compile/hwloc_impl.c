@@ -21,9 +21,9 @@ static const char xml[] =
 int main(void) {
     avgpipe_context ctx;
     avgpipe_hwloc_topo_desc td;
-    avgpipe_hwloc_plan_desc pd;
+    avgpipe_hwloc_placement_desc pd;
     avgpipe_hwloc_topo *topo = NULL;
-    avgpipe_hwloc_plan *plan = NULL;
+    avgpipe_hwloc_placement *plan = NULL;
     const avgpipe_hwloc_place *pl;
     int ok;
     memset(&td, 0, sizeof td);
@@ -31,10 +31,10 @@ int main(void) {
     avgpipe_context_init(&ctx, NULL);
     td.xml = xml;
     pd.count = 1;
-    if (avgpipe_hwloc_topo_load(&ctx, &td, &topo) != AVGPIPE_OK || avgpipe_hwloc_plan_create(&ctx, topo, &pd, &plan) != AVGPIPE_OK) return 1;
-    pl = avgpipe_hwloc_plan_place(plan, 0);
+    if (avgpipe_hwloc_topo_load(&ctx, &td, &topo) != AVGPIPE_OK || avgpipe_hwloc_placement_create(&ctx, topo, &pd, &plan) != AVGPIPE_OK) return 1;
+    pl = avgpipe_hwloc_placement_rank(plan, 0);
     ok = pl && !strcmp(pl->worker_cpus, "0") && avgpipe_hwloc_bind_thread(0, AVGPIPE_THREAD_WORKER, plan) != 0;
-    avgpipe_hwloc_plan_free(plan);
+    avgpipe_hwloc_placement_free(plan);
     avgpipe_hwloc_topo_free(topo);
     return ok && !strcmp(avgpipe_hwloc_nic_distance_name(AVGPIPE_HWLOC_NIC_PIX), "PIX") ? 0 : 1;
 }

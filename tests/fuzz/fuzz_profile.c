@@ -65,7 +65,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                 avgpipe_free(&ctx, c);
             }
         }
-        avgpipe_cost_model_free(&ctx, &m);
+        avgpipe_tune_cost_model_free(&ctx, &m);
     }
     avgpipe_profile_free(&ctx, &p);
     return 0;
