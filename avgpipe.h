@@ -9959,56 +9959,86 @@ static avgpipe_result avgpipe__profile_layers_check(avgpipe_context *ctx, const 
     return AVGPIPE_OK;
 }
 
+/* The profile's record kinds, one row each: the word that starts the line, whether an index follows it
+   ("stage 3 ...", "layer 7 ..."), and the parser of its key=value fields. */
+typedef struct avgpipe__pparse {
+    avgpipe_profile *p;
+    size_t ops_cap, sections_cap, layers_cap;
+} avgpipe__pparse;
+typedef avgpipe_result (*avgpipe__precord_fn)(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line);
+static avgpipe_result avgpipe__prec_shape(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                          const avgpipe__kv *kv, int n, int line) {
+    (void)idx, (void)idx_end;
+    return avgpipe__profile_shape(ctx, st->p, &st->sections_cap, kv, n, line);
+}
+static avgpipe_result avgpipe__prec_stage(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                          const avgpipe__kv *kv, int n, int line) {
+    return avgpipe__profile_stage(ctx, st->p, idx, idx_end, kv, n, line);
+}
+static avgpipe_result avgpipe__prec_op(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                       const avgpipe__kv *kv, int n, int line) {
+    (void)idx, (void)idx_end;
+    return avgpipe__profile_op(ctx, st->p, &st->ops_cap, kv, n, line);
+}
+static avgpipe_result avgpipe__prec_layer(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                          const avgpipe__kv *kv, int n, int line) {
+    return avgpipe__profile_layer(ctx, st->p, &st->layers_cap, idx, idx_end, kv, n, line);
+}
+static avgpipe_result avgpipe__prec_averaging(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                              const avgpipe__kv *kv, int n, int line) {
+    (void)idx, (void)idx_end;
+    return avgpipe__profile_averaging(ctx, st->p, kv, n, line);
+}
+static const struct avgpipe__precord {
+    const char *word;
+    int indexed;
+    avgpipe__precord_fn parse;
+} avgpipe__profile_records[] = {{"shape", 0, avgpipe__prec_shape},
+                                {"stage", 1, avgpipe__prec_stage},
+                                {"op", 0, avgpipe__prec_op},
+                                {"layer", 1, avgpipe__prec_layer},
+                                {"averaging", 0, avgpipe__prec_averaging}};
+
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
     const char *p, *end;
     int line = 0, have_header = 0;
-    size_t cap = 0, scap = 0, lcap = 0;
+    avgpipe__pparse st;
     avgpipe_result res = AVGPIPE_OK;
     if (!text || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_profile_parse: NULL argument");
     memset(out, 0, sizeof *out);
+    memset(&st, 0, sizeof st);
+    st.p = out;
     end = text + len;
     for (p = text; p < end && !res;) {
         const char *e = (const char *)memchr(p, '\n', (size_t)(end - p)), *w;
-        avgpipe__kv kv[16];
-        int n, bad;
-        char q[48];
+        const struct avgpipe__precord *rec = NULL;
+        size_t k;
         if (!e) e = end;
         line++;
         if (e > p && e[-1] == '\r') e--;
         w = p;
         while (w < e && !avgpipe__is_space(*w)) w++;
+        for (k = 0; k < sizeof avgpipe__profile_records / sizeof avgpipe__profile_records[0]; k++)
+            if (strlen(avgpipe__profile_records[k].word) == (size_t)(w - p) && memcmp(p, avgpipe__profile_records[k].word, (size_t)(w - p)) == 0)
+                rec = &avgpipe__profile_records[k];
         if (p == e || *p == '#') {
             if (line == 1 && (size_t)(e - p) >= 20 && memcmp(p, "# avgpipe profile v1", 20) == 0) have_header = 1;
-        } else if ((size_t)(w - p) == 5 && memcmp(p, "shape", 5) == 0) {
-            n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_shape(ctx, out, &scap, kv, n, line);
-        } else if ((size_t)(w - p) == 5 && memcmp(p, "stage", 5) == 0) {
-            const char *idx = w;
-            while (idx < e && avgpipe__is_space(*idx)) idx++;
-            w = idx;
-            while (w < e && !avgpipe__is_space(*w)) w++;
-            n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_stage(ctx, out, idx, w, kv, n, line);
-        } else if ((size_t)(w - p) == 2 && memcmp(p, "op", 2) == 0) {
-            n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_op(ctx, out, &cap, kv, n, line);
-        } else if ((size_t)(w - p) == 5 && memcmp(p, "layer", 5) == 0) {
-            const char *idx = w;
-            while (idx < e && avgpipe__is_space(*idx)) idx++;
-            w = idx;
-            while (w < e && !avgpipe__is_space(*w)) w++;
-            n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_layer(ctx, out, &lcap, idx, w, kv, n, line);
-        } else if ((size_t)(w - p) == 9 && memcmp(p, "averaging", 9) == 0) {
-            n = avgpipe__split_kv(w, e, kv, 16, &bad);
-            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
-                      : avgpipe__profile_averaging(ctx, out, kv, n, line);
-        } else {
+        } else if (!rec) {
+            char q[48];
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: unknown record '%s'", line, avgpipe__quote(p, (size_t)(w - p), q, sizeof q));
+        } else {
+            const char *idx = w;
+            avgpipe__kv kv[16];
+            int n, bad;
+            if (rec->indexed) { /* the index, then the fields */
+                while (idx < e && avgpipe__is_space(*idx)) idx++;
+                w = idx;
+                while (w < e && !avgpipe__is_space(*w)) w++;
+            }
+            n = avgpipe__split_kv(w, e, kv, 16, &bad);
+            res = bad ? avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: %s", line, avgpipe__kv_problem(bad))
+                      : rec->parse(ctx, &st, idx, w, kv, n, line);
         }
         if (line == 1 && !have_header && !res)
             res = avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line 1: expected '# avgpipe profile v1'");
