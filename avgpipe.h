@@ -314,6 +314,10 @@ typedef struct avgpipe_context {
 AVGPIPE_API avgpipe_result avgpipe_context_init(avgpipe_context *ctx, const avgpipe_context_desc *desc);
 /* The resolved description (what a zero field became). ctx may be NULL: the defaults. */
 AVGPIPE_API avgpipe_context_desc avgpipe_context_query(const avgpipe_context *ctx);
+/* desc with its defaults filled in, as avgpipe_context_init resolves them: no allocator -> the default
+   one (AVGPIPE_MALLOC / AVGPIPE_FREE), log_level 0 -> AVGPIPE_LOG_WARN; log stays as given (NULL: no
+   output). No validation (a half-set allocator is left as it is); desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_context_desc avgpipe_context_query_defaults(const avgpipe_context_desc *desc);
 /* The detail of the last failed call on ctx ("" if none). ctx NULL: this thread's buffer. */
 AVGPIPE_API const char *avgpipe_last_error(const avgpipe_context *ctx);
 /* The result code of the last failed call on ctx (AVGPIPE_OK if none). */
@@ -562,7 +566,12 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
    for STEP(i, t) on that stage. STEP(i, t) follows the last backward work of batch (i, t) on its
    stage at once, AVG(i, t) right after it (AVG for every N, so N = 1 with α = 0 is plain training). */
 
-/* Resolve defaults and check the shape; *out gets the resolved description. Errors name the field. */
+/* desc with its defaults filled in: pipes, rounds 0 -> 1; chunks 0 -> the kind's (2 for interleaved);
+   placement AUTO -> the kind's (LOOP with one chunk); advance -> 0 for a kind without it. No validation
+   (an unknown kind keeps its chunks and placement); desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_sched_desc avgpipe_sched_query_defaults(const avgpipe_sched_desc *desc);
+/* avgpipe_sched_query_defaults, then check the shape; *out gets the resolved description. Errors name
+   the field. */
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out);
 /* Generate the compute-only schedule (F, B, I, W, STEP, AVG) for desc. */
@@ -589,16 +598,22 @@ AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int ran
    costs and free transfers; whenever a rank is free it runs the first ready op in priority order,
    where a forward is ready only while the rank's in-flight micro-batches (forward done, backward
    not finished) stay under the cap. Backwards are taken oldest first, forwards in stream order.
-   Zero fields: priority {0} -> B (or I), F, W; cap NULL -> S - s (1F1B's memory);
-   cost 0 -> F 1, B 2, I 1, W 1 (AVGPIPE_ZERO: exactly 0).  kind of the output is CUSTOM. */
+   Zero fields: shape.pipes, shape.rounds -> 1; priority {0} -> B (or I), F, W; cap NULL -> S - s
+   (1F1B's memory); cost 0 -> F 1, B 2, I 1, W 1 (AVGPIPE_ZERO: exactly 0). The kind of the output is
+   CUSTOM, in loop placement. */
 typedef struct avgpipe_greedy_desc {
-    int stages, micro, pipes, rounds, continuous;
+    avgpipe_sched_desc shape;           /* stages, micro (required), pipes, rounds, continuous; kind is not
+                                           read; chunks 0 or 1, advance 0, placement AUTO or LOOP */
     int split_backward;                 /* 1: emit I and W instead of B */
     avgpipe_op_kind priority[3];        /* e.g. {I, F, W}; unset entries are filled in default order */
     const int *inflight_cap;            /* per stage, or NULL */
     int inflight_cap_all;               /* if > 0 and inflight_cap is NULL: the same cap everywhere */
     double cost_f, cost_b, cost_i, cost_w;
 } avgpipe_greedy_desc;
+/* desc with its defaults filled in (the zero fields above; priority: the given entries, then the
+   defaults in order, W only with split_backward; cost AVGPIPE_ZERO -> 0). No validation; desc may be NULL.
+   Thread-safe. */
+AVGPIPE_API avgpipe_greedy_desc avgpipe_greedy_query_defaults(const avgpipe_greedy_desc *desc);
 AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgpipe_greedy_desc *desc,
                                                 avgpipe_schedule *out);
 
@@ -642,6 +657,9 @@ typedef struct avgpipe_sim_desc {
     const double *stage_act_bytes; /* optional per stage */
     int record_events;          /* AVGPIPE_SIM_EVENTS_*: fill result.events (for the renderers); 0: none */
 } avgpipe_sim_desc;
+/* desc with its defaults filled in, as the simulator resolves them: cost[k] 0 -> the default above
+   (AVGPIPE_ZERO -> 0), micro_size 0 -> 1; every other field as given. desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_sim_desc avgpipe_sim_query_defaults(const avgpipe_sim_desc *desc);
 
 /* avgpipe_sim_desc.record_events. ALL: every op that is not IDLE and both ends of every transfer (what
    the Chrome trace and SVG renderers show, zero-length transfers as flows). TIMED: only the events that
@@ -704,6 +722,7 @@ typedef struct avgpipe_validate_report {
     int peak_stash[256];   /* per rank (first 256 ranks), from the replay */
 } avgpipe_validate_report;
 
+/* Zero flags run every check: zero is the value here, so there are no defaults to resolve. */
 typedef struct avgpipe_validate_desc {
     int skip_replay;  /* 1: static checks only */
     int skip_memory;  /* 1: do not compare peak stash with the memory model */
@@ -732,6 +751,9 @@ typedef struct avgpipe_render_desc {
     double px_per_unit; /* SVG: pixels per time unit; 0 -> fit 1200 px */
     const char *title;  /* optional */
 } avgpipe_render_desc;
+/* desc with its defaults filled in: width 0 -> 120, us_per_unit 0 -> 1000; px_per_unit stays 0 (its
+   default fits the timeline into 1200 px, so it depends on the events); desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_render_desc avgpipe_render_query_defaults(const avgpipe_render_desc *desc);
 
 AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgpipe_event *ev, size_t n,
                                                 int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
@@ -1349,10 +1371,11 @@ typedef struct avgpipe_run_desc {
     const size_t *param_count;         /* [G]: floats per stage partition (every stage, local or not) */
     const float *const *reference;     /* optional [G]: the reference's starting values (NULL entries for
                                           stages this process does not run); NULL -> pipeline 0's params */
-    /* Averaging: mode 0 -> MEAN, alpha 0 -> 0.1 (AVGPIPE_ZERO for exactly 0), momentum (ELASTIC). */
-    avgpipe_ea_mode ea_mode;
-    float alpha;
-    float momentum;
+    /* Averaging: mode (0 -> MEAN), alpha (0 -> 0.1, AVGPIPE_ZERO for exactly 0) and momentum (ELASTIC),
+       as avgpipe_ea_desc documents them (section 10). The run fills in the rest for each stage
+       partition (count, pipes, initial, device, stage, hold_every: leave them 0) and always guards
+       against non-finite models (no_finite_check must be 0). */
+    avgpipe_ea_desc averaging;
     int deterministic;    /* 1: each AVG waits for the previous round's reference (see above) */
     double timeout_s;     /* every wait; 0 -> 60 s */
     /* The comm backend over all D·S ranks. NULL: in-process threads (avgpipe_comm_local_create), which
@@ -1446,6 +1469,11 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
 /* ============================================================================================ */
 /* 16. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
 /* ============================================================================================ */
+/* desc with its defaults filled in, as avgpipe_run_create resolves them: sched as
+   avgpipe_sched_query_defaults; averaging as avgpipe_ea_query_defaults (mode, alpha); timeout_s 0 -> 60,
+   replicas 0 -> 1, average_every 0 -> 1, micro_samples 0 -> 1, window 0 -> 3; pointers, callbacks and
+   flags as given. No validation; desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_run_desc avgpipe_run_query_defaults(const avgpipe_run_desc *desc);
 /* Validate desc, build (or take) the schedule, lower it, check that every process agrees on it,
    allocate the local ranks' buffers and averaging, start their workers. Errors name the field (or,
    AVGPIPE_MISMATCH, the field other processes see differently). ctx must outlive the run. Collective:
@@ -1675,6 +1703,11 @@ typedef struct avgpipe_tune_desc {
     int chunks;                 /* V: the model's partitions per rank; 0 -> 1. V > 1: interleaved (M a
                                    multiple of the ranks), ZB-V, DualPipeV (V = 2), on nstages / V ranks */
 } avgpipe_tune_desc;
+/* desc with its defaults filled in, as avgpipe_tune_search resolves them: max_pipes 0 -> 4, rounds 0 ->
+   1, min_micro 0 -> 1, chunks 0 -> 1, kinds 0 -> the table's tuned kinds that hold `chunks` stages per
+   rank; max_advance stays 0 (its bound depends on M); the rest as given. No validation; desc may be
+   NULL. Thread-safe. */
+AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_desc *desc);
 
 typedef struct avgpipe_tune_candidate {
     avgpipe_sched_desc sched;   /* kind, stages, micro, pipes, advance, rounds, continuous */
@@ -1698,6 +1731,8 @@ typedef struct avgpipe_tune_split_desc {
     int (*keep)(const avgpipe_tune_candidate *c, void *user);
     void *keep_user;
 } avgpipe_tune_split_desc;
+/* desc with its defaults filled in (chunks 0 -> 1). No validation; desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_tune_split_desc avgpipe_tune_split_query_defaults(const avgpipe_tune_split_desc *desc);
 
 typedef struct avgpipe_tune_split_choice {
     int nparts;                  /* S·V */
@@ -1810,33 +1845,34 @@ static avgpipe_context *avgpipe__ctx(avgpipe_context *ctx) {
     return &avgpipe__tls_ctx;
 }
 
-AVGPIPE_API avgpipe_context_desc avgpipe_context_query(const avgpipe_context *ctx) {
+AVGPIPE_API avgpipe_context_desc avgpipe_context_query_defaults(const avgpipe_context_desc *desc) {
     avgpipe_context_desc d;
-    if (ctx) return ctx->desc;
-    memset(&d, 0, sizeof d);
-    d.allocator.alloc = avgpipe__default_alloc;
-    d.allocator.free = avgpipe__default_free;
-    d.log_level = AVGPIPE_LOG_WARN;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (!d.allocator.alloc && !d.allocator.free) {
+        d.allocator.alloc = avgpipe__default_alloc;
+        d.allocator.free = avgpipe__default_free;
+        d.allocator.user = NULL;
+    }
+    if (!d.log_level) d.log_level = AVGPIPE_LOG_WARN;
     return d;
 }
 
 AVGPIPE_API avgpipe_result avgpipe_context_init(avgpipe_context *ctx, const avgpipe_context_desc *desc) {
     if (!ctx) return AVGPIPE_INVALID_ARG;
     memset(ctx, 0, sizeof *ctx);
-    ctx->desc = avgpipe_context_query(NULL);
-    if (desc) {
-        if ((desc->allocator.alloc == NULL) != (desc->allocator.free == NULL)) {
-            snprintf(ctx->error, sizeof ctx->error,
-                     "avgpipe_context_init: allocator.alloc and allocator.free must be set together");
-            ctx->last_result = AVGPIPE_INVALID_ARG;
-            return AVGPIPE_INVALID_ARG;
-        }
-        if (desc->allocator.alloc) ctx->desc.allocator = desc->allocator;
-        ctx->desc.log = desc->log;
-        ctx->desc.log_user = desc->log_user;
-        if (desc->log_level) ctx->desc.log_level = desc->log_level;
+    ctx->desc = avgpipe_context_query_defaults(NULL);
+    if (desc && (desc->allocator.alloc == NULL) != (desc->allocator.free == NULL)) {
+        snprintf(ctx->error, sizeof ctx->error, "avgpipe_context_init: allocator.alloc and allocator.free must be set together");
+        ctx->last_result = AVGPIPE_INVALID_ARG;
+        return AVGPIPE_INVALID_ARG;
     }
+    ctx->desc = avgpipe_context_query_defaults(desc);
     return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_context_desc avgpipe_context_query(const avgpipe_context *ctx) {
+    return ctx ? ctx->desc : avgpipe_context_query_defaults(NULL);
 }
 
 AVGPIPE_API const char *avgpipe_last_error(const avgpipe_context *ctx) {
@@ -3134,6 +3170,22 @@ AVGPIPE_API avgpipe_result avgpipe_sched_save(avgpipe_context *ctx, const avgpip
 
 /* --- 4. Generators ---------------------------------------------------------------------------- */
 
+AVGPIPE_API avgpipe_sched_desc avgpipe_sched_query_defaults(const avgpipe_sched_desc *desc) {
+    const avgpipe_sched_kind_info *info;
+    avgpipe_sched_desc d;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (d.pipes == 0) d.pipes = 1;
+    if (d.rounds == 0) d.rounds = 1;
+    info = d.kind > AVGPIPE_SCHED_CUSTOM ? avgpipe_sched_kind_query(d.kind) : NULL;
+    if (!info) return d;
+    if (d.chunks == 0) d.chunks = info->chunks ? info->chunks : 2;
+    if ((int)d.placement >= 0 && d.placement < AVGPIPE_PLACE_CUSTOM) d.placement = avgpipe__placement_of(d.kind, d.placement);
+    if (d.chunks == 1 && d.placement != AVGPIPE_PLACE_CUSTOM) d.placement = AVGPIPE_PLACE_LOOP; /* one stage per rank: the placements agree */
+    if (!info->advance) d.advance = 0;
+    return d;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                  avgpipe_sched_desc *out) {
     const avgpipe_sched_kind_info *info;
@@ -3158,12 +3210,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "placement: generators place stages by a named placement (loop, v); "
                                                        "set a custom map on the schedule (avgpipe_sched_set_place)");
     info = avgpipe_sched_kind_query(d.kind); /* the kind's row: what follows is read from it */
-    if (d.pipes == 0) d.pipes = 1;
-    if (d.rounds == 0) d.rounds = 1;
-    if (d.chunks == 0) d.chunks = info->chunks ? info->chunks : 2;
-    d.placement = avgpipe__placement_of(d.kind, d.placement);
-    if (d.chunks == 1) d.placement = AVGPIPE_PLACE_LOOP; /* one stage per rank: the placements agree */
-    if (!info->advance) d.advance = 0;
+    d = avgpipe_sched_query_defaults(&d);
     if (info->chunks == 1 && d.chunks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: %d chunks per rank need a kind that holds several (%s takes 1)",
                              d.chunks, info->name);
@@ -3596,75 +3643,91 @@ typedef struct avgpipe__gstage {
     int waiting, done;
 } avgpipe__gstage;
 
-static avgpipe_result avgpipe__greedy_check(avgpipe_context *ctx, const avgpipe_greedy_desc *g) {
-    int i;
-    if (g->stages < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: must be >= 1 (got %d)", g->stages);
-    if (g->micro < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: must be >= 1 (got %d)", g->micro);
-    if (g->pipes < 0 || g->pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "pipes: must be in 1..32767 (got %d)", g->pipes);
-    if (g->rounds < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "rounds: must be >= 1 (got %d)", g->rounds);
-    if (g->stages > AVGPIPE__MAX_STAGES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: at most %d", AVGPIPE__MAX_STAGES);
-    if (!avgpipe__zero_ok(g->cost_f) || !avgpipe__zero_ok(g->cost_b) || !avgpipe__zero_ok(g->cost_i) || !avgpipe__zero_ok(g->cost_w))
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost: op costs must be >= 0 (or AVGPIPE_ZERO)");
-    for (i = 0; i < 3; i++) {
-        int k = g->priority[i];
-        if (k != 0 && k != AVGPIPE_OP_F && k != AVGPIPE_OP_B && k != AVGPIPE_OP_I && k != AVGPIPE_OP_W)
-            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "priority: entry %d is not F, B, I or W", i);
-    }
-    if (g->inflight_cap)
-        for (i = 0; i < g->stages; i++)
-            if (g->inflight_cap[i] < 1)
-                return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "inflight_cap: stage %d has cap %d (must be >= 1)", i,
-                                     g->inflight_cap[i]);
-    return AVGPIPE_OK;
-}
-
-static avgpipe_result avgpipe__greedy_run(avgpipe_context *ctx, const avgpipe_greedy_desc *gin, avgpipe_schedule *out) {
-    avgpipe_greedy_desc g = *gin;
-    avgpipe_sched_desc d;
-    avgpipe__gstage *st = NULL;
-    double *fend = NULL, *bend = NULL, cost[4];
-    int *bfin = NULL, prio[3], np = 0, i, S, split;
-    long long Tall, batches;
-    avgpipe_result res;
-    memset(out, 0, sizeof *out);
-    res = avgpipe__greedy_check(ctx, &g);
-    if (res) return res;
-    if (!g.pipes) g.pipes = 1;
-    if (!g.rounds) g.rounds = 1;
+AVGPIPE_API avgpipe_greedy_desc avgpipe_greedy_query_defaults(const avgpipe_greedy_desc *desc) {
+    static const avgpipe_op_kind defaults[3] = {AVGPIPE_OP_B, AVGPIPE_OP_F, AVGPIPE_OP_W};
+    avgpipe_greedy_desc g;
+    int prio[3], np = 0, i, j, split;
+    if (desc) g = *desc;
+    else memset(&g, 0, sizeof g);
+    if (!g.shape.pipes) g.shape.pipes = 1;
+    if (!g.shape.rounds) g.shape.rounds = 1;
+    if (!g.shape.chunks) g.shape.chunks = 1;
     g.cost_f = avgpipe__or_default(g.cost_f, 1);
     g.cost_b = avgpipe__or_default(g.cost_b, 2);
     g.cost_i = avgpipe__or_default(g.cost_i, 1);
     g.cost_w = avgpipe__or_default(g.cost_w, 1);
-    S = g.stages;
     split = g.split_backward != 0;
     /* priority list: given entries first, the rest in default order; B and I mean "the backward" */
-    for (i = 0; i < 3; i++) {
-        int k = g.priority[i], j, seen = 0;
+    for (i = 0; i < 6; i++) {
+        int k = i < 3 ? (int)g.priority[i] : (int)defaults[i - 3], seen = 0;
         if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_I) k = AVGPIPE_OP_B;
         if (!k || (k == AVGPIPE_OP_W && !split)) continue;
         for (j = 0; j < np; j++) seen |= prio[j] == k;
         if (!seen) prio[np++] = k;
     }
-    {
-        static const int defaults[3] = {AVGPIPE_OP_B, AVGPIPE_OP_F, AVGPIPE_OP_W};
-        for (i = 0; i < 3; i++) {
-            int j, seen = 0;
-            if (defaults[i] == AVGPIPE_OP_W && !split) continue;
-            for (j = 0; j < np; j++) seen |= prio[j] == defaults[i];
-            if (!seen) prio[np++] = defaults[i];
-        }
+    for (i = 0; i < 3; i++)
+        g.priority[i] = (avgpipe_op_kind)(i >= np ? 0 : prio[i] == AVGPIPE_OP_B && split ? AVGPIPE_OP_I : prio[i]);
+    return g;
+}
+
+static avgpipe_result avgpipe__greedy_check(avgpipe_context *ctx, const avgpipe_greedy_desc *desc) {
+    const avgpipe_sched_desc *g = &desc->shape;
+    int i;
+    if (g->stages < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.stages: must be >= 1 (got %d)", g->stages);
+    if (g->micro < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.micro: must be >= 1 (got %d)", g->micro);
+    if (g->pipes < 0 || g->pipes > 32767) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.pipes: must be in 1..32767 (got %d)", g->pipes);
+    if (g->rounds < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.rounds: must be >= 1 (got %d)", g->rounds);
+    if (g->stages > AVGPIPE__MAX_STAGES) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.stages: at most %d", AVGPIPE__MAX_STAGES);
+    if (g->chunks < 0 || g->chunks > 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.chunks: the greedy scheduler places one stage per rank (got %d)", g->chunks);
+    if (g->advance != 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.advance: not used by the greedy scheduler (got %d; use inflight_cap)", g->advance);
+    if (g->continuous != 0 && g->continuous != 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.continuous: must be 0 or 1 (got %d)", g->continuous);
+    if (g->placement != AVGPIPE_PLACE_AUTO && g->placement != AVGPIPE_PLACE_LOOP)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "shape.placement: the greedy scheduler places stages in a loop (got %s)",
+                             (int)g->placement >= 0 && g->placement < AVGPIPE_PLACE_COUNT ? avgpipe_placement_name(g->placement) : "?");
+    if (!avgpipe__zero_ok(desc->cost_f) || !avgpipe__zero_ok(desc->cost_b) || !avgpipe__zero_ok(desc->cost_i) || !avgpipe__zero_ok(desc->cost_w))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cost: op costs must be >= 0 (or AVGPIPE_ZERO)");
+    for (i = 0; i < 3; i++) {
+        int k = desc->priority[i];
+        if (k != 0 && k != AVGPIPE_OP_F && k != AVGPIPE_OP_B && k != AVGPIPE_OP_I && k != AVGPIPE_OP_W)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "priority: entry %d is not F, B, I or W", i);
     }
+    if (desc->inflight_cap)
+        for (i = 0; i < g->stages; i++)
+            if (desc->inflight_cap[i] < 1)
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "inflight_cap: stage %d has cap %d (must be >= 1)", i,
+                                     desc->inflight_cap[i]);
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__greedy_run(avgpipe_context *ctx, const avgpipe_greedy_desc *gin, avgpipe_schedule *out) {
+    avgpipe_greedy_desc g;
+    avgpipe_sched_desc d;
+    avgpipe__gstage *st = NULL;
+    double *fend = NULL, *bend = NULL, cost[4];
+    int *bfin = NULL, prio[3], np, i, S, split;
+    long long Tall, batches;
+    avgpipe_result res;
+    memset(out, 0, sizeof *out);
+    res = avgpipe__greedy_check(ctx, gin);
+    if (res) return res;
+    g = avgpipe_greedy_query_defaults(gin);
+    S = g.shape.stages;
+    split = g.split_backward != 0;
+    for (np = 0; np < 3 && g.priority[np]; np++) /* B and I mean "the backward" */
+        prio[np] = g.priority[np] == AVGPIPE_OP_I ? AVGPIPE_OP_B : (int)g.priority[np];
     memset(&d, 0, sizeof d);
     d.kind = AVGPIPE_SCHED_1F1B;
     d.stages = S;
-    d.micro = g.micro;
-    d.pipes = g.pipes;
-    d.rounds = g.rounds;
+    d.micro = g.shape.micro;
+    d.pipes = g.shape.pipes;
+    d.rounds = g.shape.rounds;
     d.chunks = 1;
-    d.continuous = g.continuous != 0;
-    Tall = (long long)g.rounds * g.pipes * g.micro;
-    batches = (long long)g.rounds * g.pipes;
-    if ((double)S * g.rounds * g.pipes * g.micro * 4 > (double)AVGPIPE__MAX_OPS)
+    d.continuous = g.shape.continuous != 0;
+    Tall = (long long)g.shape.rounds * g.shape.pipes * g.shape.micro;
+    batches = (long long)g.shape.rounds * g.shape.pipes;
+    if ((double)S * g.shape.rounds * g.shape.pipes * g.shape.micro * 4 > (double)AVGPIPE__MAX_OPS)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "micro: stages x pipes x micro x rounds is too large");
     res = avgpipe__shape_sched(ctx, &d, out);
     if (res) return res;
@@ -4039,6 +4102,16 @@ typedef struct avgpipe__sim {
 
 static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
+AVGPIPE_API avgpipe_sim_desc avgpipe_sim_query_defaults(const avgpipe_sim_desc *desc) {
+    avgpipe_sim_desc d;
+    int k;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) d.cost[k] = avgpipe__or_default(d.cost[k], avgpipe__default_cost[k]);
+    if (!(d.micro_size > 0)) d.micro_size = 1;
+    return d;
+}
+
 static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
     const avgpipe_sim_desc *d = m->d;
     double c;
@@ -4046,10 +4119,10 @@ static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
     if (d->cost_fn) return d->cost_fn(op, d->cost_user);
     if (d->stage_cost) c = d->stage_cost[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
     else {
-        c = avgpipe__or_default(d->cost[op->kind], avgpipe__default_cost[op->kind]);
+        c = d->cost[op->kind]; /* resolved: avgpipe_sim_query_defaults */
     }
     if (c < 0) c = 0;
-    if (d->scale_by_micro_size && avgpipe__is_compute(op->kind)) c *= d->micro_size > 0 ? d->micro_size : 1;
+    if (d->scale_by_micro_size && avgpipe__is_compute(op->kind)) c *= d->micro_size;
     return c;
 }
 
@@ -4301,7 +4374,7 @@ AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_s
 /* stuck (optional) gets the rank and position of the first stuck op after a deadlock. */
 static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
                                         avgpipe_sim_result *out, int *stuck) {
-    avgpipe_sim_desc zero;
+    avgpipe_sim_desc zero, resolved;
     avgpipe__sim m;
     avgpipe_result res;
     size_t cells;
@@ -4335,6 +4408,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         avgpipe_sched_free(ctx, &low); /* nothing crosses ranks: blocking changes nothing */
     }
     memset(&m, 0, sizeof m);
+    resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
     res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U);
@@ -4344,7 +4418,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     }
     m.ctx = ctx;
     m.s = s;
-    m.d = desc;
+    m.d = &resolved;
     m.res = out;
     m.S = s->nranks;
     m.G = s->nstages;
@@ -5301,6 +5375,15 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
 
 /* --- 8. Rendering ----------------------------------------------------------------------------- */
 
+AVGPIPE_API avgpipe_render_desc avgpipe_render_query_defaults(const avgpipe_render_desc *desc) {
+    avgpipe_render_desc d;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (d.width <= 0) d.width = 120; /* a negative width is taken as the default too */
+    if (!(d.us_per_unit > 0)) d.us_per_unit = 1000;
+    return d;
+}
+
 /* "F3", or "Fb3" (pipeline b = 1, micro-batch 3) when the events span several pipelines. */
 /* The kind part of an op's label. */
 static const char *avgpipe__label_kind(const avgpipe_op *op) {
@@ -5388,7 +5471,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_ascii(avgpipe_context *ctx, const avgp
                                                 const avgpipe_render_desc *desc, avgpipe_buf *out) {
     avgpipe__span sp;
     avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
-    int width = desc && desc->width > 0 ? desc->width : 120, r, ok = 1, lanes;
+    int width = avgpipe_render_query_defaults(desc).width, r, ok = 1, lanes;
     double scale;
     char *row, *grid = NULL;
     if (res) return res;
@@ -5453,7 +5536,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_chrome(avgpipe_context *ctx, const avg
                                                  const avgpipe_render_desc *desc, avgpipe_buf *out) {
     avgpipe__span sp;
     avgpipe_result res = avgpipe__render_check(ctx, ev, n, nranks, out, &sp);
-    double us = desc && desc->us_per_unit > 0 ? desc->us_per_unit : 1000;
+    double us = avgpipe_render_query_defaults(desc).us_per_unit;
     int r, t, ok = 1;
     size_t i;
     if (res) return res;
@@ -8486,7 +8569,7 @@ static avgpipe_result avgpipe__ctl_allgather(avgpipe_run *run, const unsigned ch
 static const char *const avgpipe__fp_names[AVGPIPE__FP_FIELDS] = {
     "protocol", "comm.size", "replicas", "average_every", "schedule (given or generated)", "sched.kind", "sched.stages",
     "sched.chunks", "sched.micro", "sched.pipes", "sched.rounds", "sched.advance (K)", "sched.continuous", "adaptive", "window",
-    "mem_limit", "ea_mode", "alpha", "momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
+    "mem_limit", "averaging.mode", "averaging.alpha", "averaging.momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
     "the lowered schedule (its ops)", "stage partitions (G)", "placement (the rank of each stage)"};
 
 static uint64_t avgpipe__fnv(uint64_t h, const void *p, size_t n) {
@@ -8521,9 +8604,9 @@ static void avgpipe__fingerprint(const avgpipe_run *run, int64_t *f) {
     f[i++] = run->d.adaptive;
     f[i++] = run->d.window;
     f[i++] = avgpipe__bits(run->d.mem_limit);
-    f[i++] = run->d.ea_mode ? run->d.ea_mode : AVGPIPE_EA_MEAN;
-    f[i++] = avgpipe__bits(avgpipe__or_default(run->d.alpha, 0.1));
-    f[i++] = avgpipe__bits(run->d.momentum);
+    f[i++] = run->d.averaging.mode ? run->d.averaging.mode : AVGPIPE_EA_MEAN;
+    f[i++] = avgpipe__bits(avgpipe__or_default(run->d.averaging.alpha, 0.1));
+    f[i++] = avgpipe__bits(run->d.averaging.momentum);
     f[i++] = run->d.deterministic;
     f[i++] = (int64_t)avgpipe__fnv(h, run->act, (size_t)run->G * sizeof(size_t));
     f[i++] = (int64_t)avgpipe__fnv(h, run->d.param_count, (size_t)run->G * sizeof(size_t));
@@ -8778,7 +8861,7 @@ static avgpipe_result avgpipe__ckpt_build(avgpipe_run *run, avgpipe__worker *w, 
     for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && ok && !res; j++) { /* each stage: rounds, z (z_prev), the N models */
         avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
         size_t count = run->d.param_count[g], n = count * sizeof(float);
-        int momentum = run->d.momentum != 0.0f;
+        int momentum = run->d.averaging.momentum != 0.0f;
         uint64_t rounds = 0;
         unsigned char sh[16];
         size_t at = b->len + 16;
@@ -8990,7 +9073,7 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
         if (tag == AVGPIPE__CK_RUN) out->run_rec = q + 16, out->run_len = (size_t)n, out->run_id = id;
         else if (tag == AVGPIPE__CK_USER) out->user = q + 16, out->user_len = (size_t)n;
         else if (tag == AVGPIPE__CK_STAGE && (int)id < run->G && run->place[id] == w->srank && run->chunk[id] < 64) {
-            size_t count = run->d.param_count[id], want = 16 + count * sizeof(float) * (size_t)(1 + (run->d.momentum != 0.0f) + run->N);
+            size_t count = run->d.param_count[id], want = 16 + count * sizeof(float) * (size_t)(1 + (run->d.averaging.momentum != 0.0f) + run->N);
             if (n != want || avgpipe__get_u64(q + 24) != count)
                 return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s': stage %u holds another number of parameters", path, id);
             out->stage[run->chunk[id]] = q + 16;
@@ -9008,7 +9091,7 @@ static avgpipe_result avgpipe__ckpt_read(avgpipe_run *run, const char *dir, avgp
 static avgpipe_result avgpipe__ckpt_apply(avgpipe_run *run, avgpipe__worker *w, const avgpipe__ckpt_file *f) {
     avgpipe_context *ctx = run->ctx;
     avgpipe_result res = AVGPIPE_OK;
-    int g, p, j, momentum = run->d.momentum != 0.0f;
+    int g, p, j, momentum = run->d.averaging.momentum != 0.0f;
     for (j = run->roff[w->srank]; j < run->roff[w->srank + 1] && !res; j++) {
         const unsigned char *q = f->stage[j - run->roff[w->srank]];
         avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g = run->rst[j]);
@@ -9103,6 +9186,14 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
                 if (!avgpipe__run_params(run, run->w[k].replica, p, g))
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "params[%d]: NULL (replica %d, pipeline %d, stage %d, run by local rank %d)",
                                          (run->w[k].replica * run->N + p) * run->G + g, run->w[k].replica, p, g, run->w[k].rank);
+    {
+        const avgpipe_ea_desc *a = &d->averaging;
+        const char *set = a->count ? "count" : a->pipes ? "pipes" : a->initial ? "initial" : a->device ? "device" : a->stage ? "stage"
+                          : a->hold_every ? "hold_every" : a->no_finite_check ? "no_finite_check" : NULL;
+        if (set)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "averaging.%s: the run sets it for each stage partition%s (leave it 0)", set,
+                                 a->no_finite_check ? " and always guards against non-finite models" : "");
+    }
     if (avgpipe__nan(d->timeout_s) || d->timeout_s < 0 || avgpipe__nan(d->mem_limit) || d->mem_limit < 0 || d->window < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "timeout_s, mem_limit and window must be >= 0 (and not NaN)");
     if (d->adaptive && (d->schedule || d->sched.kind != AVGPIPE_SCHED_ADVANCE))
@@ -9193,9 +9284,9 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
             memset(&ed, 0, sizeof ed);
             ed.count = run->d.param_count[g];
             ed.pipes = run->N;
-            ed.mode = run->d.ea_mode;
-            ed.alpha = run->d.alpha;
-            ed.momentum = run->d.momentum;
+            ed.mode = run->d.averaging.mode;
+            ed.alpha = run->d.averaging.alpha;
+            ed.momentum = run->d.averaging.momentum;
             ed.initial = run->d.reference && run->d.reference[g] ? run->d.reference[g] : avgpipe__run_params(run, run->w[k].replica, 0, g);
             ed.device = &run->dev;
             ed.stage = g;
@@ -9277,6 +9368,20 @@ static avgpipe_result avgpipe__run_shape(avgpipe_context *ctx, avgpipe_run *run)
     return AVGPIPE_OK;
 }
 
+AVGPIPE_API avgpipe_run_desc avgpipe_run_query_defaults(const avgpipe_run_desc *desc) {
+    avgpipe_run_desc d;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    d.sched = avgpipe_sched_query_defaults(&d.sched);
+    d.averaging = avgpipe_ea_query_defaults(&d.averaging);
+    if (d.timeout_s == 0) d.timeout_s = 60;
+    if (d.replicas == 0) d.replicas = 1;
+    if (d.average_every == 0) d.average_every = 1;
+    if (d.micro_samples == 0) d.micro_samples = 1;
+    if (d.window == 0) d.window = 3;
+    return d;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpipe_run_desc *desc, avgpipe_run **out) {
     avgpipe_run *run;
     avgpipe_result res;
@@ -9286,7 +9391,9 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     run = (avgpipe_run *)avgpipe__calloc(ctx, 1, sizeof *run);
     if (!run) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
     run->ctx = ctx;
-    run->d = *desc;
+    run->d = avgpipe_run_query_defaults(desc);
+    run->d.sched = desc->sched;         /* resolved and checked with the run's shape (avgpipe_sched_resolve) */
+    run->d.averaging = desc->averaging; /* each averaging module resolves its own (AVGPIPE_ZERO reaches it) */
     pthread_mutex_init(&run->mu, NULL);
     pthread_cond_init(&run->cv, NULL);
     if (desc->schedule) { /* the run's own copy: the caller may free theirs after create */
@@ -9298,8 +9405,6 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
         }
         run->d.schedule = &run->given;
     }
-    if (run->d.timeout_s == 0) run->d.timeout_s = 60;
-    if (run->d.window == 0) run->d.window = 3;
     res = avgpipe__run_shape(ctx, run);
     if (!res) res = avgpipe__run_locals(ctx, run);
     if (!res) res = avgpipe__run_check(ctx, run);
@@ -9526,9 +9631,9 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
     memset(&ed, 0, sizeof ed);
     ed.count = count;
     ed.pipes = N;
-    ed.mode = d->ea_mode;
-    ed.alpha = d->alpha;
-    ed.momentum = d->momentum;
+    ed.mode = d->averaging.mode;
+    ed.alpha = d->averaging.alpha;
+    ed.momentum = d->averaging.momentum;
     ed.device = d->device;
     return avgpipe_ea_memory_bytes(ctx, &ed, &mi) == AVGPIPE_OK ? (double)mi.device_bytes : -1;
 }
@@ -10696,6 +10801,35 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
    partitions per rank V: a kind runs when it holds V stages per rank (interleaved any V > 1, the others
    their own count). A kind asked for by name that cannot hold V is refused, naming it: the search never
    drops what it was asked for without a word. */
+/* Whether kind k holds V stages per rank (interleaved with V = 1 is 1F1B). */
+static int avgpipe__kind_holds(int k, int V) {
+    const avgpipe_sched_kind_info *info = &avgpipe__kinds[k];
+    return info->chunks ? info->chunks == V : V > 1;
+}
+
+AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_desc *desc) {
+    avgpipe_tune_desc d;
+    int k;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (!d.max_pipes) d.max_pipes = 4;
+    if (!d.rounds) d.rounds = 1;
+    if (!d.min_micro) d.min_micro = 1;
+    if (!d.chunks) d.chunks = 1;
+    if (!d.kinds)
+        for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++)
+            if (avgpipe__kinds[k].tuned && avgpipe__kind_holds(k, d.chunks)) d.kinds |= 1u << k;
+    return d;
+}
+
+AVGPIPE_API avgpipe_tune_split_desc avgpipe_tune_split_query_defaults(const avgpipe_tune_split_desc *desc) {
+    avgpipe_tune_split_desc d;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (!d.chunks) d.chunks = 1;
+    return d;
+}
+
 static avgpipe_result avgpipe__tune_kinds(avgpipe_context *ctx, const avgpipe_tune_desc *td, int V, unsigned *out) {
     unsigned kinds = 0;
     int k;
@@ -10703,7 +10837,7 @@ static avgpipe_result avgpipe__tune_kinds(avgpipe_context *ctx, const avgpipe_tu
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "kinds: 0x%x names no generator kind (bits 1 .. %d)", td->kinds, AVGPIPE_SCHED_KIND_COUNT - 1);
     for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++) {
         const avgpipe_sched_kind_info *info = &avgpipe__kinds[k];
-        int holds = info->chunks ? info->chunks == V : V > 1; /* interleaved with V = 1 is 1F1B */
+        int holds = avgpipe__kind_holds(k, V);
         if (td->kinds ? !(td->kinds & (1u << k)) : !info->tuned) continue;
         if (holds) kinds |= 1u << k;
         else if (td->kinds)
@@ -10734,12 +10868,11 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
         td.chunks < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "max_pipes, rounds, max_advance, min_micro, mem_limit, opt_bytes_per_param, chunks: must be >= 0");
-    V = td.chunks ? td.chunks : 1;
+    td = avgpipe_tune_query_defaults(&td);
+    td.kinds = desc->kinds; /* checked below against V, naming a kind asked for that cannot hold it */
+    V = td.chunks;
     if (m->nstages % V)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "chunks: the model's %d partitions are not a multiple of %d chunks", m->nstages, V);
-    if (!td.max_pipes) td.max_pipes = 4;
-    if (!td.rounds) td.rounds = 1;
-    if (!td.min_micro) td.min_micro = 1;
     if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
     if ((res = avgpipe__tune_kinds(ctx, &td, V, &kinds)) != AVGPIPE_OK) return res;
     S = m->nstages / V;
@@ -10906,7 +11039,7 @@ static avgpipe_result avgpipe__split_search(avgpipe_context *ctx, const avgpipe_
     avgpipe_cost_model sm;
     avgpipe_tune_candidate *c = NULL;
     int n = 0, i;
-    avgpipe_result res = avgpipe_tune_split_model(ctx, m, split, pd->stages * (pd->chunks ? pd->chunks : 1), &sm);
+    avgpipe_result res = avgpipe_tune_split_model(ctx, m, split, pd->stages * avgpipe_tune_split_query_defaults(pd).chunks, &sm);
     *found = *any = 0;
     if (res) return res;
     res = avgpipe_tune_search(ctx, &sm, td, &c, &n);
@@ -10939,7 +11072,8 @@ static avgpipe_result avgpipe__split_check(avgpipe_context *ctx, const avgpipe_c
     if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: the model has no layer costs ('layer' lines)");
     if (pd->stages < 1 || pd->chunks < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages, chunks: stages >= 1, chunks >= 0");
     if (desc->batch < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "batch: must be >= 1 (got %d)", desc->batch);
-    *P = pd->stages * (pd->chunks ? pd->chunks : 1);
+    if (desc->max_pipes < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "max_pipes: must be >= 0 (got %d)", desc->max_pipes);
+    *P = pd->stages * avgpipe_tune_split_query_defaults(pd).chunks;
     if (*P > m->nlayers)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: %d partitions (stages x chunks) for a model of %d layers", *P, m->nlayers);
     c = avgpipe__choose(m->nlayers - 1, *P - 1);
@@ -10978,15 +11112,16 @@ AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const
     if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: NULL argument");
     memset(out, 0, sizeof *out);
     if ((res = avgpipe__split_check(ctx, m, desc, pd, &P, &count)) != AVGPIPE_OK) return res;
-    td = *desc;
-    td.chunks = pd->chunks;
+    td = avgpipe_tune_query_defaults(desc);
+    td.chunks = avgpipe_tune_split_query_defaults(pd).chunks;
+    td.kinds = desc->kinds; /* resolved against the split's chunks (avgpipe__tune_kinds) */
     splits = (int *)avgpipe_alloc(ctx, (size_t)count * (size_t)P * sizeof *splits);
     items = (avgpipe__plan_item *)avgpipe_alloc(ctx, (size_t)count * sizeof *items);
     out->split = (int *)avgpipe_alloc(ctx, (size_t)P * sizeof *out->split);
     if (!splits || !items || !out->split) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_choose_split: out of memory");
-    if (!res) res = avgpipe__tune_kinds(ctx, &td, pd->chunks ? pd->chunks : 1, &kinds);
-    if (!res) /* max_pipes: 0 -> 4, as avgpipe_tune_search resolves it */
-        res = avgpipe__split_enumerate(ctx, m, pd->stages, P, (double)desc->batch, desc->max_pipes > 0 ? desc->max_pipes : 4, kinds, splits,
+    if (!res) res = avgpipe__tune_kinds(ctx, &td, td.chunks, &kinds);
+    if (!res)
+        res = avgpipe__split_enumerate(ctx, m, pd->stages, P, (double)desc->batch, td.max_pipes, kinds, splits,
                                       items, count);
     if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_split_item);
     for (k = 0; !res && k < count; k++) {

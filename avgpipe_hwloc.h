@@ -207,6 +207,9 @@ typedef struct avgpipe_hwloc_topo_desc {
     int is_this_system;
 } avgpipe_hwloc_topo_desc;
 
+/* desc with its defaults filled in (xml_len 0 -> strlen(xml) when xml is given; the NULLs above mean
+   what they say). No validation; desc may be NULL. Thread-safe. */
+AVGPIPE_API avgpipe_hwloc_topo_desc avgpipe_hwloc_topo_query_defaults(const avgpipe_hwloc_topo_desc *desc);
 /* Load a topology (desc may be NULL: this machine). Errors: AVGPIPE_INVALID_ARG (both xml_path and xml),
    AVGPIPE_IO_ERROR (the file cannot be read), AVGPIPE_PARSE_ERROR (hwloc refuses the XML),
    AVGPIPE_BACKEND_ERROR (hwloc cannot discover this machine), AVGPIPE_OUT_OF_MEMORY; the detail names
@@ -234,7 +237,9 @@ typedef enum avgpipe_hwloc_bind_mode {
             GPU: a PCI bus id ("0000:3b:00.0", "3b:00.0") or a CUDA ordinal ("2", "cuda2")
      bind   AVGPIPE_HWLOC_BIND_AUTO
      cpus   NULL -> the allowed cpus, narrowed on this machine to the process's binding; else plan over
-            these OS cpus only (hwloc's list syntax, "0-15,32-47")                                      */
+            these OS cpus only (hwloc's list syntax, "0-15,32-47")
+   (Nothing here has a value to fill in, so there is no query_defaults: avgpipe_hwloc_placement_query
+   says what a placement resolved.)                                                                   */
 typedef struct avgpipe_hwloc_placement_desc {
     int count;
     const int *ranks;
@@ -387,6 +392,14 @@ struct avgpipe_hwloc_placement {
 
 /* ---- topology ----------------------------------------------------------------------------------- */
 
+AVGPIPE_API avgpipe_hwloc_topo_desc avgpipe_hwloc_topo_query_defaults(const avgpipe_hwloc_topo_desc *desc) {
+    avgpipe_hwloc_topo_desc d;
+    if (desc) d = *desc;
+    else memset(&d, 0, sizeof d);
+    if (d.xml && !d.xml_len) d.xml_len = strlen(d.xml);
+    return d;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_hwloc_topo_load(avgpipe_context *ctx, const avgpipe_hwloc_topo_desc *desc,
                                                    avgpipe_hwloc_topo **out) {
     avgpipe_hwloc_topo_desc d;
@@ -395,11 +408,9 @@ AVGPIPE_API avgpipe_result avgpipe_hwloc_topo_load(avgpipe_context *ctx, const a
     int err;
     if (!out) return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_topo_load: out is NULL");
     *out = NULL;
-    memset(&d, 0, sizeof d);
-    if (desc) d = *desc;
+    d = avgpipe_hwloc_topo_query_defaults(desc);
     if (d.xml_path && d.xml)
         return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_topo_load: give xml_path or xml, not both");
-    if (d.xml && !d.xml_len) d.xml_len = strlen(d.xml);
     if (d.xml && d.xml_len > (size_t)0x7ffffffe)
         return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_hwloc_topo_load: xml_len %zu is over 2 GiB", d.xml_len);
     if (d.xml_path) {

@@ -60,7 +60,7 @@ int main(int argc, char **argv) {
     d.sched.micro = M;
     d.cb.forward = empty_op, d.cb.backward = empty_op, d.cb.step = empty_step;
     d.act_bytes = act, d.params = params, d.param_count = pc;
-    d.alpha = AVGPIPE_ZERO;
+    d.averaging.alpha = AVGPIPE_ZERO;
     if (mpi) {
         if (avgpipe_mpi_init(&ctx, &argc, &argv) || avgpipe_mpi_create(&ctx, NULL, &comm)) {
             fprintf(stderr, "bench_mpi: %s\n", avgpipe_last_error(&ctx));

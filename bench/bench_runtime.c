@@ -106,7 +106,7 @@ static void overhead(int S, int M, int reps) {
     d.act_bytes = act;
     d.params = params;
     d.param_count = pc;
-    d.alpha = AVGPIPE_ZERO;
+    d.averaging.alpha = AVGPIPE_ZERO;
     if (avgpipe_run_create(&ctx, &d, &run)) die("avgpipe_run_create", &ctx);
     for (i = 0; i < 5; i++)
         if (avgpipe_run_iteration(run, &st)) die("iteration", &ctx);
@@ -220,7 +220,7 @@ static void case_create(sched_case *c, int S, int M, double delay) {
     c->d.act_bytes = c->act;
     c->d.params = c->params;
     c->d.param_count = c->pc;
-    c->d.alpha = AVGPIPE_ZERO;
+    c->d.averaging.alpha = AVGPIPE_ZERO;
     c->d.profile = 1;
     c->d.comm = &c->table;
     if (avgpipe_run_create(&c->ctx, &c->d, &c->run)) die(c->name, &c->ctx);

@@ -789,7 +789,7 @@ static avgpipe_run_desc make_run_desc(app *A) {
     d.act_bytes = A->act_bytes;
     d.params = (float *const *)A->params; /* device memory */
     d.param_count = A->model.count;
-    d.alpha = o->alpha == 0.0 ? AVGPIPE_ZERO : (float)o->alpha;
+    d.averaging.alpha = o->alpha == 0.0 ? AVGPIPE_ZERO : (float)o->alpha;
     d.deterministic = o->deterministic;
     d.profile = o->trace || o->profile;
     d.replicas = o->replicas;

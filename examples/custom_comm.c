@@ -549,7 +549,7 @@ static int train(const avgpipe_comm *comm, float w0[S][PMAX], result *out) {
     memset(grad, 0, sizeof grad);
     avgpipe_run_desc d = {.sched = {.kind = AVGPIPE_SCHED_ADVANCE, .stages = S, .micro = M, .pipes = N, .advance = 2},
                           .cb = {.forward = on_forward, .backward = on_backward, .step = on_step},
-                          .act_bytes = act, .params = params, .param_count = count, .alpha = 0.1f,
+                          .act_bytes = act, .params = params, .param_count = count, .averaging.alpha = 0.1f,
                           .deterministic = 1, .timeout_s = 10, .comm = comm};
     avgpipe_context ctx;
     avgpipe_run *run;

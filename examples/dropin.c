@@ -177,7 +177,7 @@ static int train_avgpipe(const float *const w0[LAYERS], avgpipe_sched_kind kind,
         .sched = {.kind = kind, .stages = LAYERS, .micro = M, .pipes = pipes, .advance = 2},
         .cb = {.forward = on_forward, .backward = on_backward, .step = on_step, .user = &t},
         .act_bytes = act, .params = params, .param_count = count,
-        .alpha = alpha == 0 ? AVGPIPE_ZERO : alpha, /* alpha = 0 exactly: no pull (0 would mean 0.1) */
+        .averaging.alpha = alpha == 0 ? AVGPIPE_ZERO : alpha, /* alpha = 0 exactly: no pull (0 would mean 0.1) */
         .deterministic = 1, .timeout_s = 10,
     };
     avgpipe_context ctx;

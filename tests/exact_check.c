@@ -217,7 +217,7 @@ static void runtime(void) {
     d.sched.stages = RUN_S, d.sched.micro = 4, d.sched.pipes = RUN_N;
     d.cb.forward = run_forward, d.cb.backward = run_backward, d.cb.step = run_step;
     d.act_bytes = act, d.params = params, d.param_count = count;
-    d.alpha = from_bits(0x3e99999au); /* 0.3 */
+    d.averaging.alpha = from_bits(0x3e99999au); /* 0.3 */
     d.deterministic = 1, d.timeout_s = 30;
     d.replicas = RUN_D;
     avgpipe_context_init(&ctx, NULL);

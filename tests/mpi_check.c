@@ -65,7 +65,7 @@ static void describe(setup *s, avgpipe_sched_kind kind, int S, int N, int D, int
     s->d.sched.kind = kind, s->d.sched.stages = S, s->d.sched.chunks = V, s->d.sched.micro = MICRO, s->d.sched.pipes = N;
     s->d.sched.rounds = ROUNDS, s->d.sched.advance = kind == AVGPIPE_SCHED_ADVANCE ? 2 : 0;
     s->d.replicas = D, s->d.average_every = H;
-    s->d.alpha = alpha == 0 ? AVGPIPE_ZERO : alpha;
+    s->d.averaging.alpha = alpha == 0 ? AVGPIPE_ZERO : alpha;
     s->d.deterministic = 1;
     s->d.timeout_s = 30;
 }

@@ -74,8 +74,8 @@ static void describe(setup *s, const shape *c) {
     s->d.sched.rounds = 2, s->d.sched.continuous = 1;
     s->d.adaptive = c->kind == AVGPIPE_SCHED_ADVANCE;
     s->d.window = 1;
-    s->d.alpha = c->N > 1 ? 0.3f : AVGPIPE_ZERO;
-    if (c->elastic) s->d.ea_mode = AVGPIPE_EA_ELASTIC, s->d.momentum = 0.5f;
+    s->d.averaging.alpha = c->N > 1 ? 0.3f : AVGPIPE_ZERO;
+    if (c->elastic) s->d.averaging.mode = AVGPIPE_EA_ELASTIC, s->d.averaging.momentum = 0.5f;
     s->d.deterministic = 1;
     s->d.cb.save_state = save_steps, s->d.cb.load_state = load_steps;
 }

@@ -309,7 +309,7 @@ static avgpipe_result exercise(avgpipe_context *ctx, int step) {
         break;
     case 4: /* greedy; import of a PyTorch-style file, validated */
         memset(&g, 0, sizeof g);
-        g.stages = 3, g.micro = 5, g.pipes = 2, g.rounds = 2, g.continuous = 1, g.split_backward = step & 1;
+        g.shape.stages = 3, g.shape.micro = 5, g.shape.pipes = 2, g.shape.rounds = 2, g.shape.continuous = 1, g.split_backward = step & 1;
         if ((res = avgpipe_sched_greedy(ctx, &g, &s))) return res;
         if ((res = avgpipe_sched_import(ctx, golden_like, sizeof golden_like - 1, &imp))) break;
         res = avgpipe_sched_validate(ctx, &imp, NULL, &rep);
@@ -372,4 +372,171 @@ Test(memory, allocation_failures_are_clean) {
             cr_assert_lt(k, 100000, "step %d never succeeds", step);
         }
     }
+}
+
+/* ---- every description's zero fields, as its query_defaults resolves them ------------------------ */
+
+/* Two schedules hold the same ops in the same order on every rank. */
+static int same_ops(const avgpipe_schedule *a, const avgpipe_schedule *b) {
+    int r;
+    if (a->nranks != b->nranks) return 0;
+    for (r = 0; r < a->nranks; r++)
+        if (a->len[r] != b->len[r] || memcmp(a->ops[r], b->ops[r], a->len[r] * sizeof(avgpipe_op)) != 0) return 0;
+    return 1;
+}
+
+Test(defaults, context) {
+    avgpipe_context_desc d, q;
+    memset(&d, 0, sizeof d);
+    q = avgpipe_context_query_defaults(&d);
+    cr_assert(q.allocator.alloc != NULL && q.allocator.free != NULL && q.log == NULL);
+    cr_assert_eq(q.log_level, AVGPIPE_LOG_WARN);
+    q = avgpipe_context_query_defaults(NULL);
+    cr_assert_eq(q.log_level, AVGPIPE_LOG_WARN);
+    d.log_level = AVGPIPE_LOG_DEBUG;
+    cr_assert_eq(avgpipe_context_query_defaults(&d).log_level, AVGPIPE_LOG_DEBUG, "a set field is kept");
+    { /* what init resolves is what the query says */
+        avgpipe_context ctx;
+        avgpipe_context_init(&ctx, &d);
+        q = avgpipe_context_query_defaults(&d);
+        cr_assert(q.allocator.alloc == ctx.desc.allocator.alloc && q.allocator.free == ctx.desc.allocator.free &&
+                  q.allocator.user == ctx.desc.allocator.user && q.log == ctx.desc.log && q.log_user == ctx.desc.log_user &&
+                  q.log_level == ctx.desc.log_level);
+    }
+}
+
+Test(defaults, sched) {
+    static const struct { avgpipe_sched_kind kind; int chunks; avgpipe_placement place; } want[] = {
+        {AVGPIPE_SCHED_AFAB, 1, AVGPIPE_PLACE_LOOP},        {AVGPIPE_SCHED_1F1B, 1, AVGPIPE_PLACE_LOOP},
+        {AVGPIPE_SCHED_ADVANCE, 1, AVGPIPE_PLACE_LOOP},     {AVGPIPE_SCHED_INTERLEAVED, 2, AVGPIPE_PLACE_LOOP},
+        {AVGPIPE_SCHED_ZBH1, 1, AVGPIPE_PLACE_LOOP},        {AVGPIPE_SCHED_ZBV, 2, AVGPIPE_PLACE_V},
+        {AVGPIPE_SCHED_DUALPIPEV, 2, AVGPIPE_PLACE_V}};
+    size_t i;
+    for (i = 0; i < sizeof want / sizeof want[0]; i++) {
+        avgpipe_sched_desc d, q, r;
+        avgpipe_schedule a, b;
+        memset(&d, 0, sizeof d);
+        d.kind = want[i].kind, d.stages = 2, d.micro = 4, d.advance = 1;
+        q = avgpipe_sched_query_defaults(&d);
+        cr_assert(q.pipes == 1 && q.rounds == 1, "%s", avgpipe_sched_kind_name(d.kind));
+        cr_assert_eq(q.chunks, want[i].chunks, "%s: chunks %d", avgpipe_sched_kind_name(d.kind), q.chunks);
+        cr_assert_eq(q.placement, want[i].place, "%s: placement %s", avgpipe_sched_kind_name(d.kind), avgpipe_placement_name(q.placement));
+        cr_assert_eq(q.advance, avgpipe_sched_kind_query(d.kind)->advance ? 1 : 0, "%s: advance %d", avgpipe_sched_kind_name(d.kind), q.advance);
+        cr_assert_eq(avgpipe_sched_resolve(NULL, &d, &r), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        cr_assert(q.kind == r.kind && q.stages == r.stages && q.micro == r.micro && q.pipes == r.pipes && q.chunks == r.chunks &&
+                      q.rounds == r.rounds && q.advance == r.advance && q.continuous == r.continuous && q.placement == r.placement,
+                  "%s: resolve and query_defaults differ", avgpipe_sched_kind_name(d.kind));
+        /* the resolved description is the same schedule as the zero one */
+        cr_assert_eq(avgpipe_sched_generate(NULL, &d, &a), AVGPIPE_OK);
+        cr_assert_eq(avgpipe_sched_generate(NULL, &q, &b), AVGPIPE_OK);
+        cr_assert(same_ops(&a, &b), "%s", avgpipe_sched_kind_name(d.kind));
+        avgpipe_sched_free(NULL, &a);
+        avgpipe_sched_free(NULL, &b);
+    }
+    cr_assert_eq(avgpipe_sched_query_defaults(NULL).pipes, 1);
+}
+
+Test(defaults, greedy) {
+    avgpipe_greedy_desc d, q;
+    avgpipe_schedule a, b;
+    memset(&d, 0, sizeof d);
+    d.shape.stages = 3, d.shape.micro = 4;
+    q = avgpipe_greedy_query_defaults(&d);
+    cr_assert(q.shape.pipes == 1 && q.shape.rounds == 1 && q.shape.chunks == 1);
+    cr_assert(q.cost_f == 1 && q.cost_b == 2 && q.cost_i == 1 && q.cost_w == 1, "%g %g %g %g", q.cost_f, q.cost_b, q.cost_i, q.cost_w);
+    cr_assert(q.priority[0] == AVGPIPE_OP_B && q.priority[1] == AVGPIPE_OP_F && q.priority[2] == 0, "%d %d %d", q.priority[0],
+              q.priority[1], q.priority[2]);
+    cr_assert_eq(avgpipe_sched_greedy(NULL, &d, &a), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe_sched_greedy(NULL, &q, &b), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    cr_assert(same_ops(&a, &b), "the resolved description gives another schedule");
+    avgpipe_sched_free(NULL, &a);
+    avgpipe_sched_free(NULL, &b);
+    d.split_backward = 1, d.priority[0] = AVGPIPE_OP_W, d.cost_w = AVGPIPE_ZERO;
+    q = avgpipe_greedy_query_defaults(&d);
+    cr_assert(q.priority[0] == AVGPIPE_OP_W && q.priority[1] == AVGPIPE_OP_I && q.priority[2] == AVGPIPE_OP_F, "%d %d %d", q.priority[0],
+              q.priority[1], q.priority[2]);
+    cr_assert_eq(q.cost_w, 0.0, "AVGPIPE_ZERO resolves to 0");
+    d.shape.chunks = 2;
+    cr_assert_eq(avgpipe_sched_greedy(NULL, &d, &a), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(NULL), "shape.chunks") != NULL, "%s", avgpipe_last_error(NULL));
+}
+
+Test(defaults, sim_and_render) {
+    avgpipe_sim_desc d, q;
+    avgpipe_render_desc rd, rq;
+    int k;
+    memset(&d, 0, sizeof d);
+    d.cost[AVGPIPE_OP_W] = AVGPIPE_ZERO, d.cost[AVGPIPE_OP_B] = 3;
+    q = avgpipe_sim_query_defaults(&d);
+    cr_assert(q.cost[AVGPIPE_OP_F] == 1 && q.cost[AVGPIPE_OP_B] == 3 && q.cost[AVGPIPE_OP_I] == 1 && q.cost[AVGPIPE_OP_W] == 0);
+    for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++)
+        if (k < AVGPIPE_OP_F || k > AVGPIPE_OP_W) cr_assert_eq(q.cost[k], 0.0, "kind %s", avgpipe_op_kind_name((avgpipe_op_kind)k));
+    cr_assert(q.micro_size == 1 && q.latency == 0 && q.bandwidth == 0 && q.record_events == 0);
+    cr_assert_eq(avgpipe_sim_query_defaults(NULL).cost[AVGPIPE_OP_B], 2.0);
+    { /* the simulator resolves the same way: the zero description and a resolved one without AVGPIPE_ZERO agree */
+        avgpipe_sched_desc sd;
+        avgpipe_schedule s;
+        avgpipe_sim_result a, b;
+        avgpipe_sim_desc z, zq;
+        memset(&sd, 0, sizeof sd);
+        sd.kind = AVGPIPE_SCHED_ZBH1, sd.stages = 3, sd.micro = 6;
+        cr_assert_eq(avgpipe_sched_generate(NULL, &sd, &s), AVGPIPE_OK);
+        memset(&z, 0, sizeof z);
+        z.scale_by_micro_size = 1;
+        zq = avgpipe_sim_query_defaults(&z);
+        cr_assert_eq(avgpipe_sim_run(NULL, &s, &z, &a), AVGPIPE_OK);
+        cr_assert_eq(avgpipe_sim_run(NULL, &s, &zq, &b), AVGPIPE_OK);
+        cr_assert(a.makespan == b.makespan && a.makespan > 0, "%g vs %g", a.makespan, b.makespan);
+        avgpipe_sim_result_free(NULL, &a);
+        avgpipe_sim_result_free(NULL, &b);
+        avgpipe_sched_free(NULL, &s);
+    }
+    memset(&rd, 0, sizeof rd);
+    rq = avgpipe_render_query_defaults(&rd);
+    cr_assert(rq.width == 120 && rq.us_per_unit == 1000 && rq.px_per_unit == 0 && rq.title == NULL);
+    rd.width = 33;
+    cr_assert_eq(avgpipe_render_query_defaults(&rd).width, 33);
+}
+
+Test(defaults, run) {
+    avgpipe_run_desc d, q;
+    memset(&d, 0, sizeof d);
+    d.sched.kind = AVGPIPE_SCHED_INTERLEAVED, d.sched.stages = 2, d.sched.micro = 4;
+    q = avgpipe_run_query_defaults(&d);
+    cr_assert(q.sched.chunks == 2 && q.sched.pipes == 1 && q.sched.rounds == 1, "sched resolved as avgpipe_sched_query_defaults");
+    cr_assert(q.averaging.mode == AVGPIPE_EA_MEAN && q.averaging.alpha == 0.1f && q.averaging.momentum == 0);
+    cr_assert(q.timeout_s == 60 && q.replicas == 1 && q.average_every == 1 && q.micro_samples == 1 && q.window == 3,
+              "timeout %g replicas %d every %d samples %g window %d", q.timeout_s, q.replicas, q.average_every, q.micro_samples, q.window);
+    cr_assert(q.comm == NULL && q.device == NULL && q.mem_limit == 0 && q.adaptive == 0 && q.deterministic == 0);
+    d.averaging.alpha = AVGPIPE_ZERO, d.timeout_s = 5;
+    q = avgpipe_run_query_defaults(&d);
+    cr_assert(q.averaging.alpha == 0.0f && q.timeout_s == 5);
+    cr_assert_eq(avgpipe_run_query_defaults(NULL).window, 3);
+}
+
+Test(defaults, tune) {
+    avgpipe_tune_desc d, q;
+    avgpipe_tune_split_desc pd;
+    unsigned want1 = 0, want2 = 0;
+    int k;
+    for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++) {
+        const avgpipe_sched_kind_info *info = avgpipe_sched_kind_query((avgpipe_sched_kind)k);
+        if (!info->tuned) continue;
+        if (info->chunks == 1) want1 |= 1u << k;
+        else want2 |= 1u << k; /* interleaved (any V > 1), ZB-V and DualPipeV (V = 2) */
+    }
+    memset(&d, 0, sizeof d);
+    d.batch = 8;
+    q = avgpipe_tune_query_defaults(&d);
+    cr_assert(q.max_pipes == 4 && q.rounds == 1 && q.min_micro == 1 && q.chunks == 1 && q.max_advance == 0 && q.batch == 8);
+    cr_assert_eq(q.kinds, want1, "kinds 0x%x, the table's tuned kinds with one chunk 0x%x", q.kinds, want1);
+    cr_assert(want1 & (1u << AVGPIPE_SCHED_1F1B));
+    d.chunks = 2;
+    cr_assert_eq(avgpipe_tune_query_defaults(&d).kinds, want2, "chunks 2: 0x%x", avgpipe_tune_query_defaults(&d).kinds);
+    d.kinds = 1u << AVGPIPE_SCHED_ZBV;
+    cr_assert_eq(avgpipe_tune_query_defaults(&d).kinds, 1u << AVGPIPE_SCHED_ZBV, "a set field is kept");
+    memset(&pd, 0, sizeof pd);
+    pd.stages = 3;
+    cr_assert(avgpipe_tune_split_query_defaults(&pd).chunks == 1 && avgpipe_tune_split_query_defaults(&pd).stages == 3);
+    cr_assert_eq(avgpipe_tune_split_query_defaults(NULL).chunks, 1);
 }

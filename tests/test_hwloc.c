@@ -662,7 +662,7 @@ static void run_with_binding(avgpipe_hwloc_topo *t, const avgpipe_hwloc_placemen
     reset_state_d(2, 4, 2, 2);
     setup_init_d(&s, 2, 2, 2, 2);
     s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 2, s.d.sched.micro = 4, s.d.sched.pipes = 2, s.d.sched.rounds = 2;
-    s.d.alpha = 0.3f;
+    s.d.averaging.alpha = 0.3f;
     s.d.cb.forward = checking_forward;
     s.d.bind_thread = record_bind;
     s.d.bind_user = (void *)p;

@@ -62,7 +62,7 @@ static void check_equivalence(setup *s, const char *name) {
     int it, g, j, G = T.G, M = T.M;
     double refloss;
     avgpipe_context_init(&ctx, NULL);
-    s->d.alpha = AVGPIPE_ZERO;
+    s->d.averaging.alpha = AVGPIPE_ZERO;
     for (g = 0; g < G; g++) init_params(g, ref[g]);
     run = create_run(&ctx, s);
     if (free_after_create) { /* desc.schedule is copied at create: the run must not need the caller's any more */
@@ -201,7 +201,7 @@ Test(runtime, callback_writes_are_visible_to_the_consuming_callback) {
         reset_state(4, 8, 1);
         setup_init(&s, 4, 1);
         s.d.sched.kind = kinds[k], s.d.sched.stages = 4, s.d.sched.micro = 8, s.d.sched.advance = 2;
-        s.d.alpha = AVGPIPE_ZERO;
+        s.d.averaging.alpha = AVGPIPE_ZERO;
         s.d.cb.forward = cb_forward_side, s.d.cb.backward = cb_backward_side;
         run = create_run(&ctx, &s);
         for (it = 0; it < 3; it++) iterate(&ctx, run, &st);
@@ -355,8 +355,8 @@ static double averaging_run(const avg_case *c, float out[MAXN][MAXG][PMAX], floa
     s.d.sched.rounds = c->rounds_per_iter;
     s.d.sched.continuous = c->continuous;
     s.d.deterministic = 1;
-    s.d.alpha = 0.5f;
-    s.d.ea_mode = AVGPIPE_EA_MEAN;
+    s.d.averaging.alpha = 0.5f;
+    s.d.averaging.mode = AVGPIPE_EA_MEAN;
     if (c->split) use_split(&s, 0);
     run = create_run(&ctx, &s);
     for (it = 0; it < c->iters; it++) {
@@ -450,7 +450,7 @@ Test(runtime, zero_alpha_n2_models_train_independently) {
     s.d.sched.pipes = N;
     s.d.sched.rounds = R;
     s.d.sched.continuous = 1;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     run = create_run(&ctx, &s);
     for (i = 0; i < N; i++)
         for (g = 0; g < G; g++) init_params(g, ref[i][g]);
@@ -497,7 +497,7 @@ Test(runtime, callback_error_stops_every_rank) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 4;
     s.d.sched.micro = 8;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.timeout_s = 10;
     run = create_run(&ctx, &s);
     iterate(&ctx, run, &st); /* a good iteration first */
@@ -533,7 +533,7 @@ Test(runtime, step_error_is_a_callback_error) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 4;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.cb.step = cb_step_fails;
     s.d.timeout_s = 10;
     run = create_run(&ctx, &s);
@@ -568,7 +568,7 @@ Test(runtime, non_finite_model_fails_the_iteration) {
     s.d.sched.stages = 3;
     s.d.sched.micro = 4;
     s.d.sched.pipes = 2;
-    s.d.alpha = 0.25f;
+    s.d.averaging.alpha = 0.25f;
     s.d.cb.step = cb_step_nan;
     s.d.timeout_s = 10;
     run = create_run(&ctx, &s);
@@ -604,7 +604,7 @@ static avgpipe_result run_faulty(faultcomm *fc, avgpipe_comm *table, double time
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 8;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.timeout_s = timeout_s;
     s.d.comm = table;
     run = create_run(&ctx, &s);
@@ -685,7 +685,7 @@ static void bad_base(setup *s) {
     s->d.sched.kind = AVGPIPE_SCHED_1F1B;
     s->d.sched.stages = 4;
     s->d.sched.micro = 4;
-    s->d.alpha = AVGPIPE_ZERO;
+    s->d.averaging.alpha = AVGPIPE_ZERO;
 }
 
 Test(runtime, bad_desc_no_forward) {
@@ -741,6 +741,22 @@ Test(runtime, bad_desc_negative_timeout) {
     bad_base(&s);
     s.d.timeout_s = -1;
     expect_invalid(&s, "timeout_s");
+}
+Test(runtime, bad_desc_averaging_fields_the_run_sets) {
+    setup s;
+    float z[4] = {0};
+    bad_base(&s);
+    s.d.averaging.count = 7;
+    expect_invalid(&s, "averaging.count");
+    bad_base(&s);
+    s.d.averaging.initial = z;
+    expect_invalid(&s, "averaging.initial");
+    bad_base(&s);
+    s.d.averaging.hold_every = 2;
+    expect_invalid(&s, "averaging.hold_every");
+    bad_base(&s);
+    s.d.averaging.no_finite_check = 1;
+    expect_invalid(&s, "averaging.no_finite_check");
 }
 Test(runtime, bad_desc_bad_shape) {
     setup s;
@@ -829,7 +845,7 @@ static void stalled_callback(int sleep_ms) {
     reset_state(3, 4, 1);
     setup_init(&s, 3, 1);
     s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 3, s.d.sched.micro = 4;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.cb.forward = cb_forward_stalls;
     s.d.cb.abandoned_return = stall_abandoned_return;
     s.d.timeout_s = 1;
@@ -937,7 +953,7 @@ static void processes_equal_threads(avgpipe_sched_kind kind, int S, int V, int N
     setup_init_d(&s, G, N, D, S);
     s.d.sched.kind = kind, s.d.sched.stages = S, s.d.sched.chunks = V, s.d.sched.micro = M, s.d.sched.pipes = N;
     s.d.sched.rounds = 2, s.d.sched.advance = kind == AVGPIPE_SCHED_ADVANCE ? 2 : 0;
-    s.d.alpha = alpha == 0 ? AVGPIPE_ZERO : alpha;
+    s.d.averaging.alpha = alpha == 0 ? AVGPIPE_ZERO : alpha;
     s.d.deterministic = 1;
     s.d.timeout_s = 20;
     if (split) use_split(&s, 0);
@@ -1015,7 +1031,7 @@ static void disagree(void (*spoil)(avgpipe_run_desc *), const char *field) {
     }
 }
 static void spoil_micro(avgpipe_run_desc *d) { d->sched.micro = 8; }
-static void spoil_alpha(avgpipe_run_desc *d) { d->alpha = 0.5f; }
+static void spoil_alpha(avgpipe_run_desc *d) { d->averaging.alpha = 0.5f; }
 static void spoil_act(avgpipe_run_desc *d) { ((size_t *)(void *)d->act_bytes)[0] += 4; }
 static void spoil_kind(avgpipe_run_desc *d) { d->sched.kind = AVGPIPE_SCHED_AFAB; }
 Test(runtime, processes_disagree_on_micro) { disagree(spoil_micro, "sched.micro = 8, rank 0 has 4"); }
@@ -1079,7 +1095,7 @@ static void replicas_match_f64(int H, int continuous) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = S, s.d.sched.micro = M, s.d.sched.pipes = N;
     s.d.sched.rounds = R, s.d.sched.continuous = continuous;
     s.d.average_every = H;
-    s.d.alpha = 0.5f;
+    s.d.averaging.alpha = 0.5f;
     s.d.deterministic = 1;
     run = create_run(&ctx, &s);
     for (it = 0; it < ITER; it++) {
@@ -1174,7 +1190,7 @@ Test(runtime, failed_run_releases_every_request) {
     reset_state(4, 8, 1);
     setup_init(&s, 4, 1);
     s.d.sched.kind = AVGPIPE_SCHED_ADVANCE, s.d.sched.stages = 4, s.d.sched.micro = 8, s.d.sched.advance = 3;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.comm = &table;
     run = create_run(&ctx, &s);
     iterate(&ctx, run, NULL);
@@ -1279,7 +1295,7 @@ Test(runtime, profile_events_and_files) {
     s.d.sched.kind = AVGPIPE_SCHED_ZBH1;
     s.d.sched.stages = 3;
     s.d.sched.micro = 4;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.profile = 1;
     use_split(&s, 0);
     run = create_run(&ctx, &s);
@@ -1349,7 +1365,7 @@ Test(runtime, no_profile_no_events) {
     s.d.sched.kind = AVGPIPE_SCHED_1F1B;
     s.d.sched.stages = 2;
     s.d.sched.micro = 2;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     run = create_run(&ctx, &s);
     iterate(&ctx, run, NULL);
     cr_assert(avgpipe_run_events(run, &n) == NULL);
@@ -1398,7 +1414,7 @@ Test(runtime, adaptive_advance_respects_memory_and_settles) {
     s.d.sched.kind = AVGPIPE_SCHED_ADVANCE;
     s.d.sched.stages = S;
     s.d.sched.micro = M;
-    s.d.alpha = AVGPIPE_ZERO;
+    s.d.averaging.alpha = AVGPIPE_ZERO;
     s.d.adaptive = 1;
     s.d.window = 2;
     cr_assert(stash_bytes_max(S, M, 3) > limit, "the memory model does not separate K = 2 from K = 3");

@@ -583,7 +583,7 @@ Test(rounds, step_avg_order_every_model) {
                                 if (kind == AVGPIPE_SCHED_KIND_COUNT) {
                                     avgpipe_greedy_desc g;
                                     memset(&g, 0, sizeof g);
-                                    g.stages = S, g.micro = M, g.pipes = N, g.rounds = R, g.continuous = cont;
+                                    g.shape.stages = S, g.shape.micro = M, g.shape.pipes = N, g.shape.rounds = R, g.shape.continuous = cont;
                                     g.split_backward = variant;
                                     cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK, "greedy: %s", avgpipe_last_error(NULL));
                                     snprintf(what, sizeof what, "greedy S=%d M=%d N=%d R=%d cont=%d split=%d", S, M, N, R, cont, variant);
@@ -623,7 +623,7 @@ Test(greedy, default_is_1f1b) {
                         avgpipe_schedule a, b;
                         if (cont && (N - 1) * M < S - 1) continue;
                         memset(&g, 0, sizeof g);
-                        g.stages = S, g.micro = M, g.pipes = N, g.rounds = R, g.continuous = cont;
+                        g.shape.stages = S, g.shape.micro = M, g.shape.pipes = N, g.shape.rounds = R, g.shape.continuous = cont;
                         cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &a), AVGPIPE_OK, "greedy: %s", avgpipe_last_error(NULL));
                         cr_assert_eq(a.shape.kind, AVGPIPE_SCHED_CUSTOM, "greedy output kind %d", a.shape.kind);
                         gen(&d, &b);
@@ -653,7 +653,7 @@ Test(greedy, inflight_cap_respected) {
                         for (r = 0; r < S; r++)
                             caps[r] = variant == 0 ? 1 : variant == 1 ? 2 : variant == 2 ? 1 + (r * 7 + 3) % S : S - r + 2;
                         memset(&g, 0, sizeof g);
-                        g.stages = S, g.micro = M, g.pipes = N, g.split_backward = split;
+                        g.shape.stages = S, g.shape.micro = M, g.shape.pipes = N, g.split_backward = split;
                         if (variant == 1) g.inflight_cap_all = 2;
                         else g.inflight_cap = caps;
                         cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK, "greedy S=%d M=%d: %s", S, M, avgpipe_last_error(NULL));
@@ -679,7 +679,7 @@ Test(greedy, rejects_bad_cap) {
     avgpipe_greedy_desc g;
     avgpipe_schedule s;
     memset(&g, 0, sizeof g);
-    g.stages = 3, g.micro = 4, g.inflight_cap = caps;
+    g.shape.stages = 3, g.shape.micro = 4, g.inflight_cap = caps;
     cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_INVALID_ARG);
     cr_assert_not_null(strstr(avgpipe_last_error(NULL), "inflight_cap"), "message: %s", avgpipe_last_error(NULL));
 }

@@ -135,8 +135,8 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
     s.d.sched.pipes = N;
     s.d.sched.rounds = c->rounds ? c->rounds : 1;
     s.d.deterministic = 1;
-    s.d.alpha = 0.3f;
-    s.d.ea_mode = AVGPIPE_EA_MEAN;
+    s.d.averaging.alpha = 0.3f;
+    s.d.averaging.mode = AVGPIPE_EA_MEAN;
     s.d.timeout_s = 10;
     if (c->split) use_split(&s, 0);
     if (c->overlap) s.d.cb.overlap = cb_overlap;

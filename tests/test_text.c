@@ -191,7 +191,7 @@ Test(roundtrip, greedy) {
                     avgpipe_schedule s;
                     char what[100];
                     memset(&g, 0, sizeof g);
-                    g.stages = S, g.micro = M, g.pipes = N, g.rounds = 2, g.split_backward = split;
+                    g.shape.stages = S, g.shape.micro = M, g.shape.pipes = N, g.shape.rounds = 2, g.split_backward = split;
                     cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK);
                     snprintf(what, sizeof what, "greedy S=%d M=%d N=%d split=%d", S, M, N, split);
                     roundtrip(&s, what);

@@ -153,8 +153,8 @@ static void check_memory(avgpipe_context *ctx, avgpipe_sched_kind kind, int S, i
     rd.act_bytes = act;
     rd.params = params;
     rd.param_count = pc;
-    rd.ea_mode = mode;
-    if (mode == AVGPIPE_EA_ELASTIC) rd.momentum = 0.5f; /* a fourth averaging buffer */
+    rd.averaging.mode = mode;
+    if (mode == AVGPIPE_EA_ELASTIC) rd.averaging.momentum = 0.5f; /* a fourth averaging buffer */
 
     cr_assert_eq(avgpipe_run_memory(ctx, &rd, model), AVGPIPE_OK, "%s: avgpipe_run_memory: %s", what, avgpipe_last_error(ctx));
     live0 = CNT.live;

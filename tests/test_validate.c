@@ -174,7 +174,7 @@ Test(grid, greedy) {
                                 avgpipe_schedule s;
                                 avgpipe_validate_report rep;
                                 memset(&g, 0, sizeof g);
-                                g.stages = S, g.micro = M, g.pipes = N, g.rounds = R, g.continuous = cont, g.split_backward = split;
+                                g.shape.stages = S, g.shape.micro = M, g.shape.pipes = N, g.shape.rounds = R, g.shape.continuous = cont, g.split_backward = split;
                                 memcpy(g.priority, prios[p], sizeof g.priority);
                                 cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK, "greedy: %s", avgpipe_last_error(NULL));
                                 cr_assert_eq(avgpipe_sched_validate(NULL, &s, NULL, &rep), AVGPIPE_OK,

@@ -206,7 +206,7 @@ Test(grid, greedy) {
                             avgpipe_schedule s;
                             char what[160];
                             memset(&g, 0, sizeof g);
-                            g.stages = S, g.micro = M, g.pipes = N, g.rounds = R, g.continuous = cont, g.split_backward = split;
+                            g.shape.stages = S, g.shape.micro = M, g.shape.pipes = N, g.shape.rounds = R, g.shape.continuous = cont, g.split_backward = split;
                             cr_assert_eq(avgpipe_sched_greedy(NULL, &g, &s), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
                             snprintf(what, sizeof what, "greedy S=%d M=%d N=%d R=%d cont=%d split=%d", S, M, N, R, cont, split);
                             agree_family(&s, what, &t);

@@ -47,7 +47,7 @@ int main(void) {
     rd.sched.kind = AVGPIPE_SCHED_1F1B, rd.sched.stages = 2, rd.sched.micro = 2, rd.sched.pipes = 2;
     rd.cb.forward = fwd, rd.cb.backward = bwd, rd.cb.step = step;
     rd.params = params, rd.param_count = count, rd.act_bytes = act;
-    rd.alpha = AVGPIPE_ZERO, rd.deterministic = 1, rd.timeout_s = 30;
+    rd.averaging.alpha = AVGPIPE_ZERO, rd.deterministic = 1, rd.timeout_s = 30;
     if (avgpipe_run_create(NULL, &rd, &run) || avgpipe_run_iteration(run, NULL)) {
         fprintf(stderr, "run: %s\n", avgpipe_last_error(NULL));
         return 1;
