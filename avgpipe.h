@@ -598,9 +598,9 @@ AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int ran
    costs and free transfers; whenever a rank is free it runs the first ready op in priority order,
    where a forward is ready only while the rank's in-flight micro-batches (forward done, backward
    not finished) stay under the cap. Backwards are taken oldest first, forwards in stream order.
-   Zero fields: shape.pipes, shape.rounds -> 1; priority {0} -> B (or I), F, W; cap NULL -> S - s
-   (1F1B's memory); cost 0 -> F 1, B 2, I 1, W 1 (AVGPIPE_ZERO: exactly 0). The kind of the output is
-   CUSTOM, in loop placement. */
+   Zero fields: shape.pipes, shape.rounds, shape.chunks -> 1, shape.placement -> LOOP; priority {0} ->
+   B (or I), F, W; cap NULL -> S - s (1F1B's memory); cost 0 -> F 1, B 2, I 1, W 1 (AVGPIPE_ZERO:
+   exactly 0). The kind of the output is CUSTOM, in loop placement. */
 typedef struct avgpipe_greedy_desc {
     avgpipe_sched_desc shape;           /* stages, micro (required), pipes, rounds, continuous; kind is not
                                            read; chunks 0 or 1, advance 0, placement AUTO or LOOP */
@@ -3652,6 +3652,7 @@ AVGPIPE_API avgpipe_greedy_desc avgpipe_greedy_query_defaults(const avgpipe_gree
     if (!g.shape.pipes) g.shape.pipes = 1;
     if (!g.shape.rounds) g.shape.rounds = 1;
     if (!g.shape.chunks) g.shape.chunks = 1;
+    if (g.shape.placement == AVGPIPE_PLACE_AUTO) g.shape.placement = AVGPIPE_PLACE_LOOP;
     g.cost_f = avgpipe__or_default(g.cost_f, 1);
     g.cost_b = avgpipe__or_default(g.cost_b, 2);
     g.cost_i = avgpipe__or_default(g.cost_i, 1);

@@ -442,7 +442,7 @@ Test(defaults, greedy) {
     memset(&d, 0, sizeof d);
     d.shape.stages = 3, d.shape.micro = 4;
     q = avgpipe_greedy_query_defaults(&d);
-    cr_assert(q.shape.pipes == 1 && q.shape.rounds == 1 && q.shape.chunks == 1);
+    cr_assert(q.shape.pipes == 1 && q.shape.rounds == 1 && q.shape.chunks == 1 && q.shape.placement == AVGPIPE_PLACE_LOOP);
     cr_assert(q.cost_f == 1 && q.cost_b == 2 && q.cost_i == 1 && q.cost_w == 1, "%g %g %g %g", q.cost_f, q.cost_b, q.cost_i, q.cost_w);
     cr_assert(q.priority[0] == AVGPIPE_OP_B && q.priority[1] == AVGPIPE_OP_F && q.priority[2] == 0, "%d %d %d", q.priority[0],
               q.priority[1], q.priority[2]);
