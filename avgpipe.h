@@ -3237,51 +3237,51 @@ AVGPIPE_API avgpipe_result avgpipe_sched_resolve(avgpipe_context *ctx, const avg
 
 static long long avgpipe__advance_extra(const avgpipe_sched_desc *d, int r);
 
-static int avgpipe__warmup(const avgpipe_sched_desc *d, int r) {
-    long long T = (long long)d->pipes * d->micro, w, S = d->stages, k = d->advance, dist = S - r - 1;
-    switch (d->kind) {
-    case AVGPIPE_SCHED_AFAB: return (int)T;
-    case AVGPIPE_SCHED_ZBV: /* chunk-0 forwards before the first I1 (K's share extra), and r + 1 chunk-1 ones */
-        w = 2 * S - r - 1 + avgpipe__advance_extra(d, r);
-        return (int)((w < T ? w : T) + (r + 1 < T ? r + 1 : T));
-    case AVGPIPE_SCHED_DUALPIPEV: return (int)(r == S - 1 ? 2 * S + 1 : 2 * S);
-    case AVGPIPE_SCHED_INTERLEAVED:
-        if (d->chunks > 1) {
-            w = 2 * dist + (long long)(d->chunks - 1) * S;
-            return (int)(w < T * d->chunks ? w : T * d->chunks);
-        }
-        return (int)(dist < T ? dist : T);
-    case AVGPIPE_SCHED_ADVANCE:
-        if (r >= S - 1) return 0;
-        w = dist + (2 * k * dist + (S - 1)) / (2 * (S - 1)); /* floor(K·dist/(S-1) + 1/2) */
-        return (int)(w < T ? w : T);
-    default: return (int)(dist < T ? dist : T);
-    }
+/* Each kind's warm-up (the forwards a rank runs before its first backward) and peak stash, on a resolved
+   description; avgpipe_sched_warmup and avgpipe_sched_peak_stash document the formulas. The kinds' table
+   (avgpipe__kind_rows, below) names the pair of each kind. T = N·M: the micro-batches of one round. */
+static long long avgpipe__round_micro(const avgpipe_sched_desc *d) { return (long long)d->pipes * d->micro; }
+static int avgpipe__cap(long long w, long long cap) { return (int)(w < cap ? w : cap); }
+static int avgpipe__warm_all(const avgpipe_sched_desc *d, int r) { (void)r; return (int)avgpipe__round_micro(d); }
+static int avgpipe__warm_1f1b(const avgpipe_sched_desc *d, int r) {
+    return avgpipe__cap(d->stages - r - 1, avgpipe__round_micro(d));
+}
+static int avgpipe__warm_advance(const avgpipe_sched_desc *d, int r) {
+    long long S = d->stages, dist = S - r - 1;
+    if (r >= S - 1) return 0;
+    /* dist + floor(K·dist/(S-1) + 1/2) */
+    return avgpipe__cap(dist + (2 * (long long)d->advance * dist + (S - 1)) / (2 * (S - 1)), avgpipe__round_micro(d));
+}
+static int avgpipe__warm_interleaved(const avgpipe_sched_desc *d, int r) {
+    if (d->chunks == 1) return avgpipe__warm_1f1b(d, r);
+    return avgpipe__cap(2LL * (d->stages - r - 1) + (long long)(d->chunks - 1) * d->stages, avgpipe__round_micro(d) * d->chunks);
+}
+/* ZB-V: the chunk-0 forwards before the first I1 (K's share extra), and r + 1 chunk-1 ones. */
+static int avgpipe__warm_zbv(const avgpipe_sched_desc *d, int r) {
+    long long T = avgpipe__round_micro(d);
+    return avgpipe__cap(2LL * d->stages - r - 1 + avgpipe__advance_extra(d, r), T) + avgpipe__cap(r + 1, T);
+}
+static int avgpipe__warm_dualpipev(const avgpipe_sched_desc *d, int r) {
+    return r == d->stages - 1 ? 2 * d->stages + 1 : 2 * d->stages;
 }
 
-AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank) {
-    avgpipe_sched_desc d;
-    avgpipe_context quiet;
-    memset(&d, 0, sizeof d);
-    avgpipe_context_init(&quiet, NULL);
-    if (avgpipe_sched_resolve(&quiet, desc, &d) || rank < 0 || rank >= d.stages) return -1;
-    return avgpipe__warmup(&d, rank);
+typedef int (*avgpipe__warm_fn)(const avgpipe_sched_desc *d, int r);
+static int avgpipe__peak_all(avgpipe__warm_fn warm, const avgpipe_sched_desc *d, int r) {
+    (void)warm, (void)r;
+    return (int)(avgpipe__round_micro(d) * d->chunks);
 }
-
-AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank) {
-    avgpipe_sched_desc d;
-    avgpipe_context quiet;
-    long long T, w;
-    memset(&d, 0, sizeof d);
-    avgpipe_context_init(&quiet, NULL);
-    if (avgpipe_sched_resolve(&quiet, desc, &d) || rank < 0 || rank >= d.stages) return -1;
-    T = (long long)d.pipes * d.micro * d.chunks;
-    if (d.kind == AVGPIPE_SCHED_AFAB) return (int)T;
-    if (d.kind == AVGPIPE_SCHED_ZBH1) return (int)(d.stages < T ? d.stages : T);
-    if (d.kind == AVGPIPE_SCHED_ZBV) return avgpipe__warmup(&d, rank); /* no W before the first I */
-    if (d.kind == AVGPIPE_SCHED_DUALPIPEV) return 2 * d.stages + 1;
-    w = avgpipe__warmup(&d, rank) + 1;
-    return (int)(w < T ? w : T);
+static int avgpipe__peak_after_warmup(avgpipe__warm_fn warm, const avgpipe_sched_desc *d, int r) {
+    return avgpipe__cap(warm(d, r) + 1LL, avgpipe__round_micro(d) * d->chunks);
+}
+static int avgpipe__peak_zbh1(avgpipe__warm_fn warm, const avgpipe_sched_desc *d, int r) {
+    (void)warm, (void)r;
+    return avgpipe__cap(d->stages, avgpipe__round_micro(d) * d->chunks);
+}
+/* ZB-V: no W before the first I, so the warm-up is the peak. */
+static int avgpipe__peak_warmup(avgpipe__warm_fn warm, const avgpipe_sched_desc *d, int r) { return warm(d, r); }
+static int avgpipe__peak_dualpipev(avgpipe__warm_fn warm, const avgpipe_sched_desc *d, int r) {
+    (void)warm, (void)r;
+    return 2 * d->stages + 1;
 }
 
 /* Stream position -> (pipeline, micro-batch across rounds, batch index in the stream). */
@@ -3308,11 +3308,10 @@ static long long avgpipe__virtual(const avgpipe_sched_desc *d, long long j, int 
    ZB-H1 splits each backward into I and W and runs W(j) right after I(j + s) on stage s: the later
    the stage, the more W it holds back to fill the cool-down bubbles, and every stage keeps at most S
    micro-batches in flight (1F1B's peak, on its first stage). */
-static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, avgpipe_schedule *s,
+static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, long long warm, avgpipe_schedule *s,
                                         int *bdone /* [chunks * batches], zeroed */) {
     long long Tall = (long long)d->rounds * d->pipes * d->micro, total = Tall * d->chunks;
     long long nf = 0, nb = 0, nw = 0, batches = (long long)d->rounds * d->pipes, perround = (long long)d->pipes * d->micro * d->chunks;
-    long long warm = avgpipe__warmup(d, r);
     int split = d->kind == AVGPIPE_SCHED_ZBH1, lag = split ? r : 0;
     avgpipe_op *o = s->ops[r];
     int n = 0;
@@ -3603,32 +3602,87 @@ static avgpipe_result avgpipe__shape_sched(avgpipe_context *ctx, const avgpipe_s
     return avgpipe_sched_init(ctx, out, d->stages, d);
 }
 
+/* The 1F1B family (AFAB, 1F1B, advance, interleaved, ZB-H1): each rank on its own, with its kind's warm-up. */
+static avgpipe_result avgpipe__gen_loop(avgpipe_context *ctx, avgpipe__warm_fn warm, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
+    avgpipe_result res = AVGPIPE_OK;
+    int r, *bdone = (int *)avgpipe__calloc(ctx, (size_t)d->chunks * d->rounds * d->pipes, sizeof(int));
+    if (!bdone) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    for (r = 0; r < d->stages && !res; r++) {
+        memset(bdone, 0, sizeof(int) * (size_t)d->chunks * d->rounds * d->pipes);
+        res = avgpipe__gen_rank(ctx, d, r, warm(d, r), out, bdone);
+    }
+    avgpipe_free(ctx, bdone);
+    return res;
+}
+static avgpipe_result avgpipe__gen_vkind(avgpipe_context *ctx, avgpipe__warm_fn warm, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
+    (void)warm;
+    return avgpipe__gen_v(ctx, d, out);
+}
+
+/* What each generated kind does, beside its row of avgpipe__kinds (section 2, what it is): its warm-up,
+   its peak stash and its generator. A new kind adds a row here and one there (and its generator). */
+typedef struct avgpipe__kind_row {
+    avgpipe_sched_kind kind; /* rows in enum order (C++ has no designated array initializers): checked */
+    avgpipe__warm_fn warmup;
+    int (*peak_stash)(avgpipe__warm_fn warm, const avgpipe_sched_desc *d, int r);
+    avgpipe_result (*generate)(avgpipe_context *ctx, avgpipe__warm_fn warm, const avgpipe_sched_desc *d, avgpipe_schedule *out);
+} avgpipe__kind_row;
+static const avgpipe__kind_row avgpipe__kind_rows[AVGPIPE_SCHED_KIND_COUNT] = {
+    {AVGPIPE_SCHED_CUSTOM, NULL, NULL, NULL}, /* not generated */
+    {AVGPIPE_SCHED_AFAB, avgpipe__warm_all, avgpipe__peak_all, avgpipe__gen_loop},
+    {AVGPIPE_SCHED_1F1B, avgpipe__warm_1f1b, avgpipe__peak_after_warmup, avgpipe__gen_loop},
+    {AVGPIPE_SCHED_ADVANCE, avgpipe__warm_advance, avgpipe__peak_after_warmup, avgpipe__gen_loop},
+    {AVGPIPE_SCHED_INTERLEAVED, avgpipe__warm_interleaved, avgpipe__peak_after_warmup, avgpipe__gen_loop},
+    {AVGPIPE_SCHED_ZBH1, avgpipe__warm_1f1b, avgpipe__peak_zbh1, avgpipe__gen_loop},
+    {AVGPIPE_SCHED_ZBV, avgpipe__warm_zbv, avgpipe__peak_warmup, avgpipe__gen_vkind},
+    {AVGPIPE_SCHED_DUALPIPEV, avgpipe__warm_dualpipev, avgpipe__peak_dualpipev, avgpipe__gen_vkind},
+};
+
+/* The row of a resolved description's kind (every generated kind has one, in its place: test_sched's
+   kinds tests generate each). */
+static const avgpipe__kind_row *avgpipe__kind_row_of(const avgpipe_sched_desc *d) {
+    const avgpipe__kind_row *k = &avgpipe__kind_rows[d->kind];
+    AVGPIPE_ASSERT(k->kind == d->kind && k->warmup && k->peak_stash && k->generate);
+    return k;
+}
+
+AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank) {
+    avgpipe_sched_desc d;
+    avgpipe_context quiet;
+    memset(&d, 0, sizeof d);
+    avgpipe_context_init(&quiet, NULL);
+    if (avgpipe_sched_resolve(&quiet, desc, &d) || rank < 0 || rank >= d.stages) return -1;
+    return avgpipe__kind_row_of(&d)->warmup(&d, rank);
+}
+
+AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank) {
+    avgpipe_sched_desc d;
+    avgpipe_context quiet;
+    const avgpipe__kind_row *k;
+    memset(&d, 0, sizeof d);
+    avgpipe_context_init(&quiet, NULL);
+    if (avgpipe_sched_resolve(&quiet, desc, &d) || rank < 0 || rank >= d.stages) return -1;
+    k = avgpipe__kind_row_of(&d);
+    return k->peak_stash(k->warmup, &d, rank);
+}
+
 AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const avgpipe_sched_desc *desc,
                                                   avgpipe_schedule *out) {
     avgpipe_sched_desc d;
     avgpipe_result res;
-    int r, *bdone;
+    const avgpipe__kind_row *k;
+    int r;
     long long per_rank;
     if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_generate: out is NULL");
     memset(out, 0, sizeof *out);
     res = avgpipe_sched_resolve(ctx, desc, &d);
     if (res) return res;
+    k = avgpipe__kind_row_of(&d);
     res = avgpipe__shape_sched(ctx, &d, out);
     if (res) return res;
     per_rank = 3LL * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
-    bdone = (int *)avgpipe__calloc(ctx, (size_t)d.chunks * d.rounds * d.pipes, sizeof(int));
-    if (!bdone) {
-        avgpipe_sched_free(ctx, out);
-        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
-    }
     for (r = 0; r < d.stages && !res; r++) res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
-    if (!res && (d.kind == AVGPIPE_SCHED_ZBV || d.kind == AVGPIPE_SCHED_DUALPIPEV)) res = avgpipe__gen_v(ctx, &d, out);
-    else
-        for (r = 0; r < d.stages && !res; r++) {
-            memset(bdone, 0, sizeof(int) * (size_t)d.chunks * d.rounds * d.pipes);
-            res = avgpipe__gen_rank(ctx, &d, r, out, bdone);
-        }
-    avgpipe_free(ctx, bdone);
+    if (!res) res = k->generate(ctx, k->warmup, &d, out);
     if (res) avgpipe_sched_free(ctx, out);
     return res;
 }
