@@ -211,7 +211,19 @@ int main(int argc, char **argv) {
         return 2;
     }
     me = avgpipe_mpi_rank(&comm), nproc = comm.size;
-    if (!strcmp(mode, "equal")) {
+    if (!strcmp(mode, "defaults")) { /* what the zero fields of avgpipe_mpi_desc become */
+        avgpipe_mpi_desc q = avgpipe_mpi_query_defaults(NULL), in;
+        int cmp = MPI_UNEQUAL;
+        memset(&in, 0, sizeof in);
+        in.spin_us = 7;
+        MPI_Comm_compare(q.comm, MPI_COMM_WORLD, &cmp);
+        rc = cmp == MPI_IDENT && q.spin_us == 50 && q.max_sleep_us == 200 && q.fast_allreduce == 0 && q.no_abort_notices == 0 &&
+                     avgpipe_mpi_query_defaults(&in).spin_us == 7 && avgpipe_mpi_query_defaults(&in).max_sleep_us == 200
+                 ? 0
+                 : 1;
+        printf("rank %d: mpi defaults: comm %s, spin_us %g, max_sleep_us %g: %s\n", me, cmp == MPI_IDENT ? "MPI_COMM_WORLD" : "another",
+               q.spin_us, q.max_sleep_us, rc ? "WRONG" : "ok");
+    } else if (!strcmp(mode, "equal")) {
         rc = mode_equal(argc, argv, &comm);
     } else if (!strcmp(mode, "kill") && argc == 4) {
         kill_victim = atoi(argv[2]);

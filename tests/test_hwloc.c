@@ -173,6 +173,19 @@ Test(hwloc, topology_from_memory) {
     free(xml);
 }
 
+/* avgpipe_hwloc_topo_query_defaults: xml_len 0 becomes the text's length; nothing else changes. */
+Test(hwloc, topology_query_defaults) {
+    avgpipe_hwloc_topo_desc d, q;
+    memset(&d, 0, sizeof d);
+    q = avgpipe_hwloc_topo_query_defaults(&d);
+    cr_assert(q.xml == NULL && q.xml_path == NULL && q.xml_len == 0 && q.is_this_system == 0);
+    d.xml = "<topology/>";
+    cr_assert_eq(avgpipe_hwloc_topo_query_defaults(&d).xml_len, strlen("<topology/>"));
+    d.xml_len = 4;
+    cr_assert_eq(avgpipe_hwloc_topo_query_defaults(&d).xml_len, 4, "a given length is kept");
+    cr_assert_eq(avgpipe_hwloc_topo_query_defaults(NULL).xml_len, 0);
+}
+
 Test(hwloc, topology_errors) {
     avgpipe_hwloc_topo_desc d;
     avgpipe_hwloc_topo *t = (avgpipe_hwloc_topo *)&g_ctx;

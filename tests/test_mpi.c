@@ -63,6 +63,14 @@ static int count(const char *text, const char *what) {
 
 TestSuite(mpi, .timeout = 300);
 
+/* avgpipe_mpi_query_defaults: what each zero field of avgpipe_mpi_desc becomes. */
+Test(mpi, query_defaults) {
+    outcome o;
+    run(&o, 60, MPIRUN " -np 1 %s defaults", env("AVGPIPE_MPIRUN"), env("AVGPIPE_MPI_CHECK"));
+    cr_assert_eq(o.status, 0, "exit %d:\n%s", o.status, o.out);
+    cr_assert(strstr(o.out, "mpi defaults: comm MPI_COMM_WORLD, spin_us 50, max_sleep_us 200: ok") != NULL, "%s", o.out);
+}
+
 /* mpi_check equal: the run over MPI gives the threaded run's parameters, bit for bit. */
 static void equal(int np, const char *kind, int N, const char *alpha, int D, int H) {
     outcome o;
