@@ -1105,8 +1105,8 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
    (when the backend has cancel; else the backend reclaims them at destroy).
 
    Required entries: isend, irecv, test, wait, barrier, abort. Optional (NULL): cancel, group_begin and
-   group_end, isend_on and irecv_on (device-ordered transfers), allreduce_sum and split (needed only for
-   replica groups), last_error, destroy.
+   group_end, isend_on and irecv_on (device-ordered transfers, both or neither) with wait_issued,
+   allreduce_sum and split (needed only for replica groups), last_error, destroy.
    Thread-safety: different ranks may call concurrently; one rank's calls come from one thread at a
    time (any thread). */
 
@@ -1152,6 +1152,12 @@ struct avgpipe_comm {
                                avgpipe_device_event done, avgpipe_comm_request *req);
     avgpipe_result (*irecv_on)(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_device_event ready,
                                avgpipe_device_event done, avgpipe_comm_request *req);
+    /* Optional, with isend_on / irecv_on: for a backend that records `done` only once both sides have
+       posted the transfer (the in-process one: its copy is enqueued then), return when `done` has been
+       recorded for req, at most timeout_s (AVGPIPE_TIMEOUT: not yet). The runtime calls it before it
+       orders a consumer after a receive's `done`; it waits for the peer to post, not for the data. NULL:
+       `done` is recorded by the time isend_on / irecv_on return (NCCL). */
+    avgpipe_result (*wait_issued)(void *user, int self, avgpipe_comm_request req, double timeout_s);
     avgpipe_result (*barrier)(void *user, int self, double timeout_s);
     /* Optional: sum `count` floats over all ranks in place. The in-process and MPI backends add in rank
        order (avgpipe_comm_sum_ranks), so every rank gets the same bits on every run. */
@@ -1178,6 +1184,17 @@ struct avgpipe_comm {
    (one per thread, each with its own local ranks) may share one instance, as processes share MPI.
    Release with avgpipe_comm_destroy. */
 AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out);
+/* The same for ranks whose buffers live in `device`'s memory (a GPU: avgpipe_cuda.h), which the host
+   may not touch; device NULL: avgpipe_comm_local_create. The table then also has isend_on / irecv_on:
+   when a send and its receive have both been posted, the bytes move with one device-to-device copy on
+   a stream of the channel's own, after both sides' `ready` events, and both `done` events are recorded
+   after it; test and wait report the copy finished on the device. allreduce_sum takes device memory
+   (ready when called): each rank's values come to the host through the device's copies and go back
+   the same way, summed in rank order as on the host. isend / irecv stay host copies, for host buffers
+   (the runtime's control messages). A send and a receive that disagree (one device-ordered, one not)
+   fail with AVGPIPE_MISMATCH. The device table is copied; its state must outlive the backend. The
+   runtime creates this one when desc.device is set and desc.comm is NULL. */
+AVGPIPE_API avgpipe_result avgpipe_comm_local_create_on(avgpipe_context *ctx, int ranks, const avgpipe_device *device, avgpipe_comm *out);
 /* Calls comm->destroy if set, then zeroes the table. NULL is harmless. */
 AVGPIPE_API void avgpipe_comm_destroy(avgpipe_comm *comm);
 /* Check that every required entry (isend, irecv, test, wait, barrier, abort) is set and size >= 1;
@@ -1293,7 +1310,10 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
    the pipeline's stream) and at the end of each iteration (every stream, the averaging's included:
    after avgpipe_run_iteration returns, the parameters and references are final). Without isend_on and
    irecv_on the comm backend moves device memory from the host (e.g. MPI over CUDA-aware buffers) and
-   the runtime waits for the producer before posting each send.
+   the runtime waits for the producer before posting each send. With desc.comm NULL the runtime's own
+   in-process comm is device-aware (avgpipe_comm_local_create_on): one process drives several stages
+   on one GPU, or one GPU per stage thread, and nothing on the host reads or writes device memory (the
+   test suite runs every path on a device whose memory faults when the host touches it).
    What a device run does not give: op->loss is read when the callback returns, before its kernels
    ran; set it from the host (e.g. a previous micro-batch's loss copied back asynchronously) or leave
    it 0 and compute the loss yourself. avgpipe_run_reference returns device memory; checkpoints and
@@ -1378,8 +1398,10 @@ typedef struct avgpipe_run_desc {
     avgpipe_ea_desc averaging;
     int deterministic;    /* 1: each AVG waits for the previous round's reference (see above) */
     double timeout_s;     /* every wait; 0 -> 60 s */
-    /* The comm backend over all D·S ranks. NULL: in-process threads (avgpipe_comm_local_create), which
-       needs every rank local. The run does not own a backend it is given: destroy it after the run. */
+    /* The comm backend over all D·S ranks. NULL: in-process threads, which needs every rank local
+       (avgpipe_comm_local_create; with a device, avgpipe_comm_local_create_on: its memory moves by the
+       device's copies, the host never touches it). The run does not own a backend it is given: destroy
+       it after the run. */
     const avgpipe_comm *comm;
     const int *local_ranks; /* the global ranks this process runs (any order); NULL -> all D·S */
     int local_count;
@@ -6662,6 +6684,10 @@ struct avgpipe_comm_request_s {
     int done;
     avgpipe_result res;
     avgpipe_comm_status st; /* receives: what the matched send carried */
+    /* Device-ordered (isend_on / irecv_on): the caller's events, and the request's own event, recorded
+       after the copy (kept with the request's storage across reuses: created once). */
+    int on, gated;
+    avgpipe_device_event ready, done_ev, ev, gate;
 };
 
 typedef struct avgpipe__lqueue {
@@ -6694,6 +6720,13 @@ typedef struct avgpipe__local {
     /* split: groups being formed, and how many splits each rank has made */
     avgpipe__lgroup *groups;
     long *nsplit;
+    /* avgpipe_comm_local_create_on: the device whose memory the buffers are, and a copy stream per
+       channel [src * n + dst], made when the channel first carries a device-ordered message; and a
+       gate stream per rank, where a post's `ready` is taken when it is posted (a later record of that
+       event, by the rank's next op on the buffer, must not hold the copy back) */
+    int has_dev;
+    avgpipe_device dev;
+    avgpipe_device_stream *chan, *gate;
 } avgpipe__local;
 
 /* A group of a split while its members look it up: (generation, member list) -> the sub-communicator. */
@@ -6757,12 +6790,42 @@ static struct avgpipe_comm_request_s *avgpipe__lreq_new(avgpipe__local *L) {
     }
     r = L->free_list;
     L->free_list = r->next;
-    memset(r, 0, sizeof *r);
+    {
+        avgpipe_device_event ev = r->ev, gate = r->gate; /* the storage's own events outlive each use */
+        memset(r, 0, sizeof *r);
+        r->ev = ev, r->gate = gate;
+    }
     return r;
 }
 static void avgpipe__lreq_release(avgpipe__local *L, struct avgpipe_comm_request_s *r) {
     r->next = L->free_list;
     L->free_list = r;
+}
+
+/* A device-ordered pair: on the channel's stream, after both `ready` events, one device-to-device copy,
+   then the receiver's and the sender's `done` and the requests' own events. Mutex held. */
+static avgpipe_result avgpipe__lmatch_on(avgpipe__local *L, struct avgpipe_comm_request_s *s, struct avgpipe_comm_request_s *r) {
+    avgpipe_device *d = &L->dev;
+    avgpipe_device_stream *st = &L->chan[s->src * L->n + s->dst];
+    avgpipe_result res = AVGPIPE_OK;
+    const char *what = "creating the channel's copy stream";
+    if (!*st) res = d->stream_create(d->user, st);
+    if (!res && !r->ev) what = "creating an event", res = d->event_create(d->user, &r->ev);
+    if (!res && !s->ev) what = "creating an event", res = d->event_create(d->user, &s->ev);
+    if (!res && s->gated) what = "waiting for the send's ready event", res = d->stream_wait_event(d->user, *st, s->gate);
+    if (!res && r->gated) what = "waiting for the receive's ready event", res = d->stream_wait_event(d->user, *st, r->gate);
+    if (!res && s->bytes) what = "copying the message", res = d->copy(d->user, r->rbuf, s->sbuf, s->bytes, AVGPIPE_DEVICE_COPY_D2D, *st);
+    if (!res && r->done_ev) what = "recording the receive's done event", res = d->event_record(d->user, r->done_ev, *st);
+    if (!res && s->done_ev) what = "recording the send's done event", res = d->event_record(d->user, s->done_ev, *st);
+    if (!res) what = "recording an event", res = d->event_record(d->user, r->ev, *st);
+    if (!res) res = d->event_record(d->user, s->ev, *st);
+    if (res) {
+        res = AVGPIPE_BACKEND_ERROR;
+        snprintf(L->err[r->dst], sizeof L->err[r->dst], "device '%s', the message from rank %d: %s failed: %s", d->name ? d->name : "?", s->src,
+                 what, d->error_string ? d->error_string(d->user) : "");
+        if (s->src != r->dst) memcpy(L->err[s->src], L->err[r->dst], sizeof L->err[0]); /* both ranks' requests fail */
+    }
+    return res;
 }
 
 /* Pair a send with a receive: check tag and size, copy, finish both. Called with the mutex held. */
@@ -6773,6 +6836,12 @@ static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s,
         r->res = AVGPIPE_MISMATCH;
         snprintf(L->err[r->dst], sizeof L->err[r->dst], "a receive from rank %d of %zu bytes with tag %u met a message of %zu bytes with tag %u",
                  s->src, r->bytes, (unsigned)r->tag, s->bytes, (unsigned)s->tag);
+    } else if (s->on != r->on) { /* device memory on one side, host memory on the other: no copy can serve both */
+        r->res = s->res = AVGPIPE_MISMATCH;
+        snprintf(L->err[r->dst], sizeof L->err[r->dst], "a %s receive from rank %d (tag %u) met a %s send", r->on ? "device-ordered" : "host",
+                 s->src, (unsigned)r->tag, s->on ? "device-ordered" : "host");
+    } else if (s->on) {
+        r->res = s->res = avgpipe__lmatch_on(L, s, r);
     } else if (s->bytes) {
         memcpy(r->rbuf, s->sbuf, s->bytes);
     }
@@ -6782,7 +6851,7 @@ static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s,
 }
 
 static avgpipe_result avgpipe__lpost(avgpipe__local *L, int send, int self, int peer, const void *sbuf, void *rbuf, size_t bytes,
-                                     uint32_t tag, avgpipe_comm_request *req) {
+                                     uint32_t tag, const avgpipe_device_event *on, avgpipe_comm_request *req) {
     struct avgpipe_comm_request_s *r, *m;
     int src = send ? self : peer, dst = send ? peer : self;
     if (!req || self < 0 || self >= L->n || peer < 0 || peer >= L->n || peer == self || tag > AVGPIPE_COMM_TAG_MAX)
@@ -6804,6 +6873,25 @@ static avgpipe_result avgpipe__lpost(avgpipe__local *L, int send, int self, int 
     r->src = src;
     r->dst = dst;
     r->send = send;
+    if (on) {
+        avgpipe_result gres = AVGPIPE_OK;
+        avgpipe_device *d = &L->dev;
+        r->on = 1, r->ready = on[0], r->done_ev = on[1];
+        if (r->ready) { /* take `ready` as it is now: on the rank's gate stream, a wait and a record of our own */
+            if (!L->gate[self]) gres = d->stream_create(d->user, &L->gate[self]);
+            if (!gres && !r->gate) gres = d->event_create(d->user, &r->gate);
+            if (!gres) gres = d->stream_wait_event(d->user, L->gate[self], r->ready);
+            if (!gres) gres = d->event_record(d->user, r->gate, L->gate[self]);
+            if (gres) {
+                snprintf(L->err[self], sizeof L->err[self], "device '%s': taking a transfer's ready event failed: %s", d->name ? d->name : "?",
+                         d->error_string ? d->error_string(d->user) : "");
+                avgpipe__lreq_release(L, r);
+                pthread_mutex_unlock(&L->mu);
+                return AVGPIPE_BACKEND_ERROR;
+            }
+            r->gated = 1;
+        }
+    }
     m = avgpipe__lq_pop(send ? &L->recvs[src * L->n + dst] : &L->sends[src * L->n + dst]);
     if (m) avgpipe__lmatch(L, send ? r : m, send ? m : r);
     else avgpipe__lq_push(send ? &L->sends[src * L->n + dst] : &L->recvs[src * L->n + dst], r);
@@ -6815,12 +6903,59 @@ static avgpipe_result avgpipe__lpost(avgpipe__local *L, int send, int self, int 
 static avgpipe_result avgpipe__local_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag,
                                            avgpipe_comm_request *req) {
     static const char empty = 0;
-    return avgpipe__lpost((avgpipe__local *)user, 1, self, peer, buf ? buf : &empty, NULL, bytes, tag, req);
+    return avgpipe__lpost((avgpipe__local *)user, 1, self, peer, buf ? buf : &empty, NULL, bytes, tag, NULL, req);
 }
 static avgpipe_result avgpipe__local_irecv(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag,
                                            avgpipe_comm_request *req) {
     static char sink;
-    return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf ? buf : &sink, bytes, tag, req);
+    return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf ? buf : &sink, bytes, tag, NULL, req);
+}
+static avgpipe_result avgpipe__local_isend_on(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag,
+                                              avgpipe_device_event ready, avgpipe_device_event done, avgpipe_comm_request *req) {
+    avgpipe_device_event ev[2];
+    ev[0] = ready, ev[1] = done;
+    if (bytes && !buf) return AVGPIPE_INVALID_ARG;
+    return avgpipe__lpost((avgpipe__local *)user, 1, self, peer, buf, NULL, bytes, tag, ev, req);
+}
+static avgpipe_result avgpipe__local_irecv_on(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag,
+                                              avgpipe_device_event ready, avgpipe_device_event done, avgpipe_comm_request *req) {
+    avgpipe_device_event ev[2];
+    ev[0] = ready, ev[1] = done;
+    if (bytes && !buf) return AVGPIPE_INVALID_ARG;
+    return avgpipe__lpost((avgpipe__local *)user, 0, self, peer, NULL, buf, bytes, tag, ev, req);
+}
+
+/* Until req is matched (its copy enqueued, `done` recorded), at most timeout_s. */
+static avgpipe_result avgpipe__local_wait_issued(void *user, int self, avgpipe_comm_request handle, double timeout_s) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    struct avgpipe_comm_request_s *req = (struct avgpipe_comm_request_s *)handle;
+    struct timespec dl;
+    avgpipe_result res = AVGPIPE_OK;
+    int spin;
+    (void)self;
+    if (!req) return AVGPIPE_INVALID_ARG;
+    for (spin = 0; spin < AVGPIPE_COMM_SPIN && !AVGPIPE__LOAD(&req->done); spin++) AVGPIPE__RELAX();
+    dl = avgpipe__deadline(timeout_s);
+    pthread_mutex_lock(&L->mu);
+    while (!req->done && !L->aborted)
+        if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && !req->done) break;
+    if (!req->done) res = L->aborted ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
+    pthread_mutex_unlock(&L->mu);
+    return res;
+}
+
+/* A matched device-ordered request: 1 when its copy has finished on the device (0 while it runs; the
+   device's query, or a blocking synchronize where the table has no query); a failure sets *res. */
+static int avgpipe__ldev_finished(avgpipe__local *L, struct avgpipe_comm_request_s *req, avgpipe_result *res) {
+    int fin = 0;
+    avgpipe_result r;
+    if (!req->on || req->res || !req->ev) return 1;
+    r = L->dev.event_query ? L->dev.event_query(L->dev.user, req->ev, &fin) : (fin = 1, L->dev.event_synchronize(L->dev.user, req->ev));
+    if (r) {
+        *res = AVGPIPE_BACKEND_ERROR;
+        return 1;
+    }
+    return fin;
 }
 
 /* A finished request: its result and status, then back to the free list. Mutex held. */
@@ -6839,8 +6974,11 @@ static avgpipe_result avgpipe__local_test(void *user, int self, avgpipe_comm_req
     if (!req || !done) return AVGPIPE_INVALID_ARG;
     pthread_mutex_lock(&L->mu);
     *done = req->done;
-    if (req->done) res = avgpipe__lfinish(L, req, status);
-    else if (L->aborted) res = AVGPIPE_ABORTED;
+    if (req->done && !avgpipe__ldev_finished(L, req, &res)) *done = 0; /* matched; its copy still runs on the device */
+    else if (req->done) {
+        avgpipe_result r = avgpipe__lfinish(L, req, status);
+        if (!res) res = r;
+    } else if (L->aborted) res = AVGPIPE_ABORTED;
     pthread_mutex_unlock(&L->mu);
     return res;
 }
@@ -6860,7 +6998,26 @@ static avgpipe_result avgpipe__local_wait(void *user, int self, avgpipe_comm_req
     pthread_mutex_lock(&L->mu);
     while (!req->done && !L->aborted)
         if (pthread_cond_timedwait(&L->cv, &L->mu, &dl) != 0 && !req->done) break; /* timed out */
-    if (req->done) res = avgpipe__lfinish(L, req, status);
+    if (req->done && req->on) { /* matched: now its copy on the device, polled outside the mutex */
+        avgpipe_result dres = AVGPIPE_OK;
+        double t0 = avgpipe__now(), nap = 2e-6;
+        pthread_mutex_unlock(&L->mu);
+        while (!avgpipe__ldev_finished(L, req, &dres)) {
+            struct timespec nap_dl = avgpipe__deadline(nap);
+            if (avgpipe__now() - t0 > timeout_s) return AVGPIPE_TIMEOUT; /* still pending: wait again or cancel */
+            pthread_mutex_lock(&L->mu);
+            if (L->aborted) {
+                pthread_mutex_unlock(&L->mu);
+                return AVGPIPE_ABORTED;
+            }
+            pthread_cond_timedwait(&L->cv, &L->mu, &nap_dl); /* a nap an abort cuts short */
+            pthread_mutex_unlock(&L->mu);
+            nap = nap < 1e-3 ? 2 * nap : 1e-3;
+        }
+        pthread_mutex_lock(&L->mu);
+        res = avgpipe__lfinish(L, req, status);
+        if (dres) res = dres;
+    } else if (req->done) res = avgpipe__lfinish(L, req, status);
     else res = L->aborted ? AVGPIPE_ABORTED : AVGPIPE_TIMEOUT;
     pthread_mutex_unlock(&L->mu);
     return res;
@@ -6924,8 +7081,7 @@ AVGPIPE__FP_EXACT_END
 /* Each rank leaves its values in its own part; the last to arrive sums the parts in rank order (the
    same bits on every run) and everyone copies the sum out; the last one out opens the next round. A
    rank that times out withdraws its part, so a later allreduce is still exact. */
-static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf, size_t count, double timeout_s) {
-    avgpipe__local *L = (avgpipe__local *)user;
+static avgpipe_result avgpipe__local_allreduce_host(avgpipe__local *L, int self, float *buf, size_t count, double timeout_s) {
     struct timespec dl = avgpipe__deadline(timeout_s);
     avgpipe_result res = AVGPIPE_OK;
     long gen;
@@ -6981,6 +7137,38 @@ static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf,
     return res;
 }
 
+/* With a device, buf is device memory: its values come to a host buffer of this rank's through the
+   device's copies (the caller made them ready), are summed as above, and go back the same way. */
+static avgpipe_result avgpipe__local_allreduce(void *user, int self, float *buf, size_t count, double timeout_s) {
+    avgpipe__local *L = (avgpipe__local *)user;
+    avgpipe_device *d = &L->dev;
+    avgpipe_result res;
+    float *host;
+    if (!L->has_dev || !count) return avgpipe__local_allreduce_host(L, self, buf, count, timeout_s);
+    if (!buf || self < 0 || self >= L->n) return AVGPIPE_INVALID_ARG;
+    host = (float *)avgpipe_alloc(L->ctx, count * sizeof(float));
+    if (!host) return AVGPIPE_OUT_OF_MEMORY;
+    res = d->copy(d->user, host, buf, count * sizeof(float), AVGPIPE_DEVICE_COPY_D2H, NULL);
+    if (!res) res = d->stream_synchronize(d->user, NULL);
+    if (res) {
+        snprintf(L->err[self], sizeof L->err[self], "allreduce: device '%s': copying the values to the host failed: %s", d->name ? d->name : "?",
+                 d->error_string ? d->error_string(d->user) : "");
+        res = AVGPIPE_BACKEND_ERROR;
+    }
+    if (!res) res = avgpipe__local_allreduce_host(L, self, host, count, timeout_s);
+    if (!res) {
+        res = d->copy(d->user, buf, host, count * sizeof(float), AVGPIPE_DEVICE_COPY_H2D, NULL);
+        if (!res) res = d->stream_synchronize(d->user, NULL); /* host is freed next */
+        if (res) {
+            snprintf(L->err[self], sizeof L->err[self], "allreduce: device '%s': copying the sum back failed: %s", d->name ? d->name : "?",
+                     d->error_string ? d->error_string(d->user) : "");
+            res = AVGPIPE_BACKEND_ERROR;
+        }
+    }
+    avgpipe_free(L->ctx, host);
+    return res;
+}
+
 static void avgpipe__local_abort(void *user, avgpipe_result why, const char *message) {
     avgpipe__local *L = (avgpipe__local *)user;
     pthread_mutex_lock(&L->mu);
@@ -7015,6 +7203,27 @@ static void avgpipe__local_destroy(void *user) {
         avgpipe_free(L->ctx, g->members);
         avgpipe_free(L->ctx, g);
     }
+    if (L->has_dev) { /* the device's work first, then its streams and the requests' events */
+        int j;
+        for (i = 0; L->chan && i < L->n * L->n; i++)
+            if (L->chan[i]) {
+                L->dev.stream_synchronize(L->dev.user, L->chan[i]);
+                L->dev.stream_destroy(L->dev.user, L->chan[i]);
+            }
+        for (i = 0; L->gate && i < L->n; i++)
+            if (L->gate[i]) {
+                L->dev.stream_synchronize(L->dev.user, L->gate[i]);
+                L->dev.stream_destroy(L->dev.user, L->gate[i]);
+            }
+        for (i = 0; i < L->nchunks; i++)
+            for (j = 0; j < 256; j++) {
+                struct avgpipe_comm_request_s *r = (struct avgpipe_comm_request_s *)L->chunks[i] + j;
+                if (r->ev) L->dev.event_destroy(L->dev.user, r->ev);
+                if (r->gate) L->dev.event_destroy(L->dev.user, r->gate);
+            }
+        avgpipe_free(L->ctx, L->chan);
+        avgpipe_free(L->ctx, L->gate);
+    }
     for (i = 0; i < L->nchunks; i++) avgpipe_free(L->ctx, L->chunks[i]);
     avgpipe_free(L->ctx, L->chunks);
     avgpipe_free(L->ctx, L->sends);
@@ -7045,15 +7254,33 @@ static void avgpipe__local_table(avgpipe__local *L, avgpipe_comm *out) {
     out->barrier = avgpipe__local_barrier;
     out->allreduce_sum = avgpipe__local_allreduce;
     out->split = avgpipe__local_split;
+    if (L->has_dev) {
+        out->name = "local-threads-device";
+        out->isend_on = avgpipe__local_isend_on;
+        out->irecv_on = avgpipe__local_irecv_on;
+        out->wait_issued = avgpipe__local_wait_issued;
+    }
     out->abort = avgpipe__local_abort;
     out->last_error = avgpipe__local_last_error;
     out->destroy = avgpipe__local_destroy;
     out->user = L;
 }
 
-static avgpipe__local *avgpipe__local_new(avgpipe_context *ctx, int ranks) {
+static avgpipe__local *avgpipe__local_new(avgpipe_context *ctx, int ranks, const avgpipe_device *device) {
     avgpipe__local *L = (avgpipe__local *)avgpipe__calloc(ctx, 1, sizeof *L);
     if (!L) return NULL;
+    if (device) {
+        L->chan = (avgpipe_device_stream *)avgpipe__calloc(ctx, (size_t)ranks * ranks, sizeof(avgpipe_device_stream));
+        L->gate = (avgpipe_device_stream *)avgpipe__calloc(ctx, (size_t)ranks, sizeof(avgpipe_device_stream));
+        if (!L->chan || !L->gate) {
+            avgpipe_free(ctx, L->chan);
+            avgpipe_free(ctx, L->gate);
+            avgpipe_free(ctx, L);
+            return NULL;
+        }
+        L->has_dev = 1;
+        L->dev = *device;
+    }
     avgpipe_context_init(&L->own_ctx, &avgpipe__ctx(ctx)->desc); /* same allocator, private error buffer */
     L->ctx = &L->own_ctx;
     L->n = ranks;
@@ -7066,6 +7293,8 @@ static avgpipe__local *avgpipe__local_new(avgpipe_context *ctx, int ranks) {
         avgpipe_free(ctx, L->recvs);
         avgpipe_free(ctx, L->err);
         avgpipe_free(ctx, L->nsplit);
+        avgpipe_free(ctx, L->chan);
+        avgpipe_free(ctx, L->gate);
         avgpipe_free(ctx, L); /* own_ctx lives inside L */
         return NULL;
     }
@@ -7098,7 +7327,7 @@ static avgpipe_result avgpipe__local_split(void *user, int self, const int *memb
     if (!g) {
         g = (avgpipe__lgroup *)avgpipe__calloc(L->ctx, 1, sizeof *g);
         if (g) g->members = (int *)avgpipe_alloc(L->ctx, (size_t)count * sizeof(int));
-        if (g && g->members) g->sub = avgpipe__local_new(L->ctx, count);
+        if (g && g->members) g->sub = avgpipe__local_new(L->ctx, count, L->has_dev ? &L->dev : NULL); /* the same device */
         if (!g || !g->members || !g->sub) {
             if (g) avgpipe_free(L->ctx, g->members);
             avgpipe_free(L->ctx, g);
@@ -7130,15 +7359,21 @@ static avgpipe_result avgpipe__local_split(void *user, int self, const int *memb
     return AVGPIPE_OK;
 }
 
-AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out) {
+AVGPIPE_API avgpipe_result avgpipe_comm_local_create_on(avgpipe_context *ctx, int ranks, const avgpipe_device *device, avgpipe_comm *out) {
     avgpipe__local *L;
+    avgpipe_result res;
     if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_comm_local_create: out is NULL");
     memset(out, 0, sizeof *out);
     if (ranks < 1 || ranks > 4096) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ranks: must be in 1..4096 (got %d)", ranks);
-    L = avgpipe__local_new(ctx, ranks);
+    if (device && (res = avgpipe_device_check(ctx, device)) != AVGPIPE_OK) return res;
+    L = avgpipe__local_new(ctx, ranks, device);
     if (!L) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_comm_local_create: out of memory");
     avgpipe__local_table(L, out);
     return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_comm_local_create(avgpipe_context *ctx, int ranks, avgpipe_comm *out) {
+    return avgpipe_comm_local_create_on(ctx, ranks, NULL, out);
 }
 
 AVGPIPE_API void avgpipe_comm_destroy(avgpipe_comm *comm) {
@@ -7153,6 +7388,9 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': isend, irecv, test, wait, barrier and abort are required",
                              comm->name ? comm->name : "?");
     if (comm->size < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': size must be >= 1", comm->name ? comm->name : "?");
+    if (!comm->isend_on != !comm->irecv_on || (comm->wait_issued && !comm->isend_on))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': isend_on and irecv_on come together (and wait_issued only with them)",
+                             comm->name ? comm->name : "?");
     return AVGPIPE_OK;
 }
 
@@ -8069,6 +8307,21 @@ static void avgpipe__op_ctx_init(avgpipe__worker *w, const avgpipe_op *op, avgpi
 }
 
 /* Wait for a posted receive of slot sl (activation: fwd) before its consumer runs; record it. */
+/* comm.wait_issued on a device-ordered receive: until its transfer is on the device (the peer posted
+   its send), failing the run like a wait for data when it does not come. */
+static avgpipe_result avgpipe__comm_issued(avgpipe__worker *w, avgpipe_comm_request req, const avgpipe_op *op, int peer) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res = run->comm.wait_issued(run->comm.user, w->rank, req, run->d.timeout_s);
+    char txt[64];
+    if (!res) return AVGPIPE_OK;
+    if (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run)) return res;
+    if (res == AVGPIPE_TIMEOUT && avgpipe__watchdog(run, 0.5 * run->d.timeout_s)) return res; /* a local callback is the cause */
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(run, res, "rank %d, op %s: the send of rank %d %s (%s)", w->rank, txt, peer,
+                             res == AVGPIPE_TIMEOUT ? "was not posted within the timeout" : "failed",
+                             run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+}
+
 static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, int fwd) {
     avgpipe_run *run = w->run;
     int g = op->stage, from = fwd ? g - 1 : g + 1, peer;
@@ -8079,6 +8332,7 @@ static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, 
     peer = w->replica * run->S + avgpipe__run_rank(run, from);
     if (fwd ? sl->ordered_f : sl->ordered_b) { /* the device orders the consumer after the transfer; no host wait */
         if (!AVGPIPE__WAITS(AVGPIPE__WAIT_RECV_BEFORE_OP)) return AVGPIPE_OK;
+        if (run->comm.wait_issued && (res = avgpipe__comm_issued(w, *req, op, peer)) != AVGPIPE_OK) return res;
         return avgpipe__dev_order(w, w->cs[op->pipe], fwd ? sl->ev_recv_f : sl->ev_recv_b, op, "ordering the op after its receive");
     }
     res = avgpipe__comm_wait(w, req, op, peer, avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, from, op->micro),
@@ -9292,7 +9546,8 @@ static avgpipe_result avgpipe__run_comm(avgpipe_context *ctx, avgpipe_run *run) 
     if (!run->d.comm) {
         if (!run->all_local)
             return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm: required when local_ranks leaves ranks to other processes");
-        res = avgpipe_comm_local_create(ctx, run->P, &run->comm);
+        /* on a device (not the CPU one) its memory moves by the device's copies: the host never touches it */
+        res = avgpipe_comm_local_create_on(ctx, run->P, run->d.device, &run->comm);
         run->own_comm = !res;
         return res;
     }
@@ -9471,11 +9726,11 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     run->best = -1;
     run->best_k = run->K;
     run->ckpt_prev = -1;
-    if (!res) res = avgpipe__run_comm(ctx, run);
     if (!res && run->d.device) {
         if ((res = avgpipe_device_check(ctx, run->d.device)) == AVGPIPE_OK) run->dev = *run->d.device;
     } else if (!res && (res = avgpipe_device_cpu_create(ctx, NULL, &run->dev)) == AVGPIPE_OK)
         run->own_dev = 1;
+    if (!res) res = avgpipe__run_comm(ctx, run);
     if (!res) {
         run->ordered = run->d.device && run->comm.isend_on && run->comm.irecv_on;
         run->timed = run->d.profile && run->dev.event_elapsed != NULL;

@@ -96,7 +96,9 @@ typedef struct cfg {
     avgpipe_sched_kind kind;
     int S, V, M, split, overlap;
     int host_step; /* step() on the host instead of step_async */
-    int ordered;   /* device-ordered transfers (isend_on / irecv_on) */
+    int ordered;   /* 0: a host comm (the device's memory is the host's here, as with CUDA-aware MPI);
+                      1: device-ordered transfers of tests/ordered_comm.h (isend_on / irecv_on);
+                      2: the runtime's own device-aware in-process comm (desc.comm NULL) */
     int rounds;    /* averaging rounds per iteration (0: 1) */
 } cfg;
 
@@ -120,7 +122,7 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
     avgpipe_context ctx;
     avgpipe_run *run = NULL;
     avgpipe_run_stats st;
-    avgpipe_comm comm;
+    avgpipe_comm comm, host_comm;
     setup s;
     int it, g, i;
     memset(out, 0, sizeof *out);
@@ -147,9 +149,12 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
         if (c->split) s.d.cb.backward_input = async_backward_input, s.d.cb.backward_weight = async_backward_weight;
         if (c->overlap) s.d.cb.overlap = async_overlap;
         if (!c->host_step) s.d.cb.step = NULL, s.d.cb.step_async = async_step;
-        if (c->ordered) {
+        if (c->ordered == 1) {
             comm = ocomm_open(c->S, dev, s.d.timeout_s);
             s.d.comm = &comm;
+        } else if (c->ordered == 0) {
+            cr_assert_eq(avgpipe_comm_local_create(&ctx, c->S, &host_comm), AVGPIPE_OK);
+            s.d.comm = &host_comm;
         }
     }
     out->res = avgpipe_run_create(&ctx, &s.d, &run);
@@ -159,7 +164,7 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
         for (it = 0; it < iters && out->res == AVGPIPE_OK; it++) out->res = avgpipe_run_iteration(run, &st);
         if (save_dir && out->res == AVGPIPE_OK) out->res = avgpipe_run_save(run, save_dir);
         if (save_dir && out->res == AVGPIPE_OK) {
-            float *dst[MAXG];
+            float *dst[MAXG] = {0};
             for (g = 0; g < G; g++) dst[g] = out->zg[g];
             out->res = avgpipe_run_gather_reference(run, dst);
         }
@@ -174,10 +179,11 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
     }
     if (out->res) snprintf(out->msg, sizeof out->msg, "%s", avgpipe_last_error(&ctx));
     avgpipe_run_destroy(run);
-    if (dev && c->ordered) {
+    if (dev && c->ordered == 1) {
         out->posted = OCOMM.posted;
         ocomm_close();
     }
+    if (dev && c->ordered == 0) avgpipe_comm_destroy(&host_comm);
     out->task_error = async_failed;
     for (g = 0; g < G && !out->task_error; g++)
         if (T.err[g][0]) out->task_error = -1;
@@ -225,7 +231,7 @@ static void check_same(const cfg *c, const char *name) {
     cr_assert_eq(dev_out.task_error, 0, "%s: a task failed (%d)", name, dev_out.task_error);
     cr_assert_eq(differences(c, &ref_out, &dev_out), 0, "%s: %ld parameters differ from the CPU device's run", name,
                  differences(c, &ref_out, &dev_out));
-    if (c->ordered) cr_assert(dev_out.posted > 0, "%s: no transfer went through isend_on / irecv_on", name);
+    if (c->ordered == 1) cr_assert(dev_out.posted > 0, "%s: no transfer went through isend_on / irecv_on", name);
     cr_assert(ADEV.allocs > 0 && ADEV.allocs == ADEV.frees, "%s: %ld device allocations, %ld frees", name, ADEV.allocs, ADEV.frees);
     cr_assert(ADEV.nstreams == 1, "%s: %d streams left (the default one only expected)", name, ADEV.nstreams);
     adev_close();
@@ -262,6 +268,19 @@ Test(streams, ordered_transfers_zbv) {
 Test(streams, ordered_transfers_dualpipev_overlap_host_step) {
     cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 1, 1, 0};
     check_same(&c, "dualpipev overlap, isend_on/irecv_on, host step");
+}
+
+Test(streams, device_local_comm_1f1b) {
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 2, 0};
+    check_same(&c, "1f1b, the runtime's device-aware in-process comm");
+}
+Test(streams, device_local_comm_zbv_split) {
+    cfg c = {AVGPIPE_SCHED_ZBV, 2, 2, 4, 1, 0, 0, 2, 0};
+    check_same(&c, "zbv I/W, the runtime's device-aware in-process comm");
+}
+Test(streams, device_local_comm_dualpipev_overlap_two_rounds) {
+    cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 0, 2, 2};
+    check_same(&c, "dualpipev overlap, 2 rounds, the runtime's device-aware in-process comm");
 }
 
 /* Checkpoints and the gathered reference go through the device's copies: two iterations on the
