@@ -1216,7 +1216,9 @@ AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t s
    when the next stage is on another rank, gradient of the output, gradient of the input when the
    previous stage is on another rank) and the slots (micro-batches in flight at once: one is taken at
    a micro-batch's first op on the stage and given back after its last); per rank and position, the
-   stages whose slot is given back after that op. */
+   stages whose slot is given back after that op. Each of a slot's buffers takes its bytes rounded up
+   to 256 and starts at a multiple of 256 bytes from the stage's allocation (which is 256-aligned on
+   CUDA, 64-aligned at least on any device), so kernels may use vector loads on op->input and friends. */
 typedef struct avgpipe_buffer_plan {
     int nranks, nstages;  /* S, G */
     int *slots;           /* [G] (at least 1) */
@@ -7396,6 +7398,11 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
 
 /* --- 12. Buffer plan; the run's state, message tags, schedule preparation --------------------- */
 
+/* A slot's buffers start at multiples of AVGPIPE__SLOT_ALIGN bytes from its allocation (cudaMalloc's own
+   alignment), so that a kernel may load them as float4 or wider: each part's bytes, rounded up. */
+#define AVGPIPE__SLOT_ALIGN ((size_t)256)
+static size_t avgpipe__slot_part(size_t bytes) { return (bytes + AVGPIPE__SLOT_ALIGN - 1) / AVGPIPE__SLOT_ALIGN * AVGPIPE__SLOT_ALIGN; }
+
 /* ---- the buffer plan (public: the tuner's memory model uses it too) ---- */
 
 AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_plan *plan) {
@@ -7497,7 +7504,8 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
         size_t in = g > 0 ? act_bytes[g - 1] : 0, o = g + 1 < s->nstages ? act_bytes[g] : 0;
         int remote_next = g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) != rk;
         int remote_prev = g > 0 && avgpipe_stage_rank(s, g - 1) != rk;
-        out->slot_bytes[g] = in + (remote_next ? o : 0) + o + (remote_prev ? in : 0);
+        out->slot_bytes[g] = avgpipe__slot_part(in) + (remote_next ? avgpipe__slot_part(o) : 0) + avgpipe__slot_part(o) +
+                             (remote_prev ? avgpipe__slot_part(in) : 0);
     }
     res = avgpipe__plan_slots(ctx, s, N, (int)U, out);
     if (res) avgpipe_buffer_plan_free(ctx, out);
@@ -7809,15 +7817,15 @@ static avgpipe_result avgpipe__alloc_stage(avgpipe_run *run, int replica, int g)
     if (res)
         return avgpipe__fail(run->ctx, res, "runtime: device '%s' cannot create events for stage %d: %s", run->dev.name, g,
                              run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
-    for (i = 0; st->mem && i < st->nslots; i++) { /* no bytes: every buffer stays NULL */
+    for (i = 0; st->mem && i < st->nslots; i++) { /* no bytes: every buffer stays NULL; each starts at a multiple of 256 */
         unsigned char *p = st->mem + (size_t)i * sz;
         avgpipe__slot *sl = &st->slot[i];
         sl->in_act = in ? p : NULL;
-        p += in;
+        p += avgpipe__slot_part(in);
         sl->out_act = remote_next && out ? p : NULL;
-        p += remote_next ? out : 0;
+        p += remote_next ? avgpipe__slot_part(out) : 0;
         sl->grad_out = out ? p : NULL;
-        p += out;
+        p += avgpipe__slot_part(out);
         sl->grad_in = g > 0 && avgpipe__run_rank(run, g - 1) != r && in ? p : NULL;
     }
     return AVGPIPE_OK;

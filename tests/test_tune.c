@@ -135,7 +135,7 @@ static void check_memory(avgpipe_context *ctx, avgpipe_sched_kind kind, int S, i
         for (g = 0; g < G; g++) params[p * G + g] = PARAMS[p * MAXG + g];
     for (g = 0; g < G; g++) { /* a different size at every boundary and stage */
         act[g] = 1000 + 24 * (size_t)g;
-        act2[g] = act[g] + 8;
+        act2[g] = act[g] + 264; /* past the next multiple of 256: slot buffers are rounded up to 256 bytes */
         pc[g] = 100 + 7 * (size_t)g;
         pc2[g] = pc[g] + 3;
     }
