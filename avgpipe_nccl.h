@@ -114,9 +114,10 @@
      when `ready` has passed.
    - Waits: wait polls cudaEventQuery of the transfer's own completion event and ncclCommGetAsyncError of
      its communicator, spinning for desc.spin_us, then sleeping with a back-off up to desc.max_sleep_us,
-     until the timeout. AVGPIPE_TIMEOUT leaves the request pending (wait again, or cancel it). The backend's
-     own copies (staged host buffers, the deterministic allreduce's gather) are waited for the same way,
-     within desc.timeout_s or the call's timeout: nothing blocks in cudaStreamSynchronize. An NCCL
+     until the timeout (consuming each poll's "not ready": THREAD-SAFETY). AVGPIPE_TIMEOUT leaves the
+     request pending (wait again, or cancel it). The backend's own copies (staged host buffers, the
+     deterministic allreduce's gather) are waited for the same way, within desc.timeout_s or the call's
+     timeout: nothing blocks in cudaStreamSynchronize. An NCCL
      error (ncclCommGetAsyncError, or a failing NCCL call) or a CUDA error aborts every communicator the
      table owns (ncclCommAbort) and reports the error, with ncclGetErrorString and ncclGetLastError's text
      (cudaGetErrorString for CUDA), through last_error; the request is released. After an abort, every
@@ -175,6 +176,16 @@
    thread's group_begin on the same table meanwhile fails (AVGPIPE_STATE_ERROR). abort may be called from
    any thread at any time. Every entry makes the table's device current on the calling thread
    (cudaSetDevice). Creation, split and destroy: one thread, nothing else using the table.
+
+   No CUDA error state is left behind in the threads the backend runs on. The CUDA runtime keeps a last
+   error per host thread until cudaGetLastError reads it, and a query's cudaErrorNotReady counts as one:
+   the waits consume it where cudaEventQuery or cudaStreamQuery answers it, and a CUDA error the backend
+   reports (through last_error, with CUDA's text, as before) or ignores (freeing after a failure) is
+   consumed as well. So after any call of the table, in the worker's thread, the averaging thread or any
+   other, cudaGetLastError returns only what the caller's own CUDA calls left (a trainer's callback
+   checking its launches does not see "device not ready"). A sticky error (a broken CUDA context) stays,
+   as CUDA returns it from every later call. ncclCommGetAsyncError, which the waits poll too, reads
+   NCCL's own state and no CUDA state.
 
    CONFIGURATION MACROS
    --------------------
@@ -438,8 +449,27 @@ static avgpipe_result avgpipe__nccl_errf(avgpipe__nccl *m, avgpipe_result r, con
     return r;
 }
 
-/* CUDA's text for e after `what`, as the last error: AVGPIPE_BACKEND_ERROR. */
+/* CUDA keeps a last error per host thread, set by every runtime call that returns one (cudaErrorNotReady
+   from cudaStreamQuery and cudaEventQuery too) until cudaGetLastError reads it. e is the result of a call
+   this backend just made on the calling thread: when it is an error, consume it, so that the thread's next
+   cudaGetLastError (a trainer's callback checking its own launches) does not see "device not ready" from
+   our polling, or a failure we reported (or chose to ignore) already. A sticky error stays: CUDA returns
+   it from every later call. */
+static void avgpipe__nccl_forget(cudaError_t e) {
+    if (e != cudaSuccess) (void)cudaGetLastError();
+}
+
+/* Has the work before ev finished? cudaEventQuery without leaving its "not ready" (or an error) behind. */
+static int avgpipe__nccl_event_done(cudaEvent_t ev) {
+    cudaError_t e = cudaEventQuery(ev);
+    avgpipe__nccl_forget(e);
+    return e == cudaSuccess;
+}
+
+/* CUDA's text for e after `what`, as the last error: AVGPIPE_BACKEND_ERROR. The thread's CUDA error is
+   consumed: it is reported here. */
 static avgpipe_result avgpipe__nccl_cuda_error(avgpipe__nccl *m, cudaError_t e, const char *what) {
+    avgpipe__nccl_forget(e);
     return avgpipe__nccl_errf(m, AVGPIPE_BACKEND_ERROR, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
 }
 
@@ -470,7 +500,7 @@ static void avgpipe__nccl_kill(avgpipe__nccl *m, const char *why) {
     }
     pthread_mutex_unlock(&m->mu);
     if (first) {
-        if (m->device >= 0) cudaSetDevice(m->device);
+        if (m->device >= 0) avgpipe__nccl_forget(cudaSetDevice(m->device));
         for (i = 0; i < AVGPIPE__NCCL_NCOMM; i++)
             if (c[i]) ncclCommAbort(c[i]);
     }
@@ -503,6 +533,7 @@ static avgpipe_result avgpipe__nccl_use_device(avgpipe__nccl *m) {
     int cur = -1;
     cudaError_t e = cudaGetDevice(&cur);
     if (e == cudaSuccess && cur == m->device) return AVGPIPE_OK;
+    avgpipe__nccl_forget(e);
     e = cudaSetDevice(m->device);
     return e == cudaSuccess ? AVGPIPE_OK : avgpipe__nccl_cuda_error(m, e, "cudaSetDevice");
 }
@@ -557,6 +588,7 @@ static avgpipe_result avgpipe__nccl_wait_event(avgpipe__nccl *m, cudaEvent_t ev,
         cudaError_t e = cudaEventQuery(ev);
         ncclResult_t st = ncclSuccess;
         char detail[320];
+        avgpipe__nccl_forget(e); /* not ready is an answer; an error is reported below from e */
         if (avgpipe__nccl_dead(m)) return AVGPIPE_ABORTED;
         if (e == cudaSuccess) return AVGPIPE_OK;
         if (e != cudaErrorNotReady) {
@@ -587,7 +619,7 @@ static avgpipe_result avgpipe__nccl_drain(avgpipe__nccl *m, cudaStream_t s, doub
         cudaError_t e = cudaStreamQuery(s);
         if (e == cudaSuccess) return AVGPIPE_OK;
         if (e != cudaErrorNotReady) return avgpipe__nccl_cuda_error(m, e, what);
-        (void)cudaGetLastError(); /* not ready is an answer */
+        avgpipe__nccl_forget(e); /* not ready is an answer */
         if (avgpipe__nccl_now() - t0 >= timeout_s)
             return avgpipe__nccl_errf(m, AVGPIPE_TIMEOUT, "%s: the GPU did not finish within %.3g s", what, timeout_s);
         avgpipe__nccl_nap(m, t0, &sleep_us);
@@ -617,7 +649,7 @@ static void avgpipe__nccl_event_put(avgpipe__nccl *m, cudaEvent_t ev) {
     pthread_mutex_lock(&m->mu);
     if (m->npool < AVGPIPE__NCCL_POOL) m->pool[m->npool++] = ev, ev = NULL;
     pthread_mutex_unlock(&m->mu);
-    if (ev) cudaEventDestroy(ev);
+    if (ev) avgpipe__nccl_forget(cudaEventDestroy(ev));
 }
 
 /* Unlink r (and take it out of the group queue), give back its event and bounce buffer, free it. */
@@ -635,7 +667,7 @@ static void avgpipe__nccl_release(avgpipe__nccl *m, avgpipe__nccl_req *r) {
         }
     }
     pthread_mutex_unlock(&m->mu);
-    if (r->bounce) cudaFreeAsync(r->bounce, m->staging);
+    if (r->bounce) avgpipe__nccl_forget(cudaFreeAsync(r->bounce, m->staging));
     avgpipe__nccl_event_put(m, r->done);
     m->alloc.free(r, m->alloc.user);
 }
@@ -647,8 +679,8 @@ static avgpipe_result avgpipe__nccl_memtype(avgpipe__nccl *m, const void *buf, i
     cudaError_t e;
     memset(&a, 0, sizeof a);
     e = cudaPointerGetAttributes(&a, buf);
-    if (e != cudaSuccess) {
-        cudaGetLastError(); /* not sticky: forget it */
+    if (e != cudaSuccess) { /* older CUDA: host memory the runtime does not know is an error; not sticky */
+        avgpipe__nccl_forget(e);
         *device = 0;
         return AVGPIPE_OK;
     }
@@ -896,7 +928,7 @@ static void avgpipe__nccl_cancel(void *user, int self, avgpipe_comm_request req)
     pthread_mutex_lock(&m->mu);
     queued = r->queued;
     pthread_mutex_unlock(&m->mu);
-    if (!avgpipe__nccl_dead(m) && (queued || cudaEventQuery(r->done) != cudaSuccess)) {
+    if (!avgpipe__nccl_dead(m) && (queued || !avgpipe__nccl_event_done(r->done))) {
         avgpipe__nccl_errf(m, AVGPIPE_ABORTED, "cancel of the unfinished %zu-byte %s rank %d: NCCL cannot withdraw an enqueued transfer, "
                                                "so the communicators were aborted", r->bytes, r->send ? "send to" : "receive from", r->peer);
         avgpipe__nccl_kill(m, m->err);
@@ -1041,7 +1073,7 @@ static avgpipe_result avgpipe__nccl_allreduce_ordered(avgpipe__nccl *m, float *b
             res = e == cudaSuccess ? avgpipe__nccl_drain(m, s, timeout_s, what) : avgpipe__nccl_cuda_error(m, e, what);
         }
     }
-    if (res != AVGPIPE_TIMEOUT) cudaFreeAsync(all_d, s); /* else NCCL may still write it */
+    if (res != AVGPIPE_TIMEOUT) avgpipe__nccl_forget(cudaFreeAsync(all_d, s)); /* else NCCL may still write it */
     m->alloc.free(all_h, m->alloc.user);
     return res;
 }
@@ -1066,13 +1098,13 @@ static avgpipe_result avgpipe__nccl_allreduce(void *user, int self, float *buf, 
         e = cudaMallocAsync((void **)&dbuf, count * sizeof(float), s);
         if (e == cudaSuccess) {
             e = cudaMemcpyAsync(dbuf, buf, count * sizeof(float), cudaMemcpyHostToDevice, s);
-            if (e != cudaSuccess) cudaFreeAsync(dbuf, s);
+            if (e != cudaSuccess) avgpipe__nccl_forget(cudaFreeAsync(dbuf, s));
         }
         if (e != cudaSuccess) return avgpipe__nccl_cuda_error(m, e, "allreduce_sum: copying host memory to the device");
     }
     if (m->desc.deterministic_allreduce) {
         res = avgpipe__nccl_allreduce_ordered(m, buf, dbuf, on_device, count, timeout_s);
-        if (!on_device && res != AVGPIPE_TIMEOUT) cudaFreeAsync(dbuf, s);
+        if (!on_device && res != AVGPIPE_TIMEOUT) avgpipe__nccl_forget(cudaFreeAsync(dbuf, s));
         return res;
     }
     detail[0] = 0;
@@ -1087,7 +1119,7 @@ static avgpipe_result avgpipe__nccl_allreduce(void *user, int self, float *buf, 
         e = cudaMemcpyAsync(buf, dbuf, count * sizeof(float), cudaMemcpyDeviceToHost, s);
         res = e == cudaSuccess ? avgpipe__nccl_drain(m, s, timeout_s, what) : avgpipe__nccl_cuda_error(m, e, what);
     }
-    if (!on_device && res != AVGPIPE_TIMEOUT) cudaFreeAsync(dbuf, s);
+    if (!on_device && res != AVGPIPE_TIMEOUT) avgpipe__nccl_forget(cudaFreeAsync(dbuf, s));
     return res;
 }
 
@@ -1111,15 +1143,15 @@ static const char *avgpipe__nccl_last_error(void *user, int self) {
 static void avgpipe__nccl_free(avgpipe__nccl *m) {
     int i;
     while (m->live) avgpipe__nccl_release(m, m->live);
-    for (i = 0; i < m->npool; i++) cudaEventDestroy(m->pool[i]);
+    for (i = 0; i < m->npool; i++) avgpipe__nccl_forget(cudaEventDestroy(m->pool[i]));
     m->npool = 0;
-    if (m->coll_done) cudaEventDestroy(m->coll_done);
+    if (m->coll_done) avgpipe__nccl_forget(cudaEventDestroy(m->coll_done));
     for (i = 0; i < AVGPIPE__NCCL_NCOMM; i++)
-        if (m->stream[i]) cudaStreamDestroy(m->stream[i]);
+        if (m->stream[i]) avgpipe__nccl_forget(cudaStreamDestroy(m->stream[i]));
     if (m->staging) {
-        if (m->scratch) cudaFreeAsync(m->scratch, m->staging);
+        if (m->scratch) avgpipe__nccl_forget(cudaFreeAsync(m->scratch, m->staging));
         (void)avgpipe__nccl_drain(m, m->staging, m->desc.timeout_s, "destroy"); /* the frees of the bounce buffers and scratch */
-        cudaStreamDestroy(m->staging);
+        avgpipe__nccl_forget(cudaStreamDestroy(m->staging));
     }
     pthread_mutex_destroy(&m->mu);
     pthread_cond_destroy(&m->cv);
@@ -1134,9 +1166,9 @@ static void avgpipe__nccl_destroy(void *user) {
     avgpipe__nccl_req *r;
     int i, pending = 0;
     if (!m) return;
-    if (m->device >= 0) cudaSetDevice(m->device);
+    if (m->device >= 0) avgpipe__nccl_forget(cudaSetDevice(m->device));
     pthread_mutex_lock(&m->mu);
-    for (r = m->live; r && !pending; r = r->next) pending = r->queued || cudaEventQuery(r->done) != cudaSuccess;
+    for (r = m->live; r && !pending; r = r->next) pending = r->queued || !avgpipe__nccl_event_done(r->done);
     pending |= m->broken || m->group_depth > 0;
     pthread_mutex_unlock(&m->mu);
     if (!pending && !avgpipe__nccl_dead(m)) {
@@ -1410,7 +1442,7 @@ static avgpipe_result avgpipe__nccl_open_device(avgpipe__nccl *m, int local_rank
     int n = 0, dev = m->desc.device, i;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
-        cudaGetLastError();
+        avgpipe__nccl_forget(e);
         return avgpipe__nccl_errf(m, AVGPIPE_BACKEND_ERROR, "no usable CUDA device: cudaGetDeviceCount: %s (%s)", cudaGetErrorString(e),
                                   cudaGetErrorName(e));
     }

@@ -1,14 +1,24 @@
 /* Tests of avgpipe_nccl.h that need no GPU: argument checking, the id file protocol (threads and
    processes exchanging a 128-byte id through it, its atomic write, damaged, stale and foreign files,
-   failure records, timeouts), and creation failing cleanly, with CUDA's text and nothing left allocated,
-   on a machine without a GPU. Real CUDA and NCCL are linked; nothing is mocked. What needs a GPU
-   (transfers, groups, collectives, split, abort) is tests/gpu/nccl_check.c, run by bench/gpu/run.sh.
+   failure records, timeouts), creation failing cleanly, with CUDA's text and nothing left allocated,
+   on a machine without a GPU, and (suite nccl_emu) the CUDA error state the backend leaves in the
+   threads that call it, over an emulation of the CUDA runtime and NCCL (tests/nccl_emu.h).
+
+   Real CUDA and NCCL are linked. The backend's calls go through tests/nccl_emu.h, which passes them to
+   the real functions unless a test turned the emulation on (emu_begin): every suite but nccl_emu sees
+   CUDA's and NCCL's own answers. What needs a GPU for real (transfers, groups, collectives, split, abort
+   on NCCL) is tests/gpu/nccl_check.c, run by bench/gpu/run.sh.
 
    Criterion forks per test, so CUDA is first touched inside a test, never before the fork. */
 #define _POSIX_C_SOURCE 200809L
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+#include "tests/nccl_emu.h" /* from here to its second inclusion, the CUDA and NCCL calls are the emulation's */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 #include "avgpipe_nccl.h"
+#define NCCL_EMU_DEFINE
+#include "tests/nccl_emu.h"
 
 #include <criterion/criterion.h>
 #include <dirent.h>
@@ -650,4 +660,398 @@ Test(nccl_nogpu, rank0_failure_reaches_the_other_ranks) {
     cr_assert(strstr(avgpipe_last_error(&ctx), "rank 0 failed: rank 0: no usable CUDA device") && strstr(avgpipe_last_error(&ctx), text), "%s",
               avgpipe_last_error(&ctx));
     rmtree(dir);
+}
+
+/* ---- no CUDA error state left behind, over the emulation --------------------------------------------------
+   CUDA keeps a last error per host thread: a call that returns an error sets it, cudaGetLastError returns
+   and clears it. cudaStreamQuery and cudaEventQuery answer cudaErrorNotReady while work is pending, and
+   that answer is recorded like any error: a backend that polls and does not consume it leaves "device not
+   ready" for the next cudaGetLastError on that thread, e.g. a trainer's callback checking its own launch
+   (examples/cuda_mlp.cu) on the worker thread after a comm call. These tests run the backend's ranks as
+   threads over tests/nccl_emu.h, whose every query answers "not ready" a few times before "done", and
+   check after every backend call, on the thread that made it, what cudaGetLastError would tell a callback
+   there, and at the end, in every thread the emulation saw, the last error. */
+
+TestSuite(nccl_emu, .timeout = 120);
+
+#define ER 3     /* ranks: one thread each, as one process's worker thread */
+#define EB 200   /* bytes of a ring message */
+#define EF 37    /* floats of an allreduce */
+#define EITER 4  /* iterations of the ring */
+#define EPOLLS 3 /* "not ready" answers of every query before "done" */
+
+/* One thread's record: the first backend call after which the thread's last error was not cudaSuccess,
+   the first failure, and its last error and not-ready answers at the end. */
+typedef struct checked {
+    char who[32];
+    int bad;
+    char first[320];
+    char which[400]; /* the calls that left it, each named once */
+    avgpipe_result res;
+    char msg[AVGPIPE_ERROR_MAX + 64];
+    cudaError_t at_end;
+    long not_ready, calls;
+} checked;
+
+/* After a backend call on this thread: what cudaGetLastError would tell a callback now (read without
+   clearing; cleared once recorded, so that a later report is about a later call). */
+static void after(checked *c, const char *what) {
+    cudaError_t e = emu_cudaPeekAtLastError();
+    c->calls++;
+    if (e == cudaSuccess) return;
+    if (!c->bad++)
+        snprintf(c->first, sizeof c->first, "%s: after %s, cudaGetLastError() is %s (%s)", c->who, what, cudaGetErrorName(e),
+                 cudaGetErrorString(e));
+    if (!strstr(c->which, what)) {
+        size_t n = strlen(c->which);
+        snprintf(c->which + n, sizeof c->which - n, "%s%s", n ? ", " : "", what);
+    }
+    (void)emu_cudaGetLastError();
+}
+
+/* after(), then the call's result: 1 when AVGPIPE_OK, else the failure is recorded (first only). */
+static int called(checked *c, avgpipe_result res, const char *detail, const char *what) {
+    after(c, what);
+    if (res == AVGPIPE_OK) return 1;
+    if (c->res == AVGPIPE_OK) {
+        c->res = res;
+        snprintf(c->msg, sizeof c->msg, "%s: %s: %s: %s", c->who, what, avgpipe_result_string(res), detail ? detail : "");
+    }
+    return 0;
+}
+
+static const char *table_error(const avgpipe_comm *t, int self) { return t->last_error ? t->last_error(t->user, self) : ""; }
+
+/* The test's own emulated calls (its buffers, streams, events) must work: a failure is the test's. */
+static int setup_ok(checked *c, cudaError_t e, const char *what) {
+    if (e == cudaSuccess) return 1;
+    if (c->res == AVGPIPE_OK) c->res = AVGPIPE_BACKEND_ERROR, snprintf(c->msg, sizeof c->msg, "%s: test setup: %s: %s", c->who, what, cudaGetErrorName(e));
+    return 0;
+}
+
+/* The test's own wait for its stream, consuming "not ready" as a caller should. */
+static int stream_sync(checked *c, cudaStream_t s) {
+    double t0 = now_s();
+    for (;;) {
+        cudaError_t e = emu_cudaStreamQuery(s);
+        if (e == cudaSuccess) return 1;
+        if (e != cudaErrorNotReady) return setup_ok(c, e, "cudaStreamQuery");
+        (void)emu_cudaGetLastError();
+        if (now_s() - t0 > 20) return setup_ok(c, cudaErrorLaunchTimeout, "the test's stream did not finish");
+        sleep_s(20e-6);
+    }
+}
+
+static void pattern(unsigned char *p, size_t n, int rank, int it) {
+    size_t i;
+    for (i = 0; i < n; i++) p[i] = (unsigned char)(rank * 31 + it * 7 + (int)i * 3);
+}
+
+typedef struct erank {
+    int rank, size, deterministic;
+    const ncclUniqueId *id;
+    avgpipe_comm comm, avg;
+    checked worker, averager;
+} erank;
+
+/* The averaging thread: allreduce_sum on the split table, host memory (staged) and device memory, while
+   the worker moves messages on the parent table. Its last call is a device allreduce (no staging copy
+   after the collective's wait). */
+static void *eaverager(void *arg) {
+    erank *r = (erank *)arg;
+    checked *c = &r->averager;
+    float h[EF], *dv = NULL;
+    cudaStream_t us = NULL;
+    int k, i, q;
+    if (!setup_ok(c, emu_cudaSetDevice(r->rank), "cudaSetDevice") || !setup_ok(c, emu_cudaMalloc((void **)&dv, sizeof h), "cudaMalloc") ||
+        !setup_ok(c, emu_cudaStreamCreateWithFlags(&us, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"))
+        goto out;
+    for (k = 0; k < 3; k++) {
+        for (i = 0; i < EF; i++) h[i] = (float)(r->rank * 8 + k) + 0.25f * (float)i;
+        if (!called(c, r->avg.allreduce_sum(r->avg.user, r->rank, h, EF, 20), table_error(&r->avg, r->rank), "allreduce_sum (host memory)"))
+            goto out;
+        for (i = 0; i < EF; i++) {
+            float want = 0;
+            for (q = 0; q < r->size; q++) want += (float)(q * 8 + k) + 0.25f * (float)i;
+            if (h[i] != want) {
+                called(c, AVGPIPE_MISMATCH, "", "allreduce_sum (host memory): a wrong sum");
+                goto out;
+            }
+        }
+        for (i = 0; i < EF; i++) h[i] = (float)(r->rank + k) - 0.5f * (float)i;
+        if (!setup_ok(c, emu_cudaMemcpyAsync(dv, h, sizeof h, cudaMemcpyHostToDevice, us), "cudaMemcpyAsync") || !stream_sync(c, us)) goto out;
+        if (!called(c, r->avg.allreduce_sum(r->avg.user, r->rank, dv, EF, 20), table_error(&r->avg, r->rank), "allreduce_sum (device memory)"))
+            goto out;
+        if (!setup_ok(c, emu_cudaMemcpyAsync(h, dv, sizeof h, cudaMemcpyDeviceToHost, us), "cudaMemcpyAsync") || !stream_sync(c, us)) goto out;
+        for (i = 0; i < EF; i++) {
+            float want = 0;
+            for (q = 0; q < r->size; q++) want += (float)(q + k) - 0.5f * (float)i;
+            if (h[i] != want) {
+                called(c, AVGPIPE_MISMATCH, "", "allreduce_sum (device memory): a wrong sum");
+                goto out;
+            }
+        }
+    }
+out:
+    c->at_end = emu_cudaGetLastError(); /* the thread's own check, after its last backend call */
+    c->not_ready = emu_not_ready_here();
+    if (us) emu_cudaStreamDestroy(us);
+    if (dv) emu_cudaFree(dv);
+    return NULL;
+}
+
+/* One rank's worker thread: create (init, the up/down splits, connecting the neighbours, the barrier),
+   split for the averaging thread, then a ring each iteration: device-ordered isend_on/irecv_on in a group
+   (test polled), plain isend/irecv of host memory (staged, waited for), a barrier; destroy both tables. */
+static void *eworker(void *arg) {
+    erank *r = (erank *)arg;
+    checked *c = &r->worker;
+    avgpipe_context ctx;
+    avgpipe_nccl_desc d;
+    pthread_t avg_thread;
+    int avg_started = 0, made = 0, split = 0, it, i, members[ER];
+    int next = (r->rank + 1) % r->size, prev = (r->rank + r->size - 1) % r->size;
+    unsigned char *dsend = NULL, *drecv = NULL, hsend[EB], hrecv[EB], want[EB];
+    cudaStream_t us = NULL;
+    cudaEvent_t ready = NULL, sdone = NULL, rdone = NULL;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&d, 0, sizeof d);
+    d.id = r->id, d.rank = r->rank, d.size = r->size, d.device = r->rank;
+    d.timeout_s = 20, d.spin_us = 1, d.max_sleep_us = 50, d.deterministic_allreduce = r->deterministic;
+    if (!called(c, avgpipe_nccl_create(&ctx, &d, &r->comm), avgpipe_last_error(&ctx), "avgpipe_nccl_create")) goto out;
+    made = 1;
+    for (i = 0; i < r->size; i++) members[i] = i;
+    if (!called(c, r->comm.split(r->comm.user, r->rank, members, r->size, &r->avg), table_error(&r->comm, r->rank), "split")) goto out;
+    split = 1;
+    if (pthread_create(&avg_thread, NULL, eaverager, r) != 0) goto out;
+    avg_started = 1;
+    if (!setup_ok(c, emu_cudaSetDevice(r->rank), "cudaSetDevice") || !setup_ok(c, emu_cudaMalloc((void **)&dsend, EB), "cudaMalloc") ||
+        !setup_ok(c, emu_cudaMalloc((void **)&drecv, EB), "cudaMalloc") ||
+        !setup_ok(c, emu_cudaStreamCreateWithFlags(&us, cudaStreamNonBlocking), "cudaStreamCreateWithFlags") ||
+        !setup_ok(c, emu_cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreateWithFlags") ||
+        !setup_ok(c, emu_cudaEventCreateWithFlags(&sdone, cudaEventDisableTiming), "cudaEventCreateWithFlags") ||
+        !setup_ok(c, emu_cudaEventCreateWithFlags(&rdone, cudaEventDisableTiming), "cudaEventCreateWithFlags"))
+        goto out;
+    for (it = 0; it < EITER; it++) {
+        avgpipe_comm_request sreq = NULL, rreq = NULL, hs = NULL, hr = NULL;
+        avgpipe_comm_status st;
+        int sd = 0, rd = 0;
+        double t0;
+        /* the producer: a copy on the test's stream, `ready` after it (the transfer waits on the device) */
+        pattern(hsend, EB, r->rank, it);
+        if (!setup_ok(c, emu_cudaMemcpyAsync(dsend, hsend, EB, cudaMemcpyHostToDevice, us), "cudaMemcpyAsync") ||
+            !setup_ok(c, emu_cudaEventRecord(ready, us), "cudaEventRecord"))
+            goto out;
+        if (!called(c, r->comm.group_begin(r->comm.user, r->rank), table_error(&r->comm, r->rank), "group_begin") ||
+            !called(c, r->comm.isend_on(r->comm.user, r->rank, next, dsend, EB, 10u + (unsigned)it, (avgpipe_device_event)(void *)ready,
+                                        (avgpipe_device_event)(void *)sdone, &sreq),
+                    table_error(&r->comm, r->rank), "isend_on") ||
+            !called(c, r->comm.irecv_on(r->comm.user, r->rank, prev, drecv, EB, 10u + (unsigned)it, NULL, (avgpipe_device_event)(void *)rdone,
+                                        &rreq),
+                    table_error(&r->comm, r->rank), "irecv_on") ||
+            !called(c, r->comm.group_end(r->comm.user, r->rank), table_error(&r->comm, r->rank), "group_end"))
+            goto out;
+        for (t0 = now_s(); !sd || !rd;) {
+            if (!sd && !called(c, r->comm.test(r->comm.user, r->rank, sreq, &sd, NULL), table_error(&r->comm, r->rank), "test (isend_on)")) goto out;
+            if (!rd && !called(c, r->comm.test(r->comm.user, r->rank, rreq, &rd, &st), table_error(&r->comm, r->rank), "test (irecv_on)")) goto out;
+            if (now_s() - t0 > 20) {
+                called(c, AVGPIPE_TIMEOUT, "", "test: the ring's transfers never finished");
+                goto out;
+            }
+            if (!sd || !rd) sleep_s(20e-6);
+        }
+        /* the consumer orders itself after `done`, on its own stream */
+        memset(hrecv, 0, EB);
+        if (!setup_ok(c, emu_cudaStreamWaitEvent(us, rdone, 0), "cudaStreamWaitEvent") ||
+            !setup_ok(c, emu_cudaMemcpyAsync(hrecv, drecv, EB, cudaMemcpyDeviceToHost, us), "cudaMemcpyAsync") || !stream_sync(c, us))
+            goto out;
+        pattern(want, EB, prev, it);
+        if (memcmp(hrecv, want, EB) != 0) {
+            called(c, AVGPIPE_MISMATCH, "", "irecv_on: the bytes received are not the sender's");
+            goto out;
+        }
+        /* host memory: staged through device buffers */
+        pattern(hsend, EB, r->rank, it + 50);
+        memset(hrecv, 0, EB);
+        if (!called(c, r->comm.irecv(r->comm.user, r->rank, prev, hrecv, EB, 99, &hr), table_error(&r->comm, r->rank), "irecv") ||
+            !called(c, r->comm.isend(r->comm.user, r->rank, next, hsend, EB, 99, &hs), table_error(&r->comm, r->rank), "isend") ||
+            !called(c, r->comm.wait(r->comm.user, r->rank, hs, 20, NULL), table_error(&r->comm, r->rank), "wait (isend)") ||
+            !called(c, r->comm.wait(r->comm.user, r->rank, hr, 20, &st), table_error(&r->comm, r->rank), "wait (irecv)"))
+            goto out;
+        pattern(want, EB, prev, it + 50);
+        if (st.bytes != EB || memcmp(hrecv, want, EB) != 0) {
+            called(c, AVGPIPE_MISMATCH, "", "irecv: the bytes received are not the sender's");
+            goto out;
+        }
+        if (!called(c, r->comm.barrier(r->comm.user, r->rank, 20), table_error(&r->comm, r->rank), "barrier")) goto out;
+    }
+out:
+    if (avg_started) pthread_join(avg_thread, NULL);
+    if (split) {
+        avgpipe_comm_destroy(&r->avg);
+        after(c, "destroy (the split)");
+    }
+    if (made) {
+        avgpipe_comm_destroy(&r->comm);
+        after(c, "destroy");
+    }
+    c->at_end = emu_cudaGetLastError();
+    c->not_ready = emu_not_ready_here();
+    if (ready) emu_cudaEventDestroy(ready);
+    if (sdone) emu_cudaEventDestroy(sdone);
+    if (rdone) emu_cudaEventDestroy(rdone);
+    if (us) emu_cudaStreamDestroy(us);
+    if (dsend) emu_cudaFree(dsend);
+    if (drecv) emu_cudaFree(drecv);
+    return NULL;
+}
+
+static void fill_emu_id(ncclUniqueId *id, unsigned seed) {
+    memset(id, 0, sizeof *id);
+    fill_id((unsigned char *)id->internal, sizeof id->internal, seed);
+}
+
+/* What every thread the emulation saw has as its last error now, and what it left allocated. */
+static void assert_threads_clean(int min_threads) {
+    emu_thread_info info[EMU_MAX_THREADS];
+    char text[400];
+    int n = emu_threads(info, EMU_MAX_THREADS), i, allocs, streams, events;
+    cr_assert_eq(emu_problems(text, sizeof text), 0, "the emulation saw a problem: %s", text);
+    cr_assert(n >= min_threads, "only %d threads called the emulation (expected at least %d)", n, min_threads);
+    for (i = 0; i < n; i++)
+        cr_assert_eq(info[i].last, cudaSuccess, "thread %d of %d (%ld calls): cudaGetLastError() would return %s", i, n, info[i].calls,
+                     cudaGetErrorName(info[i].last));
+    emu_live(&allocs, &streams, &events);
+    cr_assert(allocs == 0 && streams == 0 && events == 0, "left behind: %d device allocations, %d streams, %d events", allocs, streams, events);
+}
+
+static void assert_checked(const checked *c) {
+    cr_assert_eq(c->res, AVGPIPE_OK, "%s", c->msg);
+    cr_assert_eq(c->bad, 0, "%d backend calls left CUDA error state on the calling thread; the first: %s; the calls that did: %s", c->bad,
+                 c->first, c->which);
+    cr_assert_eq(c->at_end, cudaSuccess, "%s: cudaGetLastError() at the end is %s", c->who, cudaGetErrorName(c->at_end));
+    cr_assert(c->not_ready >= EPOLLS, "%s got %ld \"not ready\" answers: the polls the test is about did not happen", c->who, c->not_ready);
+}
+
+static void ring_and_averaging(int deterministic) {
+    erank r[ER];
+    pthread_t th[ER];
+    ncclUniqueId id;
+    int k;
+    emu_begin(ER, EPOLLS);
+    fill_emu_id(&id, 17u + (unsigned)deterministic);
+    memset(r, 0, sizeof r);
+    for (k = 0; k < ER; k++) {
+        r[k].rank = k, r[k].size = ER, r[k].deterministic = deterministic, r[k].id = &id;
+        snprintf(r[k].worker.who, sizeof r[k].worker.who, "rank %d's worker", k);
+        snprintf(r[k].averager.who, sizeof r[k].averager.who, "rank %d's averager", k);
+        cr_assert_eq(pthread_create(&th[k], NULL, eworker, &r[k]), 0);
+    }
+    for (k = 0; k < ER; k++) pthread_join(th[k], NULL);
+    for (k = 0; k < ER; k++) {
+        assert_checked(&r[k].worker);
+        assert_checked(&r[k].averager);
+    }
+    assert_threads_clean(2 * ER);
+    emu_end();
+}
+
+/* Every poll of the backend (creation's connection and barrier, test and wait, the staging copies, the
+   collectives and their copies, destroy) sees "not ready" and leaves nothing behind, in each rank's worker
+   and averaging thread. */
+Test(nccl_emu, no_cuda_error_left_in_any_thread) { ring_and_averaging(0); }
+Test(nccl_emu, no_cuda_error_left_in_any_thread_deterministic_allreduce) { ring_and_averaging(1); }
+
+typedef struct epending {
+    int rank;
+    const ncclUniqueId *id;
+    int inject; /* rank 0: a real CUDA error in its wait */
+    checked c;
+    avgpipe_result late; /* a call after the abort */
+    char err[AVGPIPE_ERROR_MAX];
+} epending;
+
+/* Two ranks; each posts a receive that no one sends. Rank 0 polls it (not done) and cancels it, which
+   aborts its table; rank 1 polls it and destroys its table with the receive pending. Or (inject) rank 0's
+   wait meets a real CUDA error: reported with CUDA's text, the table aborted, and nothing left behind. */
+static void *epending_rank(void *arg) {
+    epending *p = (epending *)arg;
+    checked *c = &p->c;
+    avgpipe_context ctx;
+    avgpipe_nccl_desc d;
+    avgpipe_comm comm;
+    avgpipe_comm_request req = NULL, other = NULL;
+    unsigned char *buf = NULL;
+    int done = 0, made = 0;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&d, 0, sizeof d);
+    d.id = p->id, d.rank = p->rank, d.size = 2, d.device = p->rank, d.timeout_s = 20, d.spin_us = 1, d.max_sleep_us = 50;
+    p->late = AVGPIPE_OK;
+    if (!called(c, avgpipe_nccl_create(&ctx, &d, &comm), avgpipe_last_error(&ctx), "avgpipe_nccl_create")) goto out;
+    made = 1;
+    if (!setup_ok(c, emu_cudaSetDevice(p->rank), "cudaSetDevice") || !setup_ok(c, emu_cudaMalloc((void **)&buf, EB), "cudaMalloc")) goto out;
+    if (!called(c, comm.irecv_on(comm.user, p->rank, 1 - p->rank, buf, EB, 5, NULL, NULL, &req), table_error(&comm, p->rank), "irecv_on") ||
+        !called(c, comm.test(comm.user, p->rank, req, &done, NULL), table_error(&comm, p->rank), "test"))
+        goto out;
+    if (done) {
+        called(c, AVGPIPE_STATE_ERROR, "", "test: a receive nobody sends finished");
+        goto out;
+    }
+    if (p->rank == 0 && p->inject) {
+        avgpipe_result res;
+        emu_inject(cudaErrorInvalidResourceHandle);
+        res = comm.wait(comm.user, p->rank, req, 20, NULL);
+        after(c, "wait (a CUDA error)");
+        snprintf(p->err, sizeof p->err, "%s", table_error(&comm, p->rank));
+        if (res != AVGPIPE_BACKEND_ERROR) called(c, res == AVGPIPE_OK ? AVGPIPE_STATE_ERROR : res, p->err, "wait (expected AVGPIPE_BACKEND_ERROR)");
+        req = NULL; /* released by the failed wait */
+        p->late = comm.irecv_on(comm.user, p->rank, 1, buf, EB, 6, NULL, NULL, &other);
+        after(c, "irecv_on (after the abort)");
+    } else if (p->rank == 0) {
+        comm.cancel(comm.user, p->rank, req);
+        after(c, "cancel (unfinished)");
+        req = NULL;
+        p->late = comm.irecv_on(comm.user, p->rank, 1, buf, EB, 6, NULL, NULL, &other);
+        after(c, "irecv_on (after the abort)");
+    }
+out:
+    if (made) {
+        avgpipe_comm_destroy(&comm); /* rank 1: with its receive pending */
+        after(c, "destroy");
+    }
+    c->at_end = emu_cudaGetLastError();
+    c->not_ready = emu_not_ready_here();
+    if (buf) emu_cudaFree(buf);
+    return NULL;
+}
+
+static void pending_pair(int inject, epending *p) {
+    pthread_t th[2];
+    ncclUniqueId id;
+    int k;
+    emu_begin(2, EPOLLS);
+    fill_emu_id(&id, 23u + (unsigned)inject);
+    memset(p, 0, 2 * sizeof *p);
+    for (k = 0; k < 2; k++) {
+        p[k].rank = k, p[k].id = &id, p[k].inject = inject;
+        snprintf(p[k].c.who, sizeof p[k].c.who, "rank %d", k);
+        cr_assert_eq(pthread_create(&th[k], NULL, epending_rank, &p[k]), 0);
+    }
+    for (k = 0; k < 2; k++) pthread_join(th[k], NULL);
+    for (k = 0; k < 2; k++) assert_checked(&p[k].c);
+    cr_assert_eq(p[0].late, AVGPIPE_ABORTED, "rank 0's table is not aborted: %s", avgpipe_result_string(p[0].late));
+    assert_threads_clean(2);
+    emu_end();
+}
+
+Test(nccl_emu, cancel_and_destroy_with_pending_transfers_leave_no_error) {
+    epending p[2];
+    pending_pair(0, p);
+}
+
+/* A real error from the same poll is reported as before, with CUDA's text, and not left behind either. */
+Test(nccl_emu, a_real_cuda_error_keeps_its_text_and_is_not_left_behind) {
+    epending p[2];
+    pending_pair(1, p);
+    cr_assert(strstr(p[0].err, "rank 0: wait: invalid resource handle (cudaErrorInvalidResourceHandle)") != NULL, "%s", p[0].err);
 }
