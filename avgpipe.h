@@ -824,6 +824,9 @@ typedef struct avgpipe_ea_pass {
     float momentum; /* ELASTIC: mu on the reference */
     int first;      /* nonzero: first contribution of its round (store) */
     int last;       /* nonzero: last contribution of its round (finalize) */
+    /* Device memory, or NULL: when *skip is nonzero as the pass starts (on the device, after the stream's
+       earlier work), the pass changes nothing. Set only for a device that has flag_nonfinite. */
+    const uint32_t *skip;
 } avgpipe_ea_pass;
 
 typedef struct avgpipe_device {
@@ -853,6 +856,11 @@ typedef struct avgpipe_device {
                                      avgpipe_device_stream stream);
     /* Optional (needed for replica groups): x[i] = x[i] * factor in fp32, on `stream`. */
     avgpipe_result (*scale)(void *user, float *x, float factor, size_t count, avgpipe_device_stream stream);
+    /* Optional: the non-finite check without a host wait, for the averaging. Enqueue on `stream`: if some
+       x[i] is NaN or +-Inf, then (flag[0] still 0) flag[1] = tag, and flag[0] |= bits; flag is two
+       uint32 of device memory. A device with it must honour avgpipe_ea_pass.skip. */
+    avgpipe_result (*flag_nonfinite)(void *user, const float *x, size_t count, uint32_t *flag, uint32_t bits, uint32_t tag,
+                                     avgpipe_device_stream stream);
     /* Optional: *done = 1 when the work before the event's latest record has finished (or the event
        was never recorded), else 0; never blocks. The runtime polls it to wait with a timeout. */
     avgpipe_result (*event_query)(void *user, avgpipe_device_event event, int *done);
@@ -931,7 +939,12 @@ AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgp
    model is refused with AVGPIPE_NON_FINITE naming the pipeline, stage, round and index; w_i, the
    reference and the accumulator are left untouched, so nothing already averaged is lost: re-seed the
    model with avgpipe_ea_reset_from_reference and contribute again for the same round. (A fused check
-   cannot roll back: acc + x - x is not acc in floating point.)
+   cannot roll back: acc + x - x is not acc in floating point.) That scan makes the host wait for w_i's
+   producer (a GPU's STEP) before the pass can be enqueued; with desc.check_on_device (a device with
+   flag_nonfinite; the runtime's choice there) it runs on the device instead, in the pass's stream
+   order, and a bad model stops the module on the device: its pass and every later one change nothing,
+   so the reference never sees it, and avgpipe_ea_nonfinite tells the host (the runtime reads it at the
+   end of each iteration and fails it with AVGPIPE_NON_FINITE, naming pipeline, stage and round).
 
    Device ordering. Every operation on the module's buffers waits on one internal event and records it
    again, on the caller's stream, under the module's mutex: all averaging work is totally ordered, so
@@ -952,6 +965,12 @@ typedef struct avgpipe_ea avgpipe_ea; /* opaque */
      device          NULL -> a single-threaded CPU device created for (and owned by) the module
      stage           only used in messages (0 -> stage 0)
      no_finite_check 0 -> the non-finite guard is on
+     check_on_device 0 -> the guard waits on the host for each contribution's w (find_nonfinite) and
+                     refuses it in the call. 1 (needs the device's flag_nonfinite; the runtime sets it
+                     for such a device): the guard runs on the device, in the pass's stream order, and
+                     the call returns without waiting for w's producer; a non-finite w makes its pass,
+                     and every later pass of the module, change nothing (the reference never sees it),
+                     and the host learns of it from avgpipe_ea_nonfinite; the module is then unusable.
      hold_every      0 -> never. H > 0: every round t with (t + 1) % H == 0 is held when its last
                      contribution finalizes it: the new reference is not published (the round does not
                      count as complete) until avgpipe_ea_publish, so the caller can change it in place
@@ -968,6 +987,7 @@ typedef struct avgpipe_ea_desc {
     const avgpipe_device *device; /* the table is copied; its user state must outlive the module */
     int stage;
     int no_finite_check;
+    int check_on_device;
     int hold_every;
 } avgpipe_ea_desc;
 
@@ -1024,6 +1044,14 @@ AVGPIPE_API avgpipe_ea_desc avgpipe_ea_query_desc(const avgpipe_ea *ea);
    bookkeeping and, on the CPU, the pass run under the module's mutex, the non-finite scan outside it. */
 AVGPIPE_API avgpipe_result avgpipe_ea_contribute(avgpipe_context *ctx, avgpipe_ea *ea, int pipe, uint64_t round,
                                                  float *w, avgpipe_device_stream stream);
+
+/* With desc.check_on_device: whether a contribution has been refused as non-finite, read from the
+   device (a copy on `stream`, waited for: call it where the host may wait, e.g. after the round's
+   work). AVGPIPE_OK: none so far. AVGPIPE_NON_FINITE: the message names the stage, the first refused
+   round and the pipelines refused; *pipes (may be NULL) gets their bits (pipeline i: bit i % 32). The
+   module is then unusable (destroy it). Without check_on_device: AVGPIPE_OK, *pipes = 0.
+   Thread-safety: any thread, concurrently with contributions. */
+AVGPIPE_API avgpipe_result avgpipe_ea_nonfinite(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream, uint32_t *pipes);
 
 /* The synchronous/deterministic variant: wait until round `round` is complete (all N contributed) and
    the device has finished its passes, i.e. until the reference produced by round `round` is ready.
@@ -6075,6 +6103,7 @@ static size_t avgpipe__cpu_parallel(const avgpipe__cpu_device *d, avgpipe__cpu_j
 static avgpipe_result avgpipe__cpu_ea_pass(void *user, const avgpipe_ea_pass *p, avgpipe_device_stream stream) {
     avgpipe__cpu_job job;
     (void)stream;
+    if (p->skip && *p->skip) return AVGPIPE_OK; /* a contribution of this round was refused */
     memset(&job, 0, sizeof job);
     job.pass = p;
     avgpipe__cpu_parallel((const avgpipe__cpu_device *)user, job, p->count);
@@ -6191,6 +6220,7 @@ struct avgpipe_ea {
     float *buf[4];
     float scale;                 /* 1/N */
     uint64_t completed;          /* rounds completed = index of the oldest open round */
+    uint32_t *flag;              /* check_on_device: [0] the refused pipelines' bits, [1] the first refused round */
     int held;                    /* the oldest open round is finalized in ACC0 but held (hold_every) */
     int count[2];                /* contributions so far to rounds completed and completed + 1 */
     uint64_t *next;              /* per pipeline: the round it contributes to next */
@@ -6242,6 +6272,9 @@ static avgpipe_result avgpipe__ea_validate(avgpipe_context *ctx, const char *fn,
     if (d->momentum != 0.0f && d->mode != AVGPIPE_EA_ELASTIC)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.momentum applies to AVGPIPE_EA_ELASTIC "
                              "only", fn, d->stage);
+    if (d->check_on_device && (d->no_finite_check || !d->device || !d->device->flag_nonfinite))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.check_on_device needs the guard on and a device with "
+                             "flag_nonfinite", fn, d->stage);
     if (need_initial && !d->initial)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "%s: stage %d: desc.initial is NULL (the starting reference "
                              "z0, P floats in device memory)", fn, d->stage);
@@ -6269,6 +6302,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_memory_bytes(avgpipe_context *ctx, const a
     out->buffers = d.momentum != 0.0f ? 4 : 3;
     out->device_bytes = (size_t)out->buffers *
                         (d.count * sizeof(float) + (d.device ? d.device->alloc_overhead : AVGPIPE__CPU_OVERHEAD));
+    if (d.check_on_device) out->device_bytes += 2 * sizeof(uint32_t) + d.device->alloc_overhead; /* the flag */
     out->host_bytes = avgpipe__ea_host_size(d.pipes) + (d.device ? 0 : sizeof(avgpipe__cpu_device));
     return AVGPIPE_OK;
 }
@@ -6289,6 +6323,7 @@ AVGPIPE_API void avgpipe_ea_destroy(avgpipe_ea *ea) {
     if (ea->chain_ready) ea->dev.event_synchronize(ea->dev.user, ea->chain);
     for (k = 0; k < 4; k++)
         if (ea->buf[k]) ea->dev.free(ea->dev.user, ea->buf[k]);
+    if (ea->flag) ea->dev.free(ea->dev.user, ea->flag);
     if (ea->chain_ready) ea->dev.event_destroy(ea->dev.user, ea->chain);
     if (ea->sync_ready) {
         pthread_cond_destroy(&ea->done);
@@ -6313,6 +6348,13 @@ static avgpipe_result avgpipe__ea_init_device(avgpipe_context *ctx, avgpipe_ea *
         if ((r = ea->dev.alloc(ea->dev.user, bytes, &p)) != AVGPIPE_OK)
             return avgpipe__ea_backend_fail(ctx, ea, fn, "alloc", r);
         ea->buf[k] = (float *)p;
+    }
+    if (ea->desc.check_on_device) {
+        if ((r = ea->dev.alloc(ea->dev.user, 2 * sizeof(uint32_t), &p)) != AVGPIPE_OK)
+            return avgpipe__ea_backend_fail(ctx, ea, fn, "alloc", r);
+        ea->flag = (uint32_t *)p;
+        if ((r = ea->dev.memset(ea->dev.user, ea->flag, 0, 2 * sizeof(uint32_t), NULL)) != AVGPIPE_OK)
+            return avgpipe__ea_backend_fail(ctx, ea, fn, "memset", r);
     }
     r = ea->dev.copy(ea->dev.user, avgpipe__ea_buf(ea, AVGPIPE__EA_Z), ea->desc.initial, bytes, AVGPIPE_DEVICE_COPY_D2D, NULL);
     if (r == AVGPIPE_OK && ea->nbuf == 4)
@@ -6434,6 +6476,12 @@ static avgpipe_result avgpipe__ea_pass_locked(avgpipe_context *ctx, avgpipe_ea *
     p.last = slot == 0 && ea->count[0] == ea->desc.pipes - 1;
     if ((r = ea->dev.stream_wait_event(ea->dev.user, stream, ea->chain)) != AVGPIPE_OK)
         return avgpipe__ea_backend_fail(ctx, ea, fn, "stream_wait_event", r);
+    if (ea->flag) { /* the guard on the device: a non-finite w sets the flag, and a set flag stops every pass */
+        if ((r = ea->dev.flag_nonfinite(ea->dev.user, w, ea->desc.count, ea->flag, 1u << (pipe % 32), (uint32_t)ea->next[pipe], stream)) !=
+            AVGPIPE_OK)
+            return avgpipe__ea_backend_fail(ctx, ea, fn, "flag_nonfinite", r);
+        p.skip = ea->flag;
+    }
     if ((r = ea->dev.ea_pass(ea->dev.user, &p, stream)) != AVGPIPE_OK)
         return avgpipe__ea_backend_fail(ctx, ea, fn, "ea_pass", r);
     if ((r = ea->dev.event_record(ea->dev.user, ea->chain, stream)) != AVGPIPE_OK)
@@ -6473,7 +6521,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_contribute(avgpipe_context *ctx, avgpipe_e
     r = avgpipe__ea_admit(ctx, ea, pipe, round, &slot);
     pthread_mutex_unlock(&ea->lock);
     if (r != AVGPIPE_OK) return r;
-    if (!ea->desc.no_finite_check) { /* outside the lock: it reads only this pipeline's w */
+    if (!ea->desc.no_finite_check && !ea->flag) { /* outside the lock: it reads only this pipeline's w */
         if ((r = ea->dev.find_nonfinite(ea->dev.user, w, ea->desc.count, &bad, stream)) != AVGPIPE_OK)
             return avgpipe__ea_backend_fail(ctx, ea, "avgpipe_ea_contribute", "find_nonfinite", r);
         if (bad < ea->desc.count) {
@@ -6490,6 +6538,35 @@ AVGPIPE_API avgpipe_result avgpipe_ea_contribute(avgpipe_context *ctx, avgpipe_e
     if (r == AVGPIPE_OK) r = avgpipe__ea_pass_locked(ctx, ea, pipe, slot, w, stream);
     pthread_mutex_unlock(&ea->lock);
     return r;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_ea_nonfinite(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream, uint32_t *pipes) {
+    uint32_t f[2] = {0, 0};
+    avgpipe_result r;
+    char names[160];
+    size_t len = 0;
+    int i;
+    ctx = avgpipe__ctx(ctx);
+    if (pipes) *pipes = 0;
+    if (!ea) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_ea_nonfinite: ea is NULL");
+    if (!ea->flag) return AVGPIPE_OK;
+    pthread_mutex_lock(&ea->lock); /* after every pass enqueued so far */
+    r = ea->dev.stream_wait_event(ea->dev.user, stream, ea->chain);
+    pthread_mutex_unlock(&ea->lock);
+    if (!r) r = ea->dev.copy(ea->dev.user, f, ea->flag, sizeof f, AVGPIPE_DEVICE_COPY_D2H, stream);
+    if (!r) r = ea->dev.stream_synchronize(ea->dev.user, stream);
+    if (r) return avgpipe__ea_backend_fail(ctx, ea, "avgpipe_ea_nonfinite", "copy", r);
+    if (pipes) *pipes = f[0];
+    if (!f[0]) return AVGPIPE_OK;
+    names[0] = 0;
+    for (i = 0; i < 32 && i < ea->desc.pipes; i++)
+        if (f[0] & (1u << i)) {
+            int n = snprintf(names + len, sizeof names - len, "%s%d", len ? ", " : "", i);
+            if (n > 0 && (size_t)n < sizeof names - len) len += (size_t)n;
+        }
+    return avgpipe__fail(ctx, AVGPIPE_NON_FINITE, "avgpipe_ea_nonfinite: stage %d, round %u: pipeline %s held a non-finite value; "
+                         "its contribution was refused on the device, and every later pass of the module changed nothing (the "
+                         "reference never saw it; the module is unusable)", ea->desc.stage, (unsigned)f[1], names);
 }
 
 /* Names of the pipelines that have not contributed to the oldest open round, for messages. */
@@ -9506,7 +9583,7 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
     {
         const avgpipe_ea_desc *a = &d->averaging;
         const char *set = a->count ? "count" : a->pipes ? "pipes" : a->initial ? "initial" : a->device ? "device" : a->stage ? "stage"
-                          : a->hold_every ? "hold_every" : a->no_finite_check ? "no_finite_check" : NULL;
+                          : a->hold_every ? "hold_every" : a->check_on_device ? "check_on_device" : a->no_finite_check ? "no_finite_check" : NULL;
         if (set)
             return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "averaging.%s: the run sets it for each stage partition%s (leave it 0)", set,
                                  a->no_finite_check ? " and always guards against non-finite models" : "");
@@ -9609,6 +9686,7 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
             ed.device = &run->dev;
             ed.stage = g;
             ed.hold_every = run->D > 1 ? run->H : 0;
+            ed.check_on_device = run->dev.flag_nonfinite != NULL; /* no host wait per AVG; read at the iteration's end */
             if ((res = avgpipe_ea_create(run->ctx, &ed, &st->ea)) != AVGPIPE_OK) return res;
             st->avg_done = (int *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof(int));
             st->ev_step = (avgpipe_device_event *)avgpipe__calloc(run->ctx, 2 * (size_t)run->N, sizeof(avgpipe_device_event));
@@ -9915,6 +9993,17 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
             avgpipe__run_fail(run, res, "rank %d: device '%s': waiting for the averaging at the end of the iteration failed: %s", w->rank,
                               run->dev.name, run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
     }
+    /* the guard's verdict, read once (part of the iteration's end: the read waits for the averaging stream) */
+    for (k = 0; k < run->nlocal && !avgpipe__run_aborted(run) && run->dev.flag_nonfinite && AVGPIPE__WAITS(AVGPIPE__WAIT_ITERATION_END); k++) {
+        avgpipe__worker *w = &run->w[k];
+        AVGPIPE__RANK_STAGES(run, w->srank, i, g) if (!avgpipe__run_aborted(run)) {
+            avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
+            avgpipe_context q;
+            avgpipe_context_init(&q, NULL);
+            if ((res = avgpipe_ea_nonfinite(&q, st->ea, w->as, NULL)) != AVGPIPE_OK)
+                avgpipe__run_fail(run, res, "rank %d, averaging of stage %d: %s", w->rank, g, avgpipe_last_error(&q));
+        }
+    }
     t1 = avgpipe__now();
     run->iter++;
     if (avgpipe__run_aborted(run)) {
@@ -9953,6 +10042,7 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
     ed.alpha = d->averaging.alpha;
     ed.momentum = d->averaging.momentum;
     ed.device = d->device;
+    ed.check_on_device = d->device && d->device->flag_nonfinite; /* as the run creates it */
     return avgpipe_ea_memory_bytes(ctx, &ed, &mi) == AVGPIPE_OK ? (double)mi.device_bytes : -1;
 }
 

@@ -3,7 +3,8 @@
    n tasks" (a record enqueues a marker task that also notes the time, so event_elapsed works); a wait
    on an event is a task that blocks its stream until the other stream got there; memory is host
    memory. The kernels (averaging pass, scale) run the CPU device's code as tasks; find_nonfinite
-   synchronises its stream first, as the table requires.
+   synchronises its stream first, as the table requires; flag_nonfinite is a task (the averaging's guard
+   then runs on the device, without a host wait).
 
    Every task may first sleep adev.delay_us (set it > 0 to make a missing wait show: a consumer that
    is not ordered after its producer then runs before it, on another thread); an averaging pass may
@@ -190,6 +191,17 @@ static void adev_scale_task(void *p) {
     ADEV.cpu.scale(ADEV.cpu.user, a->x, a->f, a->n, NULL);
 }
 
+typedef struct { const float *x; size_t n; uint32_t *flag, bits, tag; } adev_flag_arg;
+static void adev_flag_task(void *p) { /* the device's non-finite guard: see avgpipe_device.flag_nonfinite */
+    adev_flag_arg *a = (adev_flag_arg *)p;
+    size_t bad = a->n;
+    ADEV.cpu.find_nonfinite(ADEV.cpu.user, a->x, a->n, &bad, NULL);
+    if (bad < a->n) {
+        if (!a->flag[0]) a->flag[1] = a->tag;
+        a->flag[0] |= a->bits;
+    }
+}
+
 /* ---- the table ---- */
 
 static avgpipe_result adev_alloc(void *u, size_t bytes, void **out) {
@@ -329,6 +341,12 @@ static avgpipe_result adev_scale(void *u, float *x, float f, size_t n, avgpipe_d
     (void)u;
     return adev_enqueue(s, adev_scale_task, &a, sizeof a) ? AVGPIPE_OUT_OF_MEMORY : AVGPIPE_OK;
 }
+static avgpipe_result adev_flag_nonfinite(void *u, const float *x, size_t n, uint32_t *flag, uint32_t bits, uint32_t tag,
+                                          avgpipe_device_stream s) {
+    adev_flag_arg a = {x, n, flag, bits, tag};
+    (void)u;
+    return adev_enqueue(s, adev_flag_task, &a, sizeof a) ? AVGPIPE_OUT_OF_MEMORY : AVGPIPE_OK;
+}
 static const char *adev_error_string(void *u) {
     (void)u;
     return "";
@@ -363,6 +381,7 @@ static avgpipe_device adev_open(long delay_us) {
     t.ea_pass = adev_ea_pass;
     t.find_nonfinite = adev_find_nonfinite;
     t.scale = adev_scale;
+    t.flag_nonfinite = adev_flag_nonfinite;
     t.error_string = adev_error_string;
     return t;
 }

@@ -1,7 +1,7 @@
 /* opaque_device.h — the asynchronous test device of tests/async_device.h with memory the host cannot
    touch, as a GPU's memory is to an x86 host: alloc returns addresses of PROT_NONE pages, so a host
    read or write of "device memory" faults at once; the bytes live in a mirror that only the device's
-   own entries (copy, memset, the averaging pass, find_nonfinite, scale: each translates its pointers
+   own entries (copy, memset, the averaging pass, find_nonfinite, flag_nonfinite, scale: each translates its pointers
    when it is enqueued) and the tests' kernels (odev_mirror) use. Streams are async_device.h's (threads
    running queues of tasks), so work enqueued on a stream runs later and elsewhere.
 
@@ -204,6 +204,7 @@ static avgpipe_result odev_ea_pass(void *u, const avgpipe_ea_pass *p, avgpipe_de
     q.z = (const float *)odev_mirror(p->z);
     q.z_prev = (const float *)odev_mirror(p->z_prev);
     q.acc = (float *)odev_mirror(p->acc);
+    q.skip = (const uint32_t *)odev_mirror(p->skip);
     return adev_ea_pass(u, &q, s);
 }
 static avgpipe_result odev_find_nonfinite(void *u, const float *x, size_t n, size_t *index, avgpipe_device_stream s) {
@@ -211,6 +212,10 @@ static avgpipe_result odev_find_nonfinite(void *u, const float *x, size_t n, siz
 }
 static avgpipe_result odev_scale(void *u, float *x, float f, size_t n, avgpipe_device_stream s) {
     return adev_scale(u, (float *)odev_mirror(x), f, n, s);
+}
+static avgpipe_result odev_flag_nonfinite(void *u, const float *x, size_t n, uint32_t *flag, uint32_t bits, uint32_t tag,
+                                          avgpipe_device_stream s) {
+    return adev_flag_nonfinite(u, (const float *)odev_mirror(x), n, (uint32_t *)odev_mirror(flag), bits, tag, s);
 }
 static const char *odev_error_string(void *u) {
     (void)u;
@@ -232,6 +237,7 @@ static avgpipe_device odev_open(long delay_us) {
     t.ea_pass = odev_ea_pass;
     t.find_nonfinite = odev_find_nonfinite;
     t.scale = odev_scale;
+    t.flag_nonfinite = odev_flag_nonfinite;
     t.error_string = odev_error_string;
     return t;
 }

@@ -77,6 +77,9 @@ typedef struct step_task {
     int rank, pipe, stage, round;
     float *params;
 } step_task;
+static void failed_step(int rc) {
+    if (rc) __atomic_compare_exchange_n(&async_failed, &(int){0}, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+}
 static void step_task_run(void *p) {
     step_task *t = (step_task *)p;
     int rc;
@@ -281,6 +284,109 @@ Test(streams, device_local_comm_zbv_split) {
 Test(streams, device_local_comm_dualpipev_overlap_two_rounds) {
     cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 0, 2, 2};
     check_same(&c, "dualpipev overlap, 2 rounds, the runtime's device-aware in-process comm");
+}
+
+/* ---- the non-finite guard on the device: no host wait per AVG, the same refusal ------------------ */
+
+static double step_end_s, forward_call_s; /* host clock: the slow STEP's end (on its stream), the call of the forward after it */
+
+static void slow_step_task(void *p) {
+    step_task *t = (step_task *)p;
+    adev_nap(150000); /* a slow optimizer step */
+    failed_step(cb_step(t->rank, t->pipe, t->stage, t->round, t->params, NULL));
+    {
+        double t = adev_now();
+        __atomic_store(&step_end_s, &t, __ATOMIC_SEQ_CST);
+    }
+}
+static int slow_first_step(int rank, int pipe, int stage, int round, float *params, avgpipe_device_stream stream, void *user) {
+    step_task t = {rank, pipe, stage, round, params};
+    (void)user;
+    if (pipe == 0 && stage == 0 && round == 0) return adev_enqueue(stream, slow_step_task, &t, sizeof t) ? 1 : 0;
+    return async_step(rank, pipe, stage, round, params, stream, NULL);
+}
+static int timed_forward(avgpipe_op_ctx *op) {
+    if (op->pipe == 0 && op->stage == 0 && op->round == 1 && op->micro == 0) {
+        double t = adev_now();
+        __atomic_store(&forward_call_s, &t, __ATOMIC_SEQ_CST); /* once: one forward has these numbers */
+    }
+    return async_forward(op);
+}
+
+/* Pipeline 0's forward of round 1 waits for its averaging of round 0, which waits for its STEP. The
+   host must not wait for that STEP before it enqueues the forward (the guard's verdict is read at the
+   end of the iteration): the forward's call comes before the slow STEP ends on the device. */
+Test(streams, averaging_guard_does_not_block_the_host) {
+    avgpipe_context ctx;
+    avgpipe_device dev = open_device();
+    avgpipe_run *run = NULL;
+    setup s;
+    avgpipe_result res;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(2, 2, 2);
+    setup_init(&s, 2, 2);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 2, s.d.sched.micro = 2, s.d.sched.pipes = 2, s.d.sched.rounds = 2;
+    s.d.averaging.alpha = 0.3f, s.d.deterministic = 1, s.d.timeout_s = 10, s.d.device = &dev;
+    s.d.cb.forward = timed_forward, s.d.cb.backward = async_backward, s.d.cb.step = NULL, s.d.cb.step_async = slow_first_step;
+    step_end_s = forward_call_s = 0;
+    async_failed = 0;
+    res = avgpipe_run_create(&ctx, &s.d, &run);
+    cr_assert_eq(res, AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    T.nslots[0] = avgpipe_run_slots(run, 0), T.nslots[1] = avgpipe_run_slots(run, 1);
+    res = avgpipe_run_iteration(run, NULL);
+    cr_assert_eq(res, AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(async_failed, 0, "a task failed (%d)", async_failed);
+    cr_assert(step_end_s > 0 && forward_call_s > 0, "the slow step or the timed forward did not run");
+    cr_assert(forward_call_s < step_end_s, "the forward after the averaging was called %.1f ms after the slow STEP ended: the host waited for it",
+              1e3 * (forward_call_s - step_end_s));
+    avgpipe_run_destroy(run);
+    adev_close();
+}
+
+static void nan_step_task(void *p) {
+    step_task *t = (step_task *)p;
+    failed_step(cb_step(t->rank, t->pipe, t->stage, t->round, t->params, NULL));
+    t->params[3] = NAN;
+}
+static int nan_step(int rank, int pipe, int stage, int round, float *params, avgpipe_device_stream stream, void *user) {
+    step_task t = {rank, pipe, stage, round, params};
+    (void)user;
+    if (pipe == 1 && stage == 1 && round == 1) return adev_enqueue(stream, nan_step_task, &t, sizeof t) ? 1 : 0;
+    return async_step(rank, pipe, stage, round, params, stream, NULL);
+}
+
+/* A model that goes non-finite on the device is refused there: the iteration fails with
+   AVGPIPE_NON_FINITE naming pipeline, stage and round; the reference never saw the NaN. */
+Test(streams, non_finite_model_is_refused_on_the_device) {
+    avgpipe_context ctx;
+    avgpipe_device dev = open_device();
+    avgpipe_run *run = NULL;
+    setup s;
+    avgpipe_result res;
+    const char *msg;
+    size_t count = 0, j;
+    const float *z;
+    avgpipe_context_init(&ctx, NULL);
+    reset_state(3, 4, 2);
+    setup_init(&s, 3, 2);
+    s.d.sched.kind = AVGPIPE_SCHED_1F1B, s.d.sched.stages = 3, s.d.sched.micro = 4, s.d.sched.pipes = 2;
+    s.d.averaging.alpha = 0.25f, s.d.timeout_s = 10, s.d.device = &dev;
+    s.d.cb.forward = async_forward, s.d.cb.backward = async_backward, s.d.cb.step = NULL, s.d.cb.step_async = nan_step;
+    async_failed = 0;
+    cr_assert_eq(avgpipe_run_create(&ctx, &s.d, &run), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    for (j = 0; j < 3; j++) T.nslots[j] = avgpipe_run_slots(run, (int)j);
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_OK, "round 0: %s", avgpipe_last_error(&ctx));
+    res = avgpipe_run_iteration(run, NULL);
+    msg = avgpipe_last_error(&ctx);
+    cr_assert_eq(res, AVGPIPE_NON_FINITE, "got %s: %s", avgpipe_result_string(res), msg);
+    cr_assert(strstr(msg, "pipeline 1") != NULL && strstr(msg, "stage 1") != NULL && strstr(msg, "round 1") != NULL,
+              "the message does not name pipeline 1, stage 1, round 1: %s", msg);
+    z = avgpipe_run_reference(run, 1, &count);
+    cr_assert(z != NULL && count > 0);
+    for (j = 0; j < count; j++) cr_assert(isfinite(z[j]), "the reference of stage 1 holds %g at %zu", (double)z[j], j);
+    cr_assert_eq(avgpipe_run_iteration(run, NULL), AVGPIPE_STATE_ERROR);
+    avgpipe_run_destroy(run);
+    adev_close();
 }
 
 /* Checkpoints and the gathered reference go through the device's copies: two iterations on the
