@@ -17,7 +17,7 @@
        #include "avgpipe_cuda.h"               // after avgpipe.h
 
        avgpipe_device gpu;
-       avgpipe_device_cuda_desc cd = {0};      // device 0, default launch shape, events with timing
+       avgpipe_device_cuda_desc cd = {0};      // device 0, grids from occupancy, events without timing
        cd.device = 1;                          // or the ordinal you want
        if (avgpipe_device_cuda_create(&ctx, &cd, &gpu) != AVGPIPE_OK) {
            fprintf(stderr, "%s\n", avgpipe_last_error(&ctx));   // e.g. "... cudaGetDeviceCount: no CUDA-capable device is detected"
@@ -62,18 +62,23 @@
                         it for your own kernels, and any cudaStream_t of this device cast to
                         avgpipe_device_stream may be passed in. The NULL stream is CUDA's default (legacy)
                         stream, which non-blocking streams do not synchronise with: order them with events.
-     event_*            cudaEventCreateWithFlags (timing on, unless desc.no_timing; cudaEventBlockingSync with
-                        desc.blocking_sync) / cudaEventDestroy / cudaEventRecord / cudaStreamWaitEvent /
-                        event_synchronize polls cudaEventQuery (see WAITS). An event handle IS the cudaEvent_t
-                        (AVGPIPE_CUDA_EVENT).
+                        More live streams than the GPU's hardware queues warn once (see HARDWARE QUEUES).
+     event_*            cudaEventCreateWithFlags / cudaEventDestroy / cudaEventRecord / cudaStreamWaitEvent /
+                        event_synchronize polls cudaEventQuery (see WAITS). Events are made with
+                        cudaEventDisableTiming (the fast path of records, waits and queries: they order work),
+                        unless desc.timed_events; with cudaEventBlockingSync too with desc.blocking_sync. An
+                        event handle IS the cudaEvent_t (AVGPIPE_CUDA_EVENT).
      event_query        cudaEventQuery: cudaErrorNotReady gives *done = 0 (not an error); never blocks.
-     event_elapsed      cudaEventElapsedTime, in seconds (resolution about 0.5 us); NULL with desc.no_timing.
+     event_elapsed      cudaEventElapsedTime, in seconds (resolution about 0.5 us), of the events' records made
+                        through this table; NULL with desc.no_timing. See TIMING: by default an event is timed
+                        from its first record after event_elapsed first asked for a time.
      synchronize        every stream this table created (and not yet destroyed) and CUDA's default stream,
                         each polled (see WAITS). Not streams you created yourself: cudaDeviceSynchronize would
                         wait for those too, but it cannot be given a time limit, and a stream of another
                         library (NCCL's, waiting for a peer that is gone) could hold it forever.
      ea_pass            one fused averaging pass (avgpipe.h's avgpipe_ea_pass) as a kernel on the stream:
-                        grid-stride, 16-byte (float4) loads and stores when the buffers' addresses allow (all
+                        grid-stride over a grid of as many blocks as the GPU holds at once (see GRIDS),
+                        16-byte (float4) loads and stores when the buffers' addresses allow (all
                         read or written buffers equally aligned modulo 16 bytes: a scalar head of up to 3
                         elements, the float4 body, a scalar tail), scalar otherwise. Reads only what the pass
                         needs (acc not on a first pass, z only when pulled or finalizing ELASTIC, z_prev only
@@ -84,9 +89,64 @@
                         more wait for a slot (at most desc.timeout_s).
      scale              x[i] = x[i] * factor in fp32, a kernel like ea_pass.
      error_string       the calling thread's text of its last failed entry on a CUDA device ("" if none).
-     destroy            frees the device's own buffers and the kernels' module; does not reset the device.
+     destroy            frees the device's own buffers, the kernels' module and the events' timed twins (see
+                        TIMING); does not reset the device.
    Every entry but error_string first makes the device current on the calling thread (cudaSetDevice) and
    leaves it current.
+
+   GRIDS
+   -----
+   Each kernel's grid is what the GPU runs at once: multiprocessors x the blocks of desc.block_size threads
+   one multiprocessor holds of that kernel (cudaOccupancyMaxActiveBlocksPerMultiprocessor, for the kernel
+   as it was built: by nvcc, or by NVRTC as a cudaKernel_t; asked once, at creation). Every block of the
+   grid-stride loops is resident from the start: no tail of blocks that runs after the first wave at a
+   fraction of the occupancy. (An H200 has 132 multiprocessors; the averaging kernel as nvcc builds it for
+   sm_90 takes 38 registers a thread, so 6 blocks of 256 threads fit one, not the 8 its 2048 thread slots
+   would hold: a grid of 792, where 132 x 8 = 1056 left 264 blocks to a second wave at a third of the
+   occupancy.)
+   desc.max_blocks overrides it (more blocks than fit at once make such a tail). avgpipe_device_cuda_query
+   gives each kernel's occupancy and grid. The grid never changes a result: each element is computed by
+   one thread from its own inputs alone, and find_nonfinite's answer is the minimum over every thread's
+   (see BITWISE).
+
+   TIMING
+   ------
+   Ordering events (every event the runtime and the averaging module create) need no timestamps, and
+   events made without (cudaEventDisableTiming) are the cheap path of records, waits and queries; only
+   event_elapsed needs timestamps, and cudaEventElapsedTime refuses an event made without them. So by
+   default (desc.timed_events 0, desc.no_timing 0) events carry no timing, and event_elapsed(start, end)
+   times them by a timed twin of each: a second event that event_record records with it (just before it,
+   on the same stream: the twin has completed whenever the event has; work another thread enqueues on
+   that stream between the two records would count in the time), while waits and queries keep using the
+   untimed event. Twins are made
+     - for start and end, by the first event_elapsed that names them: that call has nothing to time and
+       fails (AVGPIPE_BACKEND_ERROR, "... had no timing yet ..."); their later records are timed;
+     - for every event recorded while an anchor lives, at that record: an anchor is an event that
+       event_elapsed has named as its start, until it is destroyed (a profiled run's per-iteration origin).
+   So nothing is timed, and every record is one cudaEventRecord, until something asks for a time; a
+   profiled avgpipe.h run (whose profile falls back to the host's clock for a record event_elapsed cannot
+   time) is host-timed in its first iteration and device-timed from its second on (the tuner's profiles
+   follow a warm-up iteration; avgpipe_run_write_profile writes the last), recording each of its events
+   twice meanwhile; once that run is destroyed (its anchors with it), a run that does not profile records
+   once again. Records made directly with cudaEventRecord on AVGPIPE_CUDA_EVENT(e) do not move the twin.
+   desc.timed_events = 1 makes every event with timing instead (event_elapsed from the first record; the
+   slower path for every record, wait and query); desc.no_timing = 1 none (event_elapsed NULL: profiles
+   use the host's clock).
+
+   HARDWARE QUEUES
+   ---------------
+   CUDA maps a process's streams on a GPU onto CUDA_DEVICE_MAX_CONNECTIONS hardware work queues (8 unless
+   the environment sets it, at most 32). Streams beyond that share queues, and work on one may wait behind
+   unrelated work on another: N pipelines of S stages in one process make S x (N + 1) streams (4 stages x
+   N = 4: 20), which 8 queues falsely serialise. The table counts the streams it created and has not
+   destroyed; when the count first passes the limit (as read from the environment at creation:
+   avgpipe_device_cuda_info.max_connections) it warns once through the creating context's logger
+   (AVGPIPE_LOG_WARN), naming the count, the limit and the variable to set. CUDA reads the variable when
+   it creates the GPU's context, before this header could see that it was needed, and the program may
+   have initialised CUDA already (its own CUDA calls, cuBLAS, NCCL), so the table does not set it itself
+   (nor would changing the environment of a running, threaded process be safe): set
+   CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment, or setenv() first thing in main(), before any CUDA
+   call (examples/cuda_mlp.cu does).
 
    WAITS
    -----
@@ -129,13 +189,15 @@
 
    LIMITS
    ------
-   - One device per table; a process may create several (one per GPU, or several on one GPU).
+   - One device per table; a process may create several (one per GPU, or several on one GPU: each counts
+     only its own streams against the hardware queues).
    - ea_pass, find_nonfinite and scale take up to 2^64 - 1 floats; grids are at most desc.max_blocks blocks.
    - NVRTC builds machine code for the device's architecture when NVRTC knows it, else PTX for the newest
      architecture NVRTC knows below it (compiled by the driver at load; needs a driver at least as new as
      NVRTC). A device older than NVRTC's oldest architecture is refused (AVGPIPE_BACKEND_ERROR).
    - Creating a device initialises CUDA's primary context on it (about 0.1 to 0.5 s) and allocates 512 bytes
-     of device memory and 512 of pinned host memory for the non-finite scan.
+     of device memory and 512 of pinned host memory for the non-finite scan. A desc.block_size no block of
+     which fits a multiprocessor for some kernel (too many registers) is refused (AVGPIPE_BACKEND_ERROR).
 
    CONFIGURATION MACROS
    --------------------
@@ -169,13 +231,18 @@ extern "C" {
      device         0 -> CUDA device 0 (the ordinal as the CUDA runtime counts them: CUDA_VISIBLE_DEVICES
                     applies)
      block_size     0 -> 256 threads per block for the kernels (32..1024, a multiple of 32)
-     max_blocks     0 -> as many blocks as the device holds at once: multiprocessors x (threads per
-                    multiprocessor / block_size); the kernels' grids are at most this (grid-stride loops)
-     no_timing      0 -> events carry timestamps (event_elapsed works). 1: cudaEventDisableTiming (cheaper
-                    records and waits); the table's event_elapsed is then NULL
+     max_blocks     0 -> each kernel's grid is as many of its blocks as the device holds at once:
+                    multiprocessors x its occupancy (see GRIDS). > 0: every kernel's grid is at most this
+                    (grid-stride loops)
+     no_timing      0 -> event_elapsed works (see TIMING). 1: no event is ever timed; the table's
+                    event_elapsed is then NULL
      blocking_sync  0 -> waits spin for 20 us before they sleep between polls. 1: they sleep from the first
                     poll (and events are made with cudaEventBlockingSync, for your own cudaEventSynchronize)
-     timeout_s      0 -> 300: the longest any entry waits for the GPU (see WAITS) before AVGPIPE_TIMEOUT */
+     timeout_s      0 -> 300: the longest any entry waits for the GPU (see WAITS) before AVGPIPE_TIMEOUT
+     timed_events   0 -> events are made without timing (cudaEventDisableTiming); event_elapsed times
+                    them by timed twins, from a record after it first asked for a time (see TIMING). 1: every event
+                    is made with timing (event_elapsed works from its first record; records, waits and
+                    queries take CUDA's slower path). Not together with no_timing */
 typedef struct avgpipe_device_cuda_desc {
     int device;
     int block_size;
@@ -183,15 +250,27 @@ typedef struct avgpipe_device_cuda_desc {
     int no_timing;
     int blocking_sync;
     double timeout_s;
+    int timed_events;
 } avgpipe_device_cuda_desc;
+
+/* The kernels, as avgpipe_device_cuda_info's per-kernel arrays index them. */
+#define AVGPIPE_DEVICE_CUDA_KERNEL_EA 0        /* ea_pass */
+#define AVGPIPE_DEVICE_CUDA_KERNEL_NONFINITE 1 /* find_nonfinite */
+#define AVGPIPE_DEVICE_CUDA_KERNEL_SCALE 2     /* scale */
+#define AVGPIPE_DEVICE_CUDA_KERNEL_COUNT 3
 
 /* What a created CUDA device runs with (avgpipe_device_cuda_query). */
 typedef struct avgpipe_device_cuda_info {
-    avgpipe_device_cuda_desc desc; /* resolved: max_blocks from the device */
+    avgpipe_device_cuda_desc desc; /* resolved: max_blocks is the largest of grid[] */
     int cc_major, cc_minor;        /* compute capability */
     int multiprocessors;
     int nvrtc;                     /* 1: kernels built at run time by NVRTC; 0: compiled by nvcc */
     char kernels[48];              /* how: "nvcc", "nvrtc sm_90", "nvrtc compute_90 (PTX)" */
+    /* [AVGPIPE_DEVICE_CUDA_KERNEL_*]: blocks of desc.block_size threads of each kernel one multiprocessor
+       holds at once (cudaOccupancyMaxActiveBlocksPerMultiprocessor), and each kernel's grid (see GRIDS) */
+    int blocks_per_sm[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT];
+    int grid[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT];
+    int max_connections; /* hardware work queues: CUDA_DEVICE_MAX_CONNECTIONS at creation (8 unset, 1..32) */
 } avgpipe_device_cuda_info;
 
 /* The description with its defaults filled in, as far as they do not depend on the device: max_blocks
@@ -209,7 +288,8 @@ AVGPIPE_API avgpipe_device_cuda_desc avgpipe_device_cuda_query_defaults(const av
    with CUDA's text (no driver: "CUDA driver version is insufficient for CUDA runtime version"; no device:
    "no CUDA-capable device is detected"; an ordinal past the last device; an NVRTC failure with its log),
    AVGPIPE_OUT_OF_MEMORY (host, device or pinned memory).
-   Thread-safety: touches only ctx, *out and CUDA (the calling thread's current device becomes desc->device). */
+   Thread-safety: touches only ctx, *out and CUDA (the calling thread's current device becomes desc->device);
+   reads CUDA_DEVICE_MAX_CONNECTIONS from the environment (getenv). */
 AVGPIPE_API avgpipe_result avgpipe_device_cuda_create(avgpipe_context *ctx, const avgpipe_device_cuda_desc *desc,
                                                       avgpipe_device *out);
 
@@ -250,10 +330,12 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
 #error "avgpipe_cuda.h: kernels built by NVRTC are launched through the runtime's library API: CUDA >= 12.8 (or compile with nvcc)"
 #endif
 #endif
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <time.h>
 
@@ -508,7 +590,8 @@ typedef struct avgpipe__cuda_plan {
 
 /* ptrs: the buffers the kernel touches (NULL entries: not touched). float4 accesses need every one of them
    at the same address modulo 16 (then a head of 0..3 floats aligns them all); else the kernel stays
-   scalar. The grid covers the larger of the vector and the scalar work, at most max_blocks blocks. */
+   scalar. The grid covers the larger of the vector and the scalar work, at most max_blocks blocks (the
+   kernel's grid: avgpipe__cuda_grids). */
 static avgpipe__cuda_plan avgpipe__cuda_plan_make(const void *const *ptrs, int nptr, size_t count, int block, int max_blocks) {
     avgpipe__cuda_plan pl;
     uintptr_t off = 16;
@@ -593,6 +676,18 @@ typedef struct avgpipe__cuda {
     int sync_ready;
     cudaStream_t *streams; /* the streams stream_create made and stream_destroy has not destroyed (synchronize) */
     int nstreams, cap_streams;
+    int warned_streams;    /* the hardware-queues warning was given (once per table) */
+    /* The timed twins of events (see TIMING), under mu: an open-addressing table from an event to its
+       twin (tw_key NULL: an empty slot; tw_cap a power of two or 0). twins: the default timing mode. */
+    int twins;
+    cudaEvent_t *tw_key, *tw_val;
+    size_t tw_cap, tw_n;
+    cudaEvent_t *anchors; /* the live events event_elapsed has named as a start */
+    int nanchors, cap_anchors;
+    /* The creating context's logger (the hardware-queues warning). */
+    avgpipe_log_fn log;
+    void *log_user;
+    avgpipe_log_level log_level;
 } avgpipe__cuda;
 
 #define AVGPIPE__CUDA_SET(d, entry)                                                                        \
@@ -713,9 +808,44 @@ static avgpipe_result avgpipe__cuda_memset(void *user, void *dst, int value, siz
     AVGPIPE__CUDA_TRY(d, "memset", "cudaMemsetAsync", cudaMemsetAsync(dst, value, bytes, (cudaStream_t)stream));
     return AVGPIPE_OK;
 }
-/* Remember stream s for synchronize (0), or forget it (-1 when it was not there). */
+/* CUDA_DEVICE_MAX_CONNECTIONS (env: its value, NULL when unset) as the limit it sets: 1..32, and 8 (CUDA's
+   default) when unset, empty or not a positive number; larger values give 32 (the hardware's most). */
+static int avgpipe__cuda_connections(const char *env) {
+    char *end;
+    long v;
+    if (!env || !*env) return 8;
+    v = strtol(env, &end, 10);
+    while (*end == ' ' || *end == '\t' || *end == '\n') end++;
+    if (end == env || *end || v < 1) return 8;
+    return v > 32 ? 32 : (int)v;
+}
+
+/* The warning of HARDWARE QUEUES: n streams passed the limit. Called without mu held (the logger is the
+   user's code). */
+static void avgpipe__cuda_warn_streams(const avgpipe__cuda *d, int n) {
+    char msg[640];
+    const int lim = d->info.max_connections;
+    if (!d->log || d->log_level < AVGPIPE_LOG_WARN) return;
+    if (lim < 32)
+        snprintf(msg, sizeof msg,
+                 "%s: %d streams on this GPU exceed its %d hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS, 8 when unset): "
+                 "streams share queues and their work may wait behind each other's (pipelines falsely serialised). Set "
+                 "CUDA_DEVICE_MAX_CONNECTIONS=32 in the environment before the program starts (CUDA reads it when it creates "
+                 "the context; setting it now has no effect)",
+                 d->name, n, lim);
+    else
+        snprintf(msg, sizeof msg,
+                 "%s: %d streams on this GPU exceed its 32 hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS=32, the most): "
+                 "streams share queues and their work may wait behind each other's; fewer pipelines or stages on one GPU "
+                 "keep them apart",
+                 d->name, n);
+    d->log(AVGPIPE_LOG_WARN, msg, d->log_user);
+}
+
+/* Remember stream s for synchronize (0), or forget it (-1 when it was not there). Adding the stream that
+   passes the hardware queues warns (once). */
 static int avgpipe__cuda_track(avgpipe__cuda *d, cudaStream_t s, int add) {
-    int k, rc = 0;
+    int k, rc = 0, warn = 0;
     pthread_mutex_lock(&d->mu);
     if (add) {
         if (d->nstreams == d->cap_streams) {
@@ -728,7 +858,10 @@ static int avgpipe__cuda_track(avgpipe__cuda *d, cudaStream_t s, int add) {
                 d->streams = a, d->cap_streams = cap;
             }
         }
-        if (rc == 0) d->streams[d->nstreams++] = s;
+        if (rc == 0) {
+            d->streams[d->nstreams++] = s;
+            if (d->nstreams > d->info.max_connections && !d->warned_streams) d->warned_streams = 1, warn = d->nstreams;
+        }
     } else {
         for (k = 0; k < d->nstreams && d->streams[k] != s; k++) {
         }
@@ -736,6 +869,7 @@ static int avgpipe__cuda_track(avgpipe__cuda *d, cudaStream_t s, int add) {
         else rc = -1;
     }
     pthread_mutex_unlock(&d->mu);
+    if (warn) avgpipe__cuda_warn_streams(d, warn);
     return rc;
 }
 
@@ -769,11 +903,138 @@ static avgpipe_result avgpipe__cuda_stream_sync(void *user, avgpipe_device_strea
     AVGPIPE__CUDA_SET(d, "stream_synchronize");
     return avgpipe__cuda_poll(d, "stream_synchronize", (cudaStream_t)stream, NULL);
 }
+/* --- Timed twins (see TIMING): the table from an event to its twin, under d->mu -------------------------- */
+
+static size_t avgpipe__cuda_tw_home(cudaEvent_t ev, size_t cap) {
+    uint64_t h = (uint64_t)(uintptr_t)ev;
+    h ^= h >> 29;
+    h *= 0x9e3779b97f4a7c15ull;
+    return (size_t)(h >> 32) & (cap - 1);
+}
+/* The slot of ev, or the empty slot where it would go (cap > 0). */
+static size_t avgpipe__cuda_tw_slot(const avgpipe__cuda *d, cudaEvent_t ev) {
+    size_t i = avgpipe__cuda_tw_home(ev, d->tw_cap);
+    while (d->tw_key[i] && d->tw_key[i] != ev) i = (i + 1) & (d->tw_cap - 1);
+    return i;
+}
+/* ev's twin, or NULL. */
+static cudaEvent_t avgpipe__cuda_tw_find(const avgpipe__cuda *d, cudaEvent_t ev) {
+    if (!d->tw_cap || !ev) return NULL;
+    return d->tw_val[avgpipe__cuda_tw_slot(d, ev)];
+}
+/* Add ev -> twin (ev not yet there, both non-NULL); -1 when out of memory. */
+static int avgpipe__cuda_tw_put(avgpipe__cuda *d, cudaEvent_t ev, cudaEvent_t twin) {
+    size_t i;
+    if (2 * (d->tw_n + 1) > d->tw_cap) { /* at most half full */
+        size_t cap = d->tw_cap ? 2 * d->tw_cap : 64, k, old = d->tw_cap;
+        cudaEvent_t *key = (cudaEvent_t *)d->allocator.alloc(cap * sizeof *key, d->allocator.user);
+        cudaEvent_t *val = (cudaEvent_t *)d->allocator.alloc(cap * sizeof *val, d->allocator.user);
+        cudaEvent_t *okey = d->tw_key, *oval = d->tw_val;
+        if (!key || !val) {
+            d->allocator.free(key, d->allocator.user);
+            d->allocator.free(val, d->allocator.user);
+            return -1;
+        }
+        memset(key, 0, cap * sizeof *key);
+        memset(val, 0, cap * sizeof *val);
+        d->tw_key = key, d->tw_val = val, d->tw_cap = cap;
+        for (k = 0; k < old; k++)
+            if (okey[k]) {
+                i = avgpipe__cuda_tw_slot(d, okey[k]);
+                d->tw_key[i] = okey[k], d->tw_val[i] = oval[k];
+            }
+        d->allocator.free(okey, d->allocator.user);
+        d->allocator.free(oval, d->allocator.user);
+    }
+    i = avgpipe__cuda_tw_slot(d, ev);
+    d->tw_key[i] = ev, d->tw_val[i] = twin;
+    d->tw_n++;
+    return 0;
+}
+/* Remove ev and return its twin (NULL when it had none). The entries after it that were displaced past
+   the freed slot move back into it (no tombstones: a lookup still ends at the first empty slot). */
+static cudaEvent_t avgpipe__cuda_tw_take(avgpipe__cuda *d, cudaEvent_t ev) {
+    size_t i, j, h, mask;
+    cudaEvent_t twin;
+    if (!d->tw_cap || !ev) return NULL;
+    mask = d->tw_cap - 1;
+    i = avgpipe__cuda_tw_slot(d, ev);
+    if (!d->tw_key[i]) return NULL;
+    twin = d->tw_val[i];
+    for (j = (i + 1) & mask; d->tw_key[j]; j = (j + 1) & mask) {
+        h = avgpipe__cuda_tw_home(d->tw_key[j], d->tw_cap);
+        /* the entry at j may fill the hole at i unless its home lies cyclically in (i, j] */
+        if (i <= j ? (h <= i || h > j) : (h <= i && h > j)) {
+            d->tw_key[i] = d->tw_key[j], d->tw_val[i] = d->tw_val[j];
+            i = j;
+        }
+    }
+    d->tw_key[i] = NULL, d->tw_val[i] = NULL;
+    d->tw_n--;
+    return twin;
+}
+
+/* Is ev an anchor (a start event_elapsed named, see TIMING)? Under d->mu. */
+static int avgpipe__cuda_anchor_at(const avgpipe__cuda *d, cudaEvent_t ev) {
+    int k;
+    for (k = 0; k < d->nanchors && d->anchors[k] != ev; k++) {
+    }
+    return k < d->nanchors ? k : -1;
+}
+/* Make ev an anchor (once); -1 when out of memory. Under d->mu. */
+static int avgpipe__cuda_anchor_add(avgpipe__cuda *d, cudaEvent_t ev) {
+    if (avgpipe__cuda_anchor_at(d, ev) >= 0) return 0;
+    if (d->nanchors == d->cap_anchors) {
+        int cap = d->cap_anchors ? 2 * d->cap_anchors : 16;
+        cudaEvent_t *a = (cudaEvent_t *)d->allocator.alloc((size_t)cap * sizeof *a, d->allocator.user);
+        if (!a) return -1;
+        if (d->nanchors) memcpy(a, d->anchors, (size_t)d->nanchors * sizeof *a);
+        d->allocator.free(d->anchors, d->allocator.user);
+        d->anchors = a, d->cap_anchors = cap;
+    }
+    d->anchors[d->nanchors++] = ev;
+    return 0;
+}
+
+#define AVGPIPE__CUDA_TWIN_FIND 0     /* the twin if there is one */
+#define AVGPIPE__CUDA_TWIN_MAKE 1     /* made if there is none */
+#define AVGPIPE__CUDA_TWIN_ANCHORED 2 /* made if there is none while an anchor lives (event_record) */
+
+/* ev's timed twin in *twin (NULL: none), made as `how` says; *made = 1 when it was made now (not yet
+   recorded). `entry` names the table entry for the messages. */
+static avgpipe_result avgpipe__cuda_twin(avgpipe__cuda *d, cudaEvent_t ev, int how, const char *entry, cudaEvent_t *twin, int *made) {
+    cudaEvent_t t = NULL, had;
+    int oom;
+    *made = 0;
+    pthread_mutex_lock(&d->mu);
+    *twin = avgpipe__cuda_tw_find(d, ev);
+    if (how == AVGPIPE__CUDA_TWIN_ANCHORED) how = d->nanchors > 0 ? AVGPIPE__CUDA_TWIN_MAKE : AVGPIPE__CUDA_TWIN_FIND;
+    pthread_mutex_unlock(&d->mu);
+    if (*twin || how == AVGPIPE__CUDA_TWIN_FIND) return AVGPIPE_OK;
+    AVGPIPE__CUDA_TRY(d, entry, "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&t, cudaEventDefault)); /* timed */
+    pthread_mutex_lock(&d->mu);
+    had = avgpipe__cuda_tw_find(d, ev); /* another thread may have made one meanwhile */
+    oom = !had && avgpipe__cuda_tw_put(d, ev, t) != 0;
+    pthread_mutex_unlock(&d->mu);
+    if (had || oom) (void)cudaEventDestroy(t);
+    if (oom) {
+        snprintf(avgpipe__cuda_err, sizeof avgpipe__cuda_err, "%s %s: out of memory (the table of timed events)", d->name, entry);
+        return AVGPIPE_OUT_OF_MEMORY;
+    }
+    *twin = had ? had : t;
+    *made = !had;
+    return AVGPIPE_OK;
+}
+
+/* The flags events are made with (see TIMING). */
+static unsigned avgpipe__cuda_event_flags(const avgpipe_device_cuda_desc *desc) {
+    return (desc->timed_events ? 0u : (unsigned)cudaEventDisableTiming) | (desc->blocking_sync ? (unsigned)cudaEventBlockingSync : 0u);
+}
+
 static avgpipe_result avgpipe__cuda_event_create(void *user, avgpipe_device_event *out) {
     avgpipe__cuda *d = (avgpipe__cuda *)user;
     cudaEvent_t ev = NULL;
-    unsigned flags = (d->info.desc.no_timing ? cudaEventDisableTiming : 0u) |
-                     (d->info.desc.blocking_sync ? cudaEventBlockingSync : 0u);
+    unsigned flags = avgpipe__cuda_event_flags(&d->info.desc);
     *out = NULL;
     AVGPIPE__CUDA_SET(d, "event_create");
     AVGPIPE__CUDA_TRY(d, "event_create", "cudaEventCreateWithFlags", cudaEventCreateWithFlags(&ev, flags));
@@ -788,11 +1049,27 @@ static void avgpipe__cuda_event_destroy(void *user, avgpipe_device_event event) 
         (void)avgpipe__cuda_fail(d->name, e, "event_destroy", "cudaSetDevice");
         return;
     }
+    if (d->twins) {
+        cudaEvent_t twin;
+        int k;
+        pthread_mutex_lock(&d->mu);
+        twin = avgpipe__cuda_tw_take(d, (cudaEvent_t)event);
+        if ((k = avgpipe__cuda_anchor_at(d, (cudaEvent_t)event)) >= 0) d->anchors[k] = d->anchors[--d->nanchors];
+        pthread_mutex_unlock(&d->mu);
+        if (twin) AVGPIPE__CUDA_NOTE(d, "event_destroy", "cudaEventDestroy", cudaEventDestroy(twin));
+    }
     AVGPIPE__CUDA_NOTE(d, "event_destroy", "cudaEventDestroy", cudaEventDestroy((cudaEvent_t)event));
 }
 static avgpipe_result avgpipe__cuda_event_record(void *user, avgpipe_device_event event, avgpipe_device_stream stream) {
     avgpipe__cuda *d = (avgpipe__cuda *)user;
     AVGPIPE__CUDA_SET(d, "event_record");
+    if (d->twins && event) { /* the twin first: when the event has completed, so has it (stream order) */
+        cudaEvent_t twin;
+        int made;
+        avgpipe_result r = avgpipe__cuda_twin(d, (cudaEvent_t)event, AVGPIPE__CUDA_TWIN_ANCHORED, "event_record", &twin, &made);
+        if (r != AVGPIPE_OK) return r;
+        if (twin) AVGPIPE__CUDA_TRY(d, "event_record", "cudaEventRecord", cudaEventRecord(twin, (cudaStream_t)stream));
+    }
     AVGPIPE__CUDA_TRY(d, "event_record", "cudaEventRecord", cudaEventRecord((cudaEvent_t)event, (cudaStream_t)stream));
     return AVGPIPE_OK;
 }
@@ -821,10 +1098,37 @@ static avgpipe_result avgpipe__cuda_event_query(void *user, avgpipe_device_event
 static avgpipe_result avgpipe__cuda_event_elapsed(void *user, avgpipe_device_event start, avgpipe_device_event end,
                                                   double *seconds) {
     avgpipe__cuda *d = (avgpipe__cuda *)user;
+    cudaEvent_t a = (cudaEvent_t)start, b = (cudaEvent_t)end;
     float ms = 0.0f;
     *seconds = 0.0;
     AVGPIPE__CUDA_SET(d, "event_elapsed");
-    AVGPIPE__CUDA_TRY(d, "event_elapsed", "cudaEventElapsedTime", cudaEventElapsedTime(&ms, (cudaEvent_t)start, (cudaEvent_t)end));
+    if (d->twins) { /* see TIMING */
+        avgpipe_result r;
+        int made_a = 0, made_b = 0, oom;
+        if (!start || !end) {
+            snprintf(avgpipe__cuda_err, sizeof avgpipe__cuda_err, "%s event_elapsed: the %s event is NULL", d->name, !start ? "start" : "end");
+            return AVGPIPE_BACKEND_ERROR;
+        }
+        pthread_mutex_lock(&d->mu);
+        oom = avgpipe__cuda_anchor_add(d, a) != 0;
+        pthread_mutex_unlock(&d->mu);
+        if (oom) {
+            snprintf(avgpipe__cuda_err, sizeof avgpipe__cuda_err, "%s event_elapsed: out of memory (the table of timed events)", d->name);
+            return AVGPIPE_OUT_OF_MEMORY;
+        }
+        if ((r = avgpipe__cuda_twin(d, a, AVGPIPE__CUDA_TWIN_MAKE, "event_elapsed", &a, &made_a)) != AVGPIPE_OK ||
+            (r = avgpipe__cuda_twin(d, b, AVGPIPE__CUDA_TWIN_MAKE, "event_elapsed", &b, &made_b)) != AVGPIPE_OK)
+            return r;
+        if (made_a || made_b) {
+            snprintf(avgpipe__cuda_err, sizeof avgpipe__cuda_err,
+                     "%s event_elapsed: %s had no timing yet (events are made with cudaEventDisableTiming): timed from %s "
+                     "next event_record on (desc.timed_events = 1 times every event from its first)",
+                     d->name, made_a && made_b && start != end ? "the events" : made_a ? "the start event" : "the end event",
+                     made_a && made_b && start != end ? "their" : "its");
+            return AVGPIPE_BACKEND_ERROR;
+        }
+    }
+    AVGPIPE__CUDA_TRY(d, "event_elapsed", "cudaEventElapsedTime", cudaEventElapsedTime(&ms, a, b));
     *seconds = (double)ms * 1e-3;
     return AVGPIPE_OK;
 }
@@ -866,8 +1170,9 @@ static cudaError_t avgpipe__cuda_launch(const void *kernel, const avgpipe__cuda_
     return cudaLaunchKernel(kernel, grid, block, args, 0, (cudaStream_t)stream);
 }
 
-static avgpipe__cuda_plan avgpipe__cuda_plan_of(const avgpipe__cuda *d, const void *const *ptrs, int nptr, size_t count) {
-    return avgpipe__cuda_plan_make(ptrs, nptr, count, d->info.desc.block_size, d->info.desc.max_blocks);
+/* The plan of kernel `kernel` (AVGPIPE_DEVICE_CUDA_KERNEL_*): its grid (see GRIDS). */
+static avgpipe__cuda_plan avgpipe__cuda_plan_of(const avgpipe__cuda *d, int kernel, const void *const *ptrs, int nptr, size_t count) {
+    return avgpipe__cuda_plan_make(ptrs, nptr, count, d->info.desc.block_size, d->info.grid[kernel]);
 }
 
 /* A pass's kernel arguments: the buffers it touches (NULL: not touched), its flags, its plan. */
@@ -897,7 +1202,7 @@ static avgpipe_result avgpipe__cuda_ea_pass(void *user, const avgpipe_ea_pass *p
     avgpipe__cuda_ea_args x;
     void *args[11];
     if (!p->count) return AVGPIPE_OK;
-    x = avgpipe__cuda_ea_prep(p, d->info.desc.block_size, d->info.desc.max_blocks);
+    x = avgpipe__cuda_ea_prep(p, d->info.desc.block_size, d->info.grid[AVGPIPE_DEVICE_CUDA_KERNEL_EA]);
     args[0] = &x.w, args[1] = &x.z, args[2] = &x.zp, args[3] = &x.a, args[4] = &x.pl.head, args[5] = &x.pl.nvec;
     args[6] = &x.pl.tail, args[7] = &x.alpha, args[8] = &x.scale, args[9] = &x.mu, args[10] = &x.f;
     AVGPIPE__CUDA_SET(d, "ea_pass");
@@ -912,7 +1217,7 @@ static avgpipe_result avgpipe__cuda_scale(void *user, float *x, float factor, si
     void *args[5];
     if (!count) return AVGPIPE_OK;
     ptrs[0] = x;
-    pl = avgpipe__cuda_plan_of(d, ptrs, 1, count);
+    pl = avgpipe__cuda_plan_of(d, AVGPIPE_DEVICE_CUDA_KERNEL_SCALE, ptrs, 1, count);
     args[0] = &x, args[1] = &factor, args[2] = &pl.head, args[3] = &pl.nvec, args[4] = &pl.tail;
     AVGPIPE__CUDA_SET(d, "scale");
     AVGPIPE__CUDA_TRY(d, "scale", "cudaLaunchKernel", avgpipe__cuda_launch(d->k_scale, &pl, args, stream));
@@ -953,7 +1258,7 @@ static avgpipe_result avgpipe__cuda_scan(avgpipe__cuda *d, int k, const float *x
     avgpipe__cuda_plan pl;
     void *args[5];
     ptrs[0] = x;
-    pl = avgpipe__cuda_plan_of(d, ptrs, 1, count);
+    pl = avgpipe__cuda_plan_of(d, AVGPIPE_DEVICE_CUDA_KERNEL_NONFINITE, ptrs, 1, count);
     args[0] = &x, args[1] = &pl.head, args[2] = &pl.nvec, args[3] = &pl.tail, args[4] = &slot;
     *enqueued = 0;
     AVGPIPE__CUDA_TRY(d, "find_nonfinite", "cudaMemsetAsync", cudaMemsetAsync(slot, 0xff, sizeof *slot, (cudaStream_t)stream));
@@ -1147,7 +1452,10 @@ static avgpipe_result avgpipe__cuda_kernels(avgpipe_context *ctx, avgpipe__cuda 
 /* Release what creation got so far (any prefix of it). */
 static void avgpipe__cuda_release(avgpipe__cuda *d) {
     avgpipe_allocator al = d->allocator;
+    size_t k;
     if (cudaSetDevice(d->ordinal) == cudaSuccess) {
+        for (k = 0; k < d->tw_cap; k++) /* the twins of events still alive (those are the caller's) */
+            if (d->tw_key[k]) (void)cudaEventDestroy(d->tw_val[k]);
         if (d->d_slots) (void)cudaFree(d->d_slots);
         if (d->h_slots) (void)cudaFreeHost(d->h_slots);
 #ifdef AVGPIPE_CUDA_NVRTC
@@ -1163,6 +1471,9 @@ static void avgpipe__cuda_release(avgpipe__cuda *d) {
         pthread_mutex_destroy(&d->mu);
     }
     al.free(d->streams, al.user); /* streams still alive are the caller's to destroy (before the table) */
+    al.free(d->tw_key, al.user);
+    al.free(d->tw_val, al.user);
+    al.free(d->anchors, al.user);
     d->magic = 0;
     al.free(d, al.user);
 }
@@ -1177,25 +1488,69 @@ AVGPIPE_API avgpipe_device_cuda_desc avgpipe_device_cuda_query_defaults(const av
     return d;
 }
 
-/* The device's properties, and the launch shape resolved from them. */
+/* The device's properties (the grids come from the kernels: avgpipe__cuda_occupancy). */
 static avgpipe_result avgpipe__cuda_probe(avgpipe_context *ctx, avgpipe__cuda *d) {
-    int per_sm = 0;
     cudaError_t e = cudaSetDevice(d->ordinal);
     const char *call = "cudaSetDevice";
     if (e == cudaSuccess) call = "cudaDeviceGetAttribute";
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d->info.multiprocessors, cudaDevAttrMultiProcessorCount, d->ordinal);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, d->ordinal);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d->info.cc_major, cudaDevAttrComputeCapabilityMajor, d->ordinal);
     if (e == cudaSuccess) e = cudaDeviceGetAttribute(&d->info.cc_minor, cudaDevAttrComputeCapabilityMinor, d->ordinal);
     if (e != cudaSuccess) {
         avgpipe_result r = avgpipe__cuda_fail(d->name, e, "create", call);
         return avgpipe_set_error(ctx, r, "avgpipe_device_cuda_create: %s", avgpipe__cuda_err);
     }
-    if (d->info.desc.max_blocks == 0) {
-        int per = per_sm / d->info.desc.block_size;
-        d->info.desc.max_blocks = d->info.multiprocessors * (per > 0 ? per : 1);
-        if (d->info.desc.max_blocks < 1) d->info.desc.max_blocks = 1;
+    return AVGPIPE_OK;
+}
+
+/* Each kernel's grid from its occupancy (see GRIDS): per_sm[k] blocks of kernel k fit one multiprocessor,
+   so multiprocessors x per_sm[k] run at once; desc.max_blocks, when set, instead. The resolved
+   desc.max_blocks is the largest grid. */
+static void avgpipe__cuda_grids(avgpipe_device_cuda_info *info, const int *per_sm) {
+    const int given = info->desc.max_blocks;
+    int k, top = 1;
+    for (k = 0; k < AVGPIPE_DEVICE_CUDA_KERNEL_COUNT; k++) {
+        long long g = given > 0 ? (long long)given : (long long)info->multiprocessors * per_sm[k];
+        if (g < 1) g = 1;
+        if (g > INT_MAX) g = INT_MAX;
+        info->blocks_per_sm[k] = per_sm[k];
+        info->grid[k] = (int)g;
+        if (info->grid[k] > top) top = info->grid[k];
     }
+    info->desc.max_blocks = given > 0 ? given : top;
+}
+
+/* How the occupancy is asked (a parameter, so that tests can answer for a GPU they do not have). */
+typedef cudaError_t (*avgpipe__cuda_occupancy_fn)(int *blocks, const void *kernel, int block_size);
+static cudaError_t avgpipe__cuda_occupancy_cuda(int *blocks, const void *kernel, int block_size) {
+    /* a cudaKernel_t (NVRTC's kernels) is taken in place of a kernel's address, as by cudaLaunchKernel */
+    return cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks, kernel, block_size, (size_t)0);
+}
+
+/* Ask each kernel's occupancy at desc.block_size (current device: d's), once, and resolve the grids. A
+   kernel no block of which fits (too many registers for that block size) refuses the description. */
+static avgpipe_result avgpipe__cuda_occupancy(avgpipe_context *ctx, avgpipe__cuda *d, avgpipe__cuda_occupancy_fn occupancy) {
+    static const char *const names[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT] = {"avgpipe__cu_ea (ea_pass)", "avgpipe__cu_nonfinite (find_nonfinite)",
+                                                                        "avgpipe__cu_scale (scale)"};
+    const void *kernels[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT];
+    int per_sm[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT], k;
+    kernels[AVGPIPE_DEVICE_CUDA_KERNEL_EA] = d->k_ea;
+    kernels[AVGPIPE_DEVICE_CUDA_KERNEL_NONFINITE] = d->k_nonfinite;
+    kernels[AVGPIPE_DEVICE_CUDA_KERNEL_SCALE] = d->k_scale;
+    for (k = 0; k < AVGPIPE_DEVICE_CUDA_KERNEL_COUNT; k++) {
+        cudaError_t e;
+        per_sm[k] = 0;
+        if ((e = occupancy(&per_sm[k], kernels[k], d->info.desc.block_size)) != cudaSuccess) {
+            avgpipe_result r = avgpipe__cuda_fail(d->name, e, "create", "cudaOccupancyMaxActiveBlocksPerMultiprocessor");
+            return avgpipe_set_error(ctx, r, "avgpipe_device_cuda_create: %s (kernel %s)", avgpipe__cuda_err, names[k]);
+        }
+        if (per_sm[k] < 1)
+            return avgpipe_set_error(ctx, AVGPIPE_BACKEND_ERROR,
+                                     "avgpipe_device_cuda_create: %s: kernel %s cannot run blocks of %d threads on this GPU (none fits "
+                                     "a multiprocessor: too many registers for that block size): a smaller desc.block_size",
+                                     d->name, names[k], d->info.desc.block_size);
+    }
+    avgpipe__cuda_grids(&d->info, per_sm);
     return AVGPIPE_OK;
 }
 
@@ -1243,6 +1598,7 @@ static void avgpipe__cuda_fill(avgpipe_device *out, avgpipe__cuda *d) {
     out->scale = avgpipe__cuda_scale;
     out->event_query = avgpipe__cuda_event_query;
     out->event_elapsed = d->info.desc.no_timing ? NULL : avgpipe__cuda_event_elapsed;
+    d->twins = !d->info.desc.no_timing && !d->info.desc.timed_events; /* see TIMING */
     out->error_string = avgpipe__cuda_error_string;
     out->destroy = avgpipe__cuda_destroy;
     out->user = d;
@@ -1267,6 +1623,9 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_create(avgpipe_context *ctx, cons
     if (!(dd.timeout_s > 0)) /* negative, or NaN */
         return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_device_cuda_create: desc.timeout_s is %g (> 0 seconds, 0 = 300)",
                                  dd.timeout_s);
+    if (dd.no_timing && dd.timed_events)
+        return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG,
+                                 "avgpipe_device_cuda_create: desc.no_timing and desc.timed_events are both set (no event timed, or every one)");
     if ((e = cudaGetDeviceCount(&count)) != cudaSuccess) {
         r = avgpipe__cuda_fail("cuda", e, "create", "cudaGetDeviceCount");
         return avgpipe_set_error(ctx, r, "avgpipe_device_cuda_create: cuda:%d: cudaGetDeviceCount: %s (%s)", dd.device,
@@ -1282,8 +1641,14 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_create(avgpipe_context *ctx, cons
     d->allocator = al;
     d->ordinal = dd.device;
     d->info.desc = dd;
+    d->info.max_connections = avgpipe__cuda_connections(getenv("CUDA_DEVICE_MAX_CONNECTIONS"));
+    {
+        avgpipe_context_desc cdesc = avgpipe_context_query(ctx);
+        d->log = cdesc.log, d->log_user = cdesc.log_user, d->log_level = cdesc.log_level;
+    }
     snprintf(d->name, sizeof d->name, "cuda:%d", dd.device);
     if ((r = avgpipe__cuda_probe(ctx, d)) != AVGPIPE_OK || (r = avgpipe__cuda_kernels(ctx, d)) != AVGPIPE_OK ||
+        (r = avgpipe__cuda_occupancy(ctx, d, avgpipe__cuda_occupancy_cuda)) != AVGPIPE_OK ||
         (r = avgpipe__cuda_slots(ctx, d)) != AVGPIPE_OK) {
         avgpipe__cuda_release(d);
         return r;

@@ -5,9 +5,13 @@
    - the kernels themselves (their source text, compiled for the host with an emulated grid: every block and
      thread run in turn) with the header's launch plans, against the CPU device, on awkward sizes and
      misaligned buffers: the grid-stride loops, the float4 body, the scalar head and tail;
+   - the grids: each kernel's grid is multiprocessors x the occupancy an emulated GPU (an H200's limits,
+     the kernels' register counts) reports, and the kernels give the same bits whatever the grid;
    - the NVRTC build of the kernels' source: PTX without fused multiply-adds or flushed denormals;
    - creation without a device fails cleanly (the state of this machine and of CI), every entry's error
-     path, the mapping of CUDA errors to avgpipe_result.
+     path, the mapping of CUDA errors to avgpipe_result;
+   - events: made without timing unless desc.timed_events, the timing modes, the table of timed twins;
+   - streams past the hardware queues (CUDA_DEVICE_MAX_CONNECTIONS): one warning through the logger.
    Criterion forks per test: each test initialises CUDA in its own process. */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
@@ -415,6 +419,142 @@ Test(cuda_kernels, scale_kernel_matches_cpu_device) {
     free(x), free(y);
 }
 
+/* ---- grids from occupancy -------------------------------------------------------------------------------
+   An emulated H200 as CUDA's occupancy calculator sees it: 132 multiprocessors of 2048 threads, 65536
+   registers (allocated per warp in units of 256), at most 32 blocks; the kernels' registers per thread as
+   ptxas reports them for sm_90 (ea 38, non-finite 20, scale 18). The fake kernel handles 1, 2, 3 stand
+   for the three kernels. */
+static int emu_regs[3] = {38, 20, 18};
+static int emu_calls;
+static cudaError_t emu_occupancy(int *blocks, const void *kernel, int block) {
+    int k = (int)(uintptr_t)kernel - 1, per_warp, by_regs, by_threads, n;
+    emu_calls++;
+    if (k < 0 || k > 2) return cudaErrorInvalidDeviceFunction;
+    per_warp = (emu_regs[k] * 32 + 255) / 256 * 256;
+    by_regs = 65536 / per_warp / (block / 32); /* whole blocks of warps the register file holds */
+    by_threads = 2048 / block;
+    n = by_regs < by_threads ? by_regs : by_threads;
+    *blocks = n < 32 ? n : 32;
+    return cudaSuccess;
+}
+static void emu_gpu(avgpipe__cuda *st, int block_size, int max_blocks) {
+    memset(st, 0, sizeof *st);
+    st->magic = AVGPIPE__CUDA_MAGIC;
+    snprintf(st->name, sizeof st->name, "cuda:0");
+    st->info.desc = avgpipe_device_cuda_query_defaults(NULL);
+    st->info.desc.block_size = block_size, st->info.desc.max_blocks = max_blocks;
+    st->info.multiprocessors = 132;
+    st->k_ea = (const void *)1, st->k_nonfinite = (const void *)2, st->k_scale = (const void *)3;
+}
+
+Test(cuda_kernels, grid_is_multiprocessors_times_occupancy) {
+    avgpipe__cuda st;
+    avgpipe_context ctx;
+    avgpipe__cuda_ea_args x;
+    avgpipe__cuda_plan pl;
+    avgpipe_ea_pass p;
+    const void *ptrs[1];
+    float *buf = fbuf(16);
+    const int E = AVGPIPE_DEVICE_CUDA_KERNEL_EA, NF = AVGPIPE_DEVICE_CUDA_KERNEL_NONFINITE, SC = AVGPIPE_DEVICE_CUDA_KERNEL_SCALE;
+    avgpipe_context_init(&ctx, NULL);
+    emu_gpu(&st, 256, 0);
+    emu_calls = 0;
+    cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(emu_calls, 3, "asked once per kernel");
+    /* 38 registers: 1280 per warp, 51 warps, 6 blocks of 8 warps (not the 8 that 2048 threads allow) */
+    cr_assert_eq(st.info.blocks_per_sm[E], 6);
+    cr_assert_eq(st.info.blocks_per_sm[NF], 8);
+    cr_assert_eq(st.info.blocks_per_sm[SC], 8);
+    cr_assert_eq(st.info.grid[E], 132 * st.info.blocks_per_sm[E]);
+    cr_assert_eq(st.info.grid[E], 792);
+    cr_assert_eq(st.info.grid[NF], 132 * 8);
+    cr_assert_eq(st.info.grid[SC], 132 * 8);
+    cr_assert_eq(st.info.desc.max_blocks, 1056, "the resolved max_blocks is the largest grid");
+    /* the entries' plans of a pass that would cover more blocks: each kernel its own grid, never more */
+    memset(&p, 0, sizeof p);
+    p.w = buf, p.acc = buf + 4, p.count = (size_t)1 << 28, p.mode = AVGPIPE_EA_MEAN, p.first = 1;
+    x = avgpipe__cuda_ea_prep(&p, st.info.desc.block_size, st.info.grid[E]); /* as avgpipe__cuda_ea_pass */
+    cr_assert_eq(x.pl.grid, 792u);
+    cr_assert_eq(x.pl.block, 256u);
+    ptrs[0] = buf;
+    pl = avgpipe__cuda_plan_of(&st, NF, ptrs, 1, (size_t)1 << 28);
+    cr_assert_eq(pl.grid, 1056u);
+    pl = avgpipe__cuda_plan_of(&st, SC, ptrs, 1, (size_t)1 << 28);
+    cr_assert_eq(pl.grid, 1056u);
+    pl = avgpipe__cuda_plan_of(&st, SC, ptrs, 1, 1000); /* small: only the blocks it needs */
+    cr_assert_eq(pl.grid, 1u);
+    /* 1024 threads a block: 51 warps hold one block of 32 warps of the ea kernel */
+    emu_gpu(&st, 1024, 0);
+    cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(st.info.blocks_per_sm[E] == 1 && st.info.grid[E] == 132 && st.info.grid[NF] == 264, "%d %d", st.info.grid[E],
+              st.info.grid[NF]);
+    /* desc.max_blocks given: every kernel's grid, the occupancy still reported */
+    emu_gpu(&st, 256, 100);
+    cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(st.info.grid[E] == 100 && st.info.grid[NF] == 100 && st.info.grid[SC] == 100 && st.info.desc.max_blocks == 100);
+    cr_assert_eq(st.info.blocks_per_sm[E], 6);
+    /* no block fits (too many registers for 1024 threads): refused, naming the kernel and the block size */
+    emu_regs[0] = 80;
+    emu_gpu(&st, 1024, 0);
+    cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_BACKEND_ERROR);
+    cr_assert(has(avgpipe_last_error(&ctx), "avgpipe__cu_ea") && has(avgpipe_last_error(&ctx), "blocks of 1024 threads") &&
+                  has(avgpipe_last_error(&ctx), "desc.block_size"),
+              "%s", avgpipe_last_error(&ctx));
+    emu_regs[0] = 38;
+    /* the query fails: CUDA's text, naming the call and the kernel */
+    emu_gpu(&st, 256, 0);
+    st.k_scale = (const void *)7;
+    cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_BACKEND_ERROR);
+    cr_assert(has(avgpipe_last_error(&ctx), "cudaOccupancyMaxActiveBlocksPerMultiprocessor") &&
+                  has(avgpipe_last_error(&ctx), "cudaErrorInvalidDeviceFunction") && has(avgpipe_last_error(&ctx), "avgpipe__cu_scale"),
+              "%s", avgpipe_last_error(&ctx));
+    free(buf);
+}
+
+/* The kernels' results do not depend on the grid: the emulated kernels over the occupancy grids of the
+   emulated H200 (792, 1056), a partial wave, one block, and a grid that covers the work without looping,
+   on a pass longer than one full wave of the largest grid (so threads loop, and some more than others),
+   at a misaligned offset (a scalar head and tail), every time the CPU device's bits. */
+Test(cuda_kernels, results_do_not_depend_on_the_grid) {
+    avgpipe_device cpu;
+    rng r = {23};
+    const size_t n = (size_t)1056 * 256 * 4 + 792 * 256 + 3;
+    float *w = fbuf(n + 8), *z = fbuf(n + 8), *zp = fbuf(n + 8), *a = fbuf(n + 8), *x = fbuf(n + 8), *y = fbuf(n + 8);
+    const int grids[] = {792, 1056, 131, 1, 1 << 20};
+    const float alphas[] = {0.1f};
+    pass_kind kinds[16];
+    int nk = pass_kinds(kinds, alphas, 1), k;
+    size_t gi, j, want, got;
+    for (j = 0; j < n + 8; j++)
+        w[j] = rng_float(&r, -2, 2), z[j] = rng_float(&r, -2, 2), zp[j] = rng_float(&r, -2, 2), a[j] = rng_float(&r, -8, 8);
+    cr_assert_eq(avgpipe_device_cpu_create(NULL, NULL, &cpu), AVGPIPE_OK);
+    x[1 + n - 5] = NAN, x[1 + n / 2 + 7] = INFINITY; /* two non-finite values: the lower wins */
+    cr_assert_eq(cpu.find_nonfinite(cpu.user, x + 1, n, &want, NULL), AVGPIPE_OK);
+    cr_assert_eq(want, n / 2 + 7);
+    for (gi = 0; gi < sizeof grids / sizeof grids[0]; gi++) {
+        launch_shape sh;
+        const void *ptrs[1];
+        avgpipe__cuda_plan pl;
+        sh.block = 256, sh.max_blocks = grids[gi];
+        for (k = 0; k < nk; k += 2) /* MEAN and ELASTIC, first/last, momentum: every other kind */
+            compare_pass(&cpu, &kinds[k], w + 1, z + 1, zp + 1, a + 1, n, emu_ea, &sh, 1, "emulated ea kernel, grid sweep");
+        got = emu_nonfinite(x + 1, n, &sh);
+        cr_assert_eq(got, want, "grid %d: non-finite scan gives %zu, the CPU device %zu", grids[gi], got, want);
+        for (j = 0; j < n; j++) y[1 + j] = w[1 + j];
+        ptrs[0] = y + 1;
+        pl = avgpipe__cuda_plan_make(ptrs, 1, n, 256, grids[gi]);
+        cr_assert(pl.nvec > 0 && pl.head == 3 && pl.grid <= (unsigned)grids[gi]);
+        EMU_GRID(pl, avgpipe__cu_scale(y + 1, 1.0f / 3.0f, pl.head, pl.nvec, pl.tail));
+        for (j = 0; j < n; j++) {
+            float c = w[1 + j];
+            cr_assert_eq(cpu.scale(cpu.user, &c, 1.0f / 3.0f, 1, NULL), AVGPIPE_OK);
+            if (!same(c, y[1 + j])) cr_assert(0, "grid %d: scale element %zu: CPU %a kernel %a", grids[gi], j, (double)c, (double)y[1 + j]);
+        }
+    }
+    avgpipe_device_destroy(&cpu);
+    free(w), free(z), free(zp), free(a), free(x), free(y);
+}
+
 /* ---- NVRTC: the source compiles, and into PTX without FMA or flush-to-zero ------------------------------ */
 
 static char *ptx_for(int arch) {
@@ -489,12 +629,12 @@ Test(cuda_device, query_defaults) {
     avgpipe_device_cuda_desc d, q;
     q = avgpipe_device_cuda_query_defaults(NULL);
     cr_assert(q.device == 0 && q.block_size == 256 && q.max_blocks == 0 && q.no_timing == 0 && q.blocking_sync == 0 &&
-              q.timeout_s == 300.0);
+              q.timeout_s == 300.0 && q.timed_events == 0);
     memset(&d, 0, sizeof d);
-    d.device = 3, d.block_size = 128, d.max_blocks = 7, d.no_timing = 1, d.blocking_sync = 1, d.timeout_s = 2.5;
+    d.device = 3, d.block_size = 128, d.max_blocks = 7, d.no_timing = 1, d.blocking_sync = 1, d.timeout_s = 2.5, d.timed_events = 1;
     q = avgpipe_device_cuda_query_defaults(&d);
     cr_assert(q.device == 3 && q.block_size == 128 && q.max_blocks == 7 && q.no_timing == 1 && q.blocking_sync == 1 &&
-              q.timeout_s == 2.5);
+              q.timeout_s == 2.5 && q.timed_events == 1);
 }
 
 Test(cuda_device, invalid_arguments) {
@@ -524,6 +664,9 @@ Test(cuda_device, invalid_arguments) {
     d.timeout_s = (double)NAN;
     cr_assert_eq(avgpipe_device_cuda_create(&ctx, &d, &dev), AVGPIPE_INVALID_ARG);
     cr_assert(has(avgpipe_last_error(&ctx), "desc.timeout_s"), "%s", avgpipe_last_error(&ctx));
+    d.timeout_s = 0, d.no_timing = 1, d.timed_events = 1; /* no event timed, and every one */
+    cr_assert_eq(avgpipe_device_cuda_create(&ctx, &d, &dev), AVGPIPE_INVALID_ARG);
+    cr_assert(has(avgpipe_last_error(&ctx), "desc.no_timing and desc.timed_events"), "%s", avgpipe_last_error(&ctx));
     /* query: only on CUDA tables */
     cr_assert_eq(avgpipe_device_cuda_query(&ctx, NULL, &info), AVGPIPE_INVALID_ARG);
     cr_assert_eq(avgpipe_device_cpu_create(NULL, NULL, &dev), AVGPIPE_OK);
@@ -646,6 +789,7 @@ Test(cuda_device, every_entry_reports_cuda_errors) {
     snprintf(st.name, sizeof st.name, "cuda:0");
     st.info.desc = avgpipe_device_cuda_query_defaults(NULL);
     st.info.desc.max_blocks = 4;
+    st.info.grid[0] = st.info.grid[1] = st.info.grid[2] = 4;
     memset(&dev, 0, sizeof dev);
     avgpipe__cuda_fill(&dev, &st);
     cr_assert_eq(avgpipe_device_check(NULL, &dev), AVGPIPE_OK, "the table is complete");
@@ -696,4 +840,197 @@ Test(cuda_device, every_entry_reports_cuda_errors) {
     cr_assert_eq(dev.copy(dev.user, host, host + 4, 16, (avgpipe_device_copy_kind)9, NULL), AVGPIPE_BACKEND_ERROR);
     cr_assert(has(dev.error_string(dev.user), "unknown copy kind 9"), "%s", dev.error_string(dev.user));
 #undef EXPECT_FAIL
+}
+
+/* ---- events: timing modes and the timed twins (see TIMING) ------------------------------------------------ */
+
+Test(cuda_device, events_are_made_without_timing) {
+    avgpipe_device_cuda_desc d = avgpipe_device_cuda_query_defaults(NULL);
+    avgpipe__cuda st;
+    avgpipe_device dev;
+    cr_assert_eq(avgpipe__cuda_event_flags(&d), (unsigned)cudaEventDisableTiming, "default: ordering events without timing");
+    d.blocking_sync = 1;
+    cr_assert_eq(avgpipe__cuda_event_flags(&d), (unsigned)(cudaEventDisableTiming | cudaEventBlockingSync));
+    d.timed_events = 1;
+    cr_assert_eq(avgpipe__cuda_event_flags(&d), (unsigned)cudaEventBlockingSync);
+    d.blocking_sync = 0;
+    cr_assert_eq(avgpipe__cuda_event_flags(&d), 0u, "timed_events: CUDA's default (timed) events");
+    d.timed_events = 0, d.no_timing = 1;
+    cr_assert_eq(avgpipe__cuda_event_flags(&d), (unsigned)cudaEventDisableTiming);
+    /* the modes: default (twins, event_elapsed set), timed_events (no twins, event_elapsed set), no_timing (NULL) */
+    emu_gpu(&st, 256, 0);
+    avgpipe__cuda_fill(&dev, &st);
+    cr_assert(dev.event_elapsed != NULL && st.twins == 1);
+    emu_gpu(&st, 256, 0);
+    st.info.desc.timed_events = 1;
+    avgpipe__cuda_fill(&dev, &st);
+    cr_assert(dev.event_elapsed != NULL && st.twins == 0);
+    emu_gpu(&st, 256, 0);
+    st.info.desc.no_timing = 1;
+    avgpipe__cuda_fill(&dev, &st);
+    cr_assert(dev.event_elapsed == NULL && st.twins == 0);
+}
+
+/* The table from an event to its timed twin: every event found after many additions (growing it) and
+   removals (which move displaced entries back), none found after its removal, nothing leaked. The fake
+   handles are addresses 16 bytes apart, as an allocator gives them. */
+Test(cuda_device, timed_twin_table) {
+    enum { NEV = 3000 };
+    static char arena[16 * NEV], twins[NEV];
+    avgpipe__cuda st;
+    avgpipe_context ctx;
+    counter c;
+    int i, round;
+    counting_ctx(&ctx, &c);
+    memset(&st, 0, sizeof st);
+    st.allocator = avgpipe_context_query(&ctx).allocator;
+#define EV(i) ((cudaEvent_t)(void *)(arena + 16 * (i)))
+#define TW(i) ((cudaEvent_t)(void *)(twins + (i)))
+    cr_assert_null(avgpipe__cuda_tw_find(&st, EV(0)), "an empty table");
+    cr_assert_null(avgpipe__cuda_tw_take(&st, EV(0)));
+    for (round = 0; round < 3; round++) {
+        for (i = 0; i < NEV; i++)
+            if (!avgpipe__cuda_tw_find(&st, EV(i))) cr_assert_eq(avgpipe__cuda_tw_put(&st, EV(i), TW(i)), 0);
+        cr_assert_eq(st.tw_n, (size_t)NEV);
+        cr_assert(st.tw_cap >= 2 * (size_t)NEV && (st.tw_cap & (st.tw_cap - 1)) == 0, "at most half full, a power of two: %zu",
+                  st.tw_cap);
+        for (i = 0; i < NEV; i++) cr_assert_eq(avgpipe__cuda_tw_find(&st, EV(i)), TW(i), "round %d: event %d", round, i);
+        for (i = round; i < NEV; i += 3) cr_assert_eq(avgpipe__cuda_tw_take(&st, EV(i)), TW(i));
+        for (i = 0; i < NEV; i++)
+            cr_assert_eq(avgpipe__cuda_tw_find(&st, EV(i)), (i - round) % 3 == 0 && i >= round ? NULL : TW(i), "round %d: event %d after removals",
+                         round, i);
+        cr_assert_null(avgpipe__cuda_tw_take(&st, EV(round)), "removed twice");
+        cr_assert_null(avgpipe__cuda_tw_find(&st, NULL));
+    }
+    for (i = 0; i < NEV; i++) (void)avgpipe__cuda_tw_take(&st, EV(i));
+    cr_assert_eq(st.tw_n, (size_t)0);
+    for (i = 0; i < (int)st.tw_cap; i++) cr_assert_null(st.tw_key[i]);
+    st.allocator.free(st.tw_key, st.allocator.user);
+    st.allocator.free(st.tw_val, st.allocator.user);
+    cr_assert_eq(c.live, 0);
+#undef EV
+#undef TW
+}
+
+/* When event_record makes twins (see TIMING): never while no anchor lives (no CUDA call at all: this
+   machine's CUDA would fail it), and while one lives for an event without a twin (the attempt reaches
+   CUDA, which fails here with its text); an event with a twin gets it without a call; once the anchor is
+   dropped (what avgpipe__cuda_event_destroy does with it, done here by hand), no twin is made again. */
+Test(cuda_device, twins_are_made_while_an_anchor_lives) {
+    static char fake[64];
+    avgpipe__cuda st;
+    avgpipe_context ctx;
+    counter c;
+    cudaEvent_t twin = (cudaEvent_t)(void *)&twin, e1 = (cudaEvent_t)(void *)fake, e2 = (cudaEvent_t)(void *)(fake + 16), got;
+    int made = 7, k;
+    counting_ctx(&ctx, &c);
+    emu_gpu(&st, 256, 0);
+    st.allocator = avgpipe_context_query(&ctx).allocator;
+    cr_assert_eq(pthread_mutex_init(&st.mu, NULL), 0);
+    cr_assert_eq(avgpipe__cuda_twin(&st, e1, AVGPIPE__CUDA_TWIN_ANCHORED, "event_record", &got, &made), AVGPIPE_OK);
+    cr_assert(got == NULL && made == 0, "no anchor: no twin made, no CUDA call");
+    cr_assert_eq(avgpipe__cuda_anchor_add(&st, e2), 0); /* e2 was named as the start of an event_elapsed */
+    cr_assert_eq(avgpipe__cuda_anchor_add(&st, e2), 0);
+    cr_assert_eq(st.nanchors, 1, "once");
+    if (!(cudaGetDeviceCount(&k) == cudaSuccess && k > 0)) {
+        cr_assert_eq(avgpipe__cuda_twin(&st, e1, AVGPIPE__CUDA_TWIN_ANCHORED, "event_record", &got, &made), AVGPIPE_BACKEND_ERROR);
+        cr_assert(has(avgpipe__cuda_error_string(NULL), "cuda:0 event_record: cudaEventCreateWithFlags: "), "%s",
+                  avgpipe__cuda_error_string(NULL));
+        cr_assert(got == NULL && made == 0 && st.tw_n == 0);
+    }
+    cr_assert_eq(avgpipe__cuda_tw_put(&st, e1, twin), 0);
+    cr_assert_eq(avgpipe__cuda_twin(&st, e1, AVGPIPE__CUDA_TWIN_ANCHORED, "event_record", &got, &made), AVGPIPE_OK);
+    cr_assert(got == twin && made == 0, "an existing twin");
+    cr_assert_eq(avgpipe__cuda_twin(&st, e1, AVGPIPE__CUDA_TWIN_FIND, "event_record", &got, &made), AVGPIPE_OK);
+    cr_assert(got == twin && made == 0);
+    k = avgpipe__cuda_anchor_at(&st, e2);
+    cr_assert_eq(k, 0);
+    st.anchors[k] = st.anchors[--st.nanchors];
+    cr_assert_eq(avgpipe__cuda_anchor_at(&st, e2), -1);
+    cr_assert_eq(avgpipe__cuda_twin(&st, e2, AVGPIPE__CUDA_TWIN_ANCHORED, "event_record", &got, &made), AVGPIPE_OK);
+    cr_assert(got == NULL && made == 0, "the anchor gone: no twin made");
+    cr_assert_eq(avgpipe__cuda_tw_take(&st, e1), twin);
+    pthread_mutex_destroy(&st.mu);
+    st.allocator.free(st.tw_key, st.allocator.user);
+    st.allocator.free(st.tw_val, st.allocator.user);
+    st.allocator.free(st.anchors, st.allocator.user);
+    cr_assert_eq(c.live, 0);
+}
+
+/* ---- streams past the hardware queues (see HARDWARE QUEUES) ----------------------------------------------- */
+
+typedef struct log_seen {
+    int calls;
+    avgpipe_log_level level;
+    char msg[1024];
+} log_seen;
+static void capture_log(avgpipe_log_level level, const char *msg, void *user) {
+    log_seen *l = (log_seen *)user;
+    l->calls++;
+    l->level = level;
+    snprintf(l->msg, sizeof l->msg, "%s", msg);
+}
+
+Test(cuda_device, max_connections_from_the_environment) {
+    cr_assert_eq(avgpipe__cuda_connections(NULL), 8, "unset: CUDA's default");
+    cr_assert_eq(avgpipe__cuda_connections(""), 8);
+    cr_assert_eq(avgpipe__cuda_connections("1"), 1);
+    cr_assert_eq(avgpipe__cuda_connections("16"), 16);
+    cr_assert_eq(avgpipe__cuda_connections("32"), 32);
+    cr_assert_eq(avgpipe__cuda_connections("32\n"), 32);
+    cr_assert_eq(avgpipe__cuda_connections("64"), 32, "the hardware's most");
+    cr_assert_eq(avgpipe__cuda_connections("0"), 8);
+    cr_assert_eq(avgpipe__cuda_connections("-4"), 8);
+    cr_assert_eq(avgpipe__cuda_connections("many"), 8);
+    cr_assert_eq(avgpipe__cuda_connections("12x"), 8);
+}
+
+/* The streams stream_create tracks (avgpipe__cuda_track, what it calls once CUDA made the stream): the
+   one that passes the limit warns, once per table, naming the count, the limit and what to set; a logger
+   that does not take warnings is not called; 20 streams (4 stages x N = 4: 4 x (4 + 1)) under the most
+   connections warn with the other advice. */
+static void track_streams(int limit, avgpipe_log_level level, int n, log_seen *seen) {
+    static char fake[64];
+    avgpipe__cuda st;
+    avgpipe_context ctx;
+    counter c;
+    int i;
+    counting_ctx(&ctx, &c);
+    memset(seen, 0, sizeof *seen);
+    emu_gpu(&st, 256, 0);
+    st.allocator = avgpipe_context_query(&ctx).allocator;
+    st.info.max_connections = limit;
+    st.log = capture_log, st.log_user = seen, st.log_level = level;
+    cr_assert_eq(pthread_mutex_init(&st.mu, NULL), 0);
+    for (i = 0; i < n; i++) {
+        cr_assert_eq(avgpipe__cuda_track(&st, (cudaStream_t)(void *)(fake + i), 1), 0);
+        if (i + 1 <= limit) cr_assert_eq(seen->calls, 0, "%d streams, limit %d: warned", i + 1, limit);
+    }
+    cr_assert_eq(st.nstreams, n);
+    for (i = 0; i < n; i++) cr_assert_eq(avgpipe__cuda_track(&st, (cudaStream_t)(void *)(fake + i), 0), 0);
+    cr_assert_eq(st.nstreams, 0);
+    cr_assert_eq(avgpipe__cuda_track(&st, (cudaStream_t)(void *)fake, 0), -1, "not tracked");
+    for (i = 0; i < n; i++) cr_assert_eq(avgpipe__cuda_track(&st, (cudaStream_t)(void *)(fake + i), 1), 0); /* again: no second warning */
+    pthread_mutex_destroy(&st.mu);
+    st.allocator.free(st.streams, st.allocator.user);
+    cr_assert_eq(c.live, 0);
+}
+Test(cuda_device, streams_past_the_hardware_queues_warn_once) {
+    log_seen seen;
+    track_streams(8, AVGPIPE_LOG_WARN, 20, &seen);
+    cr_assert_eq(seen.calls, 1, "warned %d times", seen.calls);
+    cr_assert_eq(seen.level, AVGPIPE_LOG_WARN);
+    cr_assert(has(seen.msg, "cuda:0: 9 streams") && has(seen.msg, "8 hardware work queues") &&
+                  has(seen.msg, "CUDA_DEVICE_MAX_CONNECTIONS=32") && has(seen.msg, "before the program starts"),
+              "%s", seen.msg);
+    track_streams(8, AVGPIPE_LOG_WARN, 8, &seen);
+    cr_assert_eq(seen.calls, 0, "8 streams fit 8 queues: %s", seen.msg);
+    track_streams(8, AVGPIPE_LOG_ERROR, 20, &seen);
+    cr_assert_eq(seen.calls, 0, "a logger of errors only: not called");
+    track_streams(32, AVGPIPE_LOG_DEBUG, 40, &seen);
+    cr_assert_eq(seen.calls, 1);
+    cr_assert(has(seen.msg, "33 streams") && has(seen.msg, "32 hardware work queues") && has(seen.msg, "fewer pipelines"), "%s",
+              seen.msg);
+    track_streams(32, AVGPIPE_LOG_WARN, 20, &seen);
+    cr_assert_eq(seen.calls, 0, "20 streams (4 stages x N = 4) fit CUDA_DEVICE_MAX_CONNECTIONS=32");
 }

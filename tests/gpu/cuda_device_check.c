@@ -1,6 +1,11 @@
 /* GPU check of avgpipe_cuda.h (bench/gpu/run.sh runs it where there is an NVIDIA GPU):
      - every entry of the CUDA device table: memory, copies of every kind, memset, streams, events (record,
-       wait, synchronize, query, elapsed), synchronize, error texts;
+       wait, synchronize, query, elapsed: events without timing, timed by their twins from the first record
+       after event_elapsed asked; desc.timed_events), synchronize, error texts;
+     - the grids: each kernel's grid is multiprocessors x its occupancy (printed);
+     - a profiled run (avgpipe_run, profile = 1) over the table: its second iteration's ops are timed by
+       the device (a forward whose host function spins 3 ms lasts >= 3 ms although its call returns at once);
+     - more streams than CUDA_DEVICE_MAX_CONNECTIONS: one warning through the context's logger;
      - ea_pass, find_nonfinite and scale against the CPU device, bit for bit, on random data (denormals and
        signed zeros included) and on edge values, of awkward sizes (1, 3, 4097, 2^20 + 3, ...) at aligned and
        misaligned offsets, for every kind of pass;
@@ -414,12 +419,21 @@ static void check_streams_events(void) {
     OK(gpu.event_synchronize(gpu.user, b));
     OK(gpu.event_query(gpu.user, b, &done));
     CHECK(done == 1, "event done after event_synchronize");
+    /* events without timing (the default): the first event_elapsed makes their timed twins and fails */
+    CHECK(gpu.event_elapsed(gpu.user, a, b, &secs) == AVGPIPE_BACKEND_ERROR && has(gpu.error_string(gpu.user), "had no timing yet"),
+          "elapsed of events recorded before they were timed: %s", gpu.error_string(gpu.user));
+    OK(gpu.event_record(gpu.user, a, s1)); /* from now on they are timed */
+    for (k_iter = 0; k_iter < 40; k_iter++) OK(gpu.ea_pass(gpu.user, &p, s1));
+    OK(gpu.event_record(gpu.user, b, s1));
+    OK(gpu.event_synchronize(gpu.user, b));
     OK(gpu.event_elapsed(gpu.user, a, b, &secs));
     CHECK(secs > 0 && secs < 10, "elapsed %g s", secs);
     printf("streams/events: cross-stream wait ordered the copy; query right after recording 40 passes: done = %d; elapsed %.3f ms "
            "(%.0f GB/s)\n",
            q_after_record, secs * 1e3, 40.0 * 3 * 4 * (double)P / secs / 1e9);
-    /* elapsed between an event and one never recorded: an error with CUDA's text */
+    /* elapsed between an event and one never recorded: first its twin is made, then CUDA's error */
+    CHECK(gpu.event_elapsed(gpu.user, a, never, &secs) == AVGPIPE_BACKEND_ERROR && has(gpu.error_string(gpu.user), "had no timing yet"),
+          "elapsed to a never-recorded event: %s", gpu.error_string(gpu.user));
     CHECK(gpu.event_elapsed(gpu.user, a, never, &secs) == AVGPIPE_BACKEND_ERROR &&
               has(gpu.error_string(gpu.user), "event_elapsed: cudaEventElapsedTime"),
           "elapsed to a never-recorded event: %s", gpu.error_string(gpu.user));
@@ -555,6 +569,8 @@ static void check_variants(int ordinal) {
               d2.event_synchronize(d2.user, ev) == AVGPIPE_OK,
           "blocking-sync event");
     d2.event_destroy(d2.user, ev);
+    CHECK(info.grid[AVGPIPE_DEVICE_CUDA_KERNEL_EA] == 3 && info.grid[AVGPIPE_DEVICE_CUDA_KERNEL_SCALE] == 3, "desc.max_blocks 3: grids %d %d %d",
+          info.grid[0], info.grid[1], info.grid[2]);
     {   /* a pass with a tiny grid (3 blocks of 1024: every thread loops) against the CPU device */
         const size_t n = ((size_t)1 << 20) + 3;
         float *h = hbuf(n), *ha = hbuf(n), *c = hbuf(n), *ca = hbuf(n), *g = hbuf(n), *dw = NULL, *da = NULL;
@@ -579,13 +595,168 @@ static void check_variants(int ordinal) {
         free(h), free(ha), free(c), free(ca), free(g);
     }
     avgpipe_device_destroy(&d2);
+    {   /* desc.timed_events: every event timed from its first record */
+        avgpipe_device_event e0 = NULL, e1 = NULL;
+        double secs = -1;
+        memset(&cd, 0, sizeof cd);
+        cd.device = ordinal, cd.timed_events = 1;
+        r = avgpipe_device_cuda_create(&ctx, &cd, &d2);
+        CHECK(r == AVGPIPE_OK, "create (timed events): %s", avgpipe_last_error(&ctx));
+        if (r == AVGPIPE_OK) {
+            CHECK(d2.event_elapsed != NULL, "timed events: event_elapsed");
+            CHECK(d2.event_create(d2.user, &e0) == AVGPIPE_OK && d2.event_create(d2.user, &e1) == AVGPIPE_OK &&
+                      d2.event_record(d2.user, e0, NULL) == AVGPIPE_OK && d2.event_record(d2.user, e1, NULL) == AVGPIPE_OK &&
+                      d2.event_synchronize(d2.user, e1) == AVGPIPE_OK && d2.event_elapsed(d2.user, e0, e1, &secs) == AVGPIPE_OK &&
+                      secs >= 0 && secs < 1,
+                  "timed events: elapsed of their first records: %g s, %s", secs, d2.error_string(d2.user));
+            d2.event_destroy(d2.user, e0), d2.event_destroy(d2.user, e1);
+            avgpipe_device_destroy(&d2);
+        }
+        cd.no_timing = 1;
+        r = avgpipe_device_cuda_create(&ctx, &cd, &d2);
+        CHECK(r == AVGPIPE_INVALID_ARG && has(avgpipe_last_error(&ctx), "desc.no_timing and desc.timed_events"), "both: %d %s", (int)r,
+              avgpipe_last_error(&ctx));
+    }
     /* an ordinal past the last device */
     memset(&cd, 0, sizeof cd);
     cd.device = 4096;
     r = avgpipe_device_cuda_create(&ctx, &cd, &d2);
     CHECK(r == AVGPIPE_BACKEND_ERROR && has(avgpipe_last_error(&ctx), "no such device"), "cuda:4096: %d %s", (int)r,
           avgpipe_last_error(&ctx));
-    printf("variants: no-timing/blocking-sync device, a 3 x 1024 grid, a missing ordinal: checked\n");
+    printf("variants: no-timing/blocking-sync device, a 3 x 1024 grid, timed events, a missing ordinal: checked\n");
+}
+
+/* ---- more streams than hardware queues: one warning through the logger ---------------------------------------- */
+
+typedef struct log_seen {
+    int calls;
+    char msg[1024];
+} log_seen;
+static void capture_log(avgpipe_log_level level, const char *msg, void *user) {
+    log_seen *l = (log_seen *)user;
+    if (level != AVGPIPE_LOG_WARN) return;
+    l->calls++;
+    snprintf(l->msg, sizeof l->msg, "%s", msg);
+}
+static void check_queues_warning(int ordinal) {
+    avgpipe_context ctx;
+    avgpipe_context_desc cdesc;
+    avgpipe_device d4;
+    avgpipe_device_cuda_desc cd;
+    avgpipe_device_cuda_info info;
+    avgpipe_device_stream st[40];
+    log_seen seen;
+    int i, n, made = 0;
+    memset(&cdesc, 0, sizeof cdesc);
+    memset(&seen, 0, sizeof seen);
+    cdesc.log = capture_log, cdesc.log_user = &seen;
+    avgpipe_context_init(&ctx, &cdesc);
+    memset(&cd, 0, sizeof cd);
+    cd.device = ordinal;
+    if (avgpipe_device_cuda_create(&ctx, &cd, &d4) != AVGPIPE_OK) {
+        CHECK(0, "create: %s", avgpipe_last_error(&ctx));
+        return;
+    }
+    avgpipe_device_cuda_query(&ctx, &d4, &info);
+    n = info.max_connections + 2;
+    for (i = 0; i < n; i++) {
+        if (d4.stream_create(d4.user, &st[i]) != AVGPIPE_OK) break;
+        made++;
+        if (i + 1 <= info.max_connections) CHECK(seen.calls == 0, "warned at %d streams (limit %d)", i + 1, info.max_connections);
+    }
+    CHECK(made == n, "%d streams: %s", n, d4.error_string(d4.user));
+    CHECK(seen.calls == 1 && has(seen.msg, "CUDA_DEVICE_MAX_CONNECTIONS"), "%d streams over %d queues: %d warnings: %s", made,
+          info.max_connections, seen.calls, seen.msg);
+    printf("hardware queues: %d streams, CUDA_DEVICE_MAX_CONNECTIONS gives %d: warned once: \"%s\"\n", made, info.max_connections, seen.msg);
+    for (i = 0; i < made; i++) d4.stream_destroy(d4.user, st[i]);
+    avgpipe_device_destroy(&d4);
+}
+
+/* ---- a profiled run: device times from its second iteration (avgpipe_cuda.h, TIMING) -------------------------- */
+
+static pthread_mutex_t prof_mu = PTHREAD_MUTEX_INITIALIZER;
+static avgpipe_result (*real_elapsed)(void *, avgpipe_device_event, avgpipe_device_event, double *);
+static int elapsed_ok, elapsed_failed;
+static avgpipe_result counting_elapsed(void *user, avgpipe_device_event a, avgpipe_device_event b, double *secs) {
+    avgpipe_result r = real_elapsed(user, a, b, secs);
+    pthread_mutex_lock(&prof_mu); /* the runtime's workers ask from their threads */
+    if (r == AVGPIPE_OK) elapsed_ok++;
+    else elapsed_failed++;
+    pthread_mutex_unlock(&prof_mu);
+    return r;
+}
+static void CUDART_CB spin_3ms(void *arg) { /* on CUDA's host-function thread, in stream order */
+    double t0 = now();
+    (void)arg;
+    while (now() - t0 < 3e-3) {
+    }
+}
+static int prof_forward(avgpipe_op_ctx *op) {
+    return cudaLaunchHostFunc(AVGPIPE_CUDA_STREAM(op->stream), spin_3ms, NULL) == cudaSuccess ? 0 : 1;
+}
+static int prof_backward(avgpipe_op_ctx *op) {
+    (void)op;
+    return 0;
+}
+/* Run after every event named by event_elapsed so far was destroyed (no anchor lives, see TIMING): the
+   first iteration has no timed events, the second has. */
+static void check_profile_run(void) {
+    enum { G = 2, M = 4, P = 1000 };
+    avgpipe_context ctx;
+    avgpipe_device dev = gpu; /* the table with a counting event_elapsed */
+    avgpipe_run_desc d;
+    avgpipe_run *run = NULL;
+    avgpipe_run_stats rs;
+    float *params[G];
+    size_t pc[G] = {P, P}, act[G] = {256, 0}, n = 0, k;
+    const avgpipe_event *ev;
+    avgpipe_result r;
+    int it, g;
+    avgpipe_context_init(&ctx, NULL);
+    real_elapsed = gpu.event_elapsed;
+    dev.event_elapsed = counting_elapsed;
+    for (g = 0; g < G; g++) {
+        params[g] = dbuf(P);
+        OK(gpu.memset(gpu.user, params[g], 0, P * sizeof(float), NULL));
+    }
+    OK(gpu.synchronize(gpu.user));
+    memset(&d, 0, sizeof d);
+    d.sched.kind = AVGPIPE_SCHED_1F1B, d.sched.stages = G, d.sched.micro = M, d.sched.pipes = 1, d.sched.rounds = 1;
+    d.cb.forward = prof_forward, d.cb.backward = prof_backward;
+    d.act_bytes = act, d.params = params, d.param_count = pc;
+    d.profile = 1, d.device = &dev, d.timeout_s = 60;
+    r = avgpipe_run_create(&ctx, &d, &run);
+    CHECK(r == AVGPIPE_OK, "profiled run: create: %s", avgpipe_last_error(&ctx));
+    for (it = 0; run && it < 2; it++) {
+        long forwards = 0, timed = 0;
+        double shortest = 1e9;
+        pthread_mutex_lock(&prof_mu);
+        elapsed_ok = elapsed_failed = 0;
+        pthread_mutex_unlock(&prof_mu);
+        r = avgpipe_run_iteration(run, &rs);
+        CHECK(r == AVGPIPE_OK, "profiled run: iteration %d: %s", it + 1, avgpipe_last_error(&ctx));
+        if (r != AVGPIPE_OK) break;
+        ev = avgpipe_run_events(run, &n);
+        for (k = 0; ev && k < n; k++) {
+            double t;
+            if (ev[k].op.kind != AVGPIPE_OP_F || ev[k].track != 0) continue; /* track 0: the op itself */
+            t = ev[k].end - ev[k].start;
+            forwards++, timed += t >= 2.9e-3;
+            if (t < shortest) shortest = t;
+        }
+        pthread_mutex_lock(&prof_mu);
+        if (it == 0) /* the events had no timing yet: their twins are made, the ops keep the host's times */
+            CHECK(elapsed_ok == 0 && elapsed_failed > 0, "profiled run, iteration 1: %d elapsed ok, %d failed", elapsed_ok, elapsed_failed);
+        else
+            CHECK(elapsed_ok > 0 && elapsed_failed == 0 && forwards == G * M && timed == forwards,
+                  "profiled run, iteration 2: %d elapsed ok, %d failed; %ld of %ld forwards last >= 2.9 ms (shortest %.3f ms)", elapsed_ok,
+                  elapsed_failed, timed, forwards, shortest * 1e3);
+        printf("profiled run, iteration %d: event_elapsed %d ok, %d failed; %ld forwards, shortest %.3f ms (the host function spins 3 ms)\n",
+               it + 1, elapsed_ok, elapsed_failed, forwards, shortest * 1e3);
+        pthread_mutex_unlock(&prof_mu);
+    }
+    avgpipe_run_destroy(run);
+    for (g = 0; g < G; g++) gpu.free(gpu.user, params[g]);
 }
 
 /* ---- waits with a time limit: a stream held by a host function until the check lets it go ------------------- */
@@ -668,6 +839,13 @@ static void check_timeouts(int ordinal) {
 typedef struct bench_stat {
     double med, lo, hi;
 } bench_stat;
+/* Events of the default device carry no timing until event_elapsed first names them (avgpipe_cuda.h,
+   TIMING): ask once, before their first records. */
+static void time_events(avgpipe_device_event e0, avgpipe_device_event e1) {
+    double secs;
+    CHECK(gpu.event_elapsed(gpu.user, e0, e1, &secs) == AVGPIPE_BACKEND_ERROR && has(gpu.error_string(gpu.user), "had no timing yet"),
+          "the first event_elapsed of new events: %s", gpu.error_string(gpu.user));
+}
 static bench_stat stat_of(double *t, int n) {
     bench_stat s;
     qsort(t, (size_t)n, sizeof *t, cmp_double);
@@ -690,6 +868,7 @@ static void bench(avgpipe_device_stream s) {
     int rep, k;
     OK(gpu.event_create(gpu.user, &e0));
     OK(gpu.event_create(gpu.user, &e1));
+    time_events(e0, e1);
     OK(gpu.memset(gpu.user, w, 0, P * 4, s));
     OK(gpu.memset(gpu.user, z, 0, P * 4, s));
     OK(gpu.memset(gpu.user, zp, 0, P * 4, s));
@@ -751,6 +930,7 @@ static void bench_transfers(avgpipe_device_stream s) {
     void *src = NULL, *dst = NULL;
     OK(gpu.event_create(gpu.user, &e0));
     OK(gpu.event_create(gpu.user, &e1));
+    time_events(e0, e1);
     OK(gpu.alloc(gpu.user, sizes[3], &src));
     OK(gpu.alloc(gpu.user, sizes[3], &dst));
     OK(gpu.memset(gpu.user, src, 1, sizes[3], s));
@@ -795,8 +975,14 @@ static void check_fault(void) {
     printf("fault: a kernel writing through a bad pointer -> %s: \"%s\"\n", avgpipe_result_string(r), gpu.error_string(gpu.user));
 }
 
+static void print_log(avgpipe_log_level level, const char *msg, void *user) {
+    (void)user;
+    printf("log (%s): %s\n", level == AVGPIPE_LOG_ERROR ? "error" : level == AVGPIPE_LOG_WARN ? "warning" : "info", msg);
+}
+
 int main(int argc, char **argv) {
     avgpipe_context ctx;
+    avgpipe_context_desc cdesc;
     avgpipe_device_cuda_desc cd;
     avgpipe_device_cuda_info info;
     avgpipe_device_stream s = NULL;
@@ -819,7 +1005,9 @@ int main(int argc, char **argv) {
         printf("cuda_device_check: no CUDA device (%s): skipped\n", e != cudaSuccess ? cudaGetErrorString(e) : "0 devices");
         return 77;
     }
-    avgpipe_context_init(&ctx, NULL);
+    memset(&cdesc, 0, sizeof cdesc);
+    cdesc.log = print_log; /* the warnings of the table (more streams than hardware queues) */
+    avgpipe_context_init(&ctx, &cdesc);
     if (avgpipe_device_cuda_create(&ctx, &cd, &gpu) != AVGPIPE_OK) {
         printf("FAIL: avgpipe_device_cuda_create: %s\n", avgpipe_last_error(&ctx));
         return 1;
@@ -832,6 +1020,14 @@ int main(int argc, char **argv) {
     printf("device %s: %s, compute capability %d.%d, %d multiprocessors; kernels: %s; launch: %d threads x up to %d blocks\n",
            gpu.name, prop.name, info.cc_major, info.cc_minor, info.multiprocessors, info.kernels, info.desc.block_size,
            info.desc.max_blocks);
+    printf("grids (multiprocessors x blocks per multiprocessor): ea_pass %d x %d = %d, find_nonfinite %d x %d = %d, scale %d x %d = %d; "
+           "CUDA_DEVICE_MAX_CONNECTIONS %d\n",
+           info.multiprocessors, info.blocks_per_sm[0], info.grid[0], info.multiprocessors, info.blocks_per_sm[1], info.grid[1],
+           info.multiprocessors, info.blocks_per_sm[2], info.grid[2], info.max_connections);
+    for (i = 0; i < AVGPIPE_DEVICE_CUDA_KERNEL_COUNT; i++)
+        CHECK(info.blocks_per_sm[i] >= 1 && info.grid[i] == info.multiprocessors * info.blocks_per_sm[i] && info.desc.max_blocks >= info.grid[i],
+              "kernel %d: grid %d, %d multiprocessors x %d blocks, max_blocks %d", i, info.grid[i], info.multiprocessors,
+              info.blocks_per_sm[i], info.desc.max_blocks);
     CHECK(gpu.event_elapsed != NULL && gpu.scale != NULL && gpu.event_query != NULL, "optional entries set");
     check_memory();
     OK(gpu.stream_create(gpu.user, &s));
@@ -843,7 +1039,9 @@ int main(int argc, char **argv) {
     check_streams_events();
     check_threads();
     check_stream_concurrency();
+    check_profile_run();
     check_variants(cd.device);
+    check_queues_warning(cd.device);
     check_timeouts(cd.device);
     if (do_bench) {
         bench(s);
