@@ -44,8 +44,10 @@
    the CPU build); cuBLAS and OpenBLAS sum the GEMMs in different orders, so results agree to rounding,
    not bit for bit. Evaluation runs on the host (mlp_evaluate on the reference copied back).
 
-   Build (meson does it when it finds nvcc, cuBLAS, OpenBLAS and zlib; NCCL optional):
-       nvcc -std=c++14 -O2 -fmad=false -I. -I/usr/include/x86_64-linux-gnu/openblas-pthread \
+   Build (meson does it when it finds nvcc, cuBLAS, OpenBLAS and zlib; NCCL optional; for the architectures
+   of -Dnvcc_arch, by default sm_80 and sm_90 machine code and compute_90 PTX):
+       nvcc -std=c++14 -O2 -fmad=false -gencode arch=compute_90,code=sm_90 -I. \
+            -I/usr/include/x86_64-linux-gnu/openblas-pthread \
             [-DCUDA_MLP_NCCL] examples/cuda_mlp.cu -o cuda_mlp -lcublas [-lnccl] -lopenblas -lz -lpthread -lm
 
    Callback mapping (avgpipe_op_ctx -> kernels, all on op->stream):
@@ -1268,6 +1270,11 @@ int main(int argc, char **argv) {
     avgpipe_run_desc desc;
     avgpipe_result r;
     int rc = 1, g, ngpu;
+    /* Before any CUDA call (CUDA reads it when it creates the GPU's context): the S x (N + 1) streams of the
+       stages on one GPU (4 stages x 4 pipelines: 20) need more hardware queues than CUDA's default 8, or the
+       pipelines are falsely serialised (avgpipe_cuda.h, HARDWARE QUEUES); 32 is the most. A value given in
+       the environment stays. */
+    setenv("CUDA_DEVICE_MAX_CONNECTIONS", "32", 0);
     parse_options(&program, argc, argv, &A.opt);
     if (!(ngpu = count_gpus())) return EXIT_NO_GPU;
     avgpipe_context_init(&ctx, NULL);
