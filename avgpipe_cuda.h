@@ -27,7 +27,8 @@
        ...
        avgpipe_device_destroy(&gpu);           // after everything that uses it
 
-       nvcc -O2 trainer.cu -o trainer          // nvcc links the CUDA runtime itself
+       nvcc -O2 -arch=sm_90 trainer.cu -o trainer   // nvcc links the CUDA runtime itself; -arch: your GPU's
+                                                    // (without it CUDA 13 builds sm_75, JIT-compiled at start)
 
    USE FROM PLAIN C (gcc or clang, no nvcc): the kernels are built at run time with NVRTC
    -----------------------------------------------------------------------------------------
