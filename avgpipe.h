@@ -10298,9 +10298,20 @@ static avgpipe_result avgpipe__profile_complete(avgpipe_context *ctx, const avgp
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const avgpipe__kv *kv, int n,
-                                             int line) {
+/* The parse's state: the profile, and the capacities of its growing arrays. */
+typedef struct avgpipe__pparse {
+    avgpipe_profile *p;
+    size_t ops_cap, sections_cap, layers_cap;
+} avgpipe__pparse;
+
+/* The record parsers, one per record kind (avgpipe__profile_records, below): the state, the index after
+   the record's word (for the indexed kinds; else empty), the key=value fields and the line number. */
+static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                             const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile *p = st->p;
+    size_t *cap = &st->sections_cap;
     avgpipe_profile_section *sec, *ns;
+    (void)idx, (void)idx_end;
     double v[9];
     static const char *const keys[7] = {"stages", "chunks", "micro", "pipes", "rounds", "advance", "continuous"};
     const char *kind = avgpipe__kv_get(kv, n, "kind");
@@ -10347,8 +10358,9 @@ static avgpipe_result avgpipe__profile_shape(avgpipe_context *ctx, avgpipe_profi
 
 /* "stage <g> key=value ...": the index is the word [idx, idx_end), parsed within it (the text need not
    be NUL-terminated, and a missing index must not be taken from the next line). */
-static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profile *p, const char *idx, const char *idx_end,
+static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
                                              const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile *p = st->p;
     avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
     double pf, ab;
     const char *e = idx;
@@ -10367,13 +10379,17 @@ static avgpipe_result avgpipe__profile_stage(avgpipe_context *ctx, avgpipe_profi
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const avgpipe__kv *kv, int n, int line) {
+static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                          const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile *p = st->p;
+    size_t *cap = &st->ops_cap;
     avgpipe_profile_section *sec = p->nsections ? &p->sections[p->nsections - 1] : NULL;
     avgpipe_profile_op op;
     double v[7];
     static const char *const keys[7] = {"rank", "pipe", "stage", "micro", "start", "end", "bytes"};
     const char *kind = avgpipe__kv_get(kv, n, "kind");
     int i, k = -1;
+    (void)idx, (void)idx_end;
     if (!sec) return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "profile line %d: 'op' before any 'shape' line", line);
     for (i = 0; i < 4; i++)
         if (!avgpipe__kv_int(ctx, kv, n, keys[i], line, 0, 2e9, &v[i])) return AVGPIPE_PARSE_ERROR;
@@ -10410,8 +10426,10 @@ static avgpipe_result avgpipe__profile_op(avgpipe_context *ctx, avgpipe_profile 
 /* "layer L stage=G f_a= f_b= b_a= b_b= param_floats= act_bytes=": layer L's costs (kept in order; the
    checks that need every line come after the parse, avgpipe__profile_layers_check). The index is the
    word [idx, idx_end), parsed within it, as a stage's; the table grows by doubling (*cap entries). */
-static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe_profile *p, size_t *cap, const char *idx, const char *idx_end,
+static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
                                              const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile *p = st->p;
+    size_t *cap = &st->layers_cap;
     static const char *const keys[7] = {"stage", "f_a", "f_b", "b_a", "b_b", "param_floats", "act_bytes"};
     static const double hi[7] = {0, AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_SECONDS,
                                  AVGPIPE__PROFILE_MAX_SECONDS, AVGPIPE__PROFILE_MAX_FLOATS, AVGPIPE__PROFILE_MAX_BYTES};
@@ -10447,8 +10465,11 @@ static avgpipe_result avgpipe__profile_layer(avgpipe_context *ctx, avgpipe_profi
 }
 
 /* "averaging floats=P seconds=T": one contribution's measured time. */
-static avgpipe_result avgpipe__profile_averaging(avgpipe_context *ctx, avgpipe_profile *p, const avgpipe__kv *kv, int n, int line) {
+static avgpipe_result avgpipe__profile_averaging(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
+                                                 const avgpipe__kv *kv, int n, int line) {
+    avgpipe_profile *p = st->p;
     double f, t;
+    (void)idx, (void)idx_end;
     if (!avgpipe__kv_num(ctx, kv, n, "floats", line, AVGPIPE__PROFILE_MAX_FLOATS, &f) ||
         !avgpipe__kv_num(ctx, kv, n, "seconds", line, AVGPIPE__PROFILE_MAX_SECONDS, &t))
         return AVGPIPE_PARSE_ERROR;
@@ -10473,45 +10494,18 @@ static avgpipe_result avgpipe__profile_layers_check(avgpipe_context *ctx, const 
 }
 
 /* The profile's record kinds, one row each: the word that starts the line, whether an index follows it
-   ("stage 3 ...", "layer 7 ..."), and the parser of its key=value fields. */
-typedef struct avgpipe__pparse {
-    avgpipe_profile *p;
-    size_t ops_cap, sections_cap, layers_cap;
-} avgpipe__pparse;
+   ("stage 3 ...", "layer 7 ..."), and the parser of its fields. */
 typedef avgpipe_result (*avgpipe__precord_fn)(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
                                              const avgpipe__kv *kv, int n, int line);
-static avgpipe_result avgpipe__prec_shape(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
-                                          const avgpipe__kv *kv, int n, int line) {
-    (void)idx, (void)idx_end;
-    return avgpipe__profile_shape(ctx, st->p, &st->sections_cap, kv, n, line);
-}
-static avgpipe_result avgpipe__prec_stage(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
-                                          const avgpipe__kv *kv, int n, int line) {
-    return avgpipe__profile_stage(ctx, st->p, idx, idx_end, kv, n, line);
-}
-static avgpipe_result avgpipe__prec_op(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
-                                       const avgpipe__kv *kv, int n, int line) {
-    (void)idx, (void)idx_end;
-    return avgpipe__profile_op(ctx, st->p, &st->ops_cap, kv, n, line);
-}
-static avgpipe_result avgpipe__prec_layer(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
-                                          const avgpipe__kv *kv, int n, int line) {
-    return avgpipe__profile_layer(ctx, st->p, &st->layers_cap, idx, idx_end, kv, n, line);
-}
-static avgpipe_result avgpipe__prec_averaging(avgpipe_context *ctx, avgpipe__pparse *st, const char *idx, const char *idx_end,
-                                              const avgpipe__kv *kv, int n, int line) {
-    (void)idx, (void)idx_end;
-    return avgpipe__profile_averaging(ctx, st->p, kv, n, line);
-}
 static const struct avgpipe__precord {
     const char *word;
     int indexed;
     avgpipe__precord_fn parse;
-} avgpipe__profile_records[] = {{"shape", 0, avgpipe__prec_shape},
-                                {"stage", 1, avgpipe__prec_stage},
-                                {"op", 0, avgpipe__prec_op},
-                                {"layer", 1, avgpipe__prec_layer},
-                                {"averaging", 0, avgpipe__prec_averaging}};
+} avgpipe__profile_records[] = {{"shape", 0, avgpipe__profile_shape},
+                                {"stage", 1, avgpipe__profile_stage},
+                                {"op", 0, avgpipe__profile_op},
+                                {"layer", 1, avgpipe__profile_layer},
+                                {"averaging", 0, avgpipe__profile_averaging}};
 
 AVGPIPE_API avgpipe_result avgpipe_profile_parse(avgpipe_context *ctx, const char *text, size_t len, avgpipe_profile *out) {
     const char *p, *end;
