@@ -7,7 +7,8 @@
    to avgpipe_ea (the averaging of the N parallel models) and to avgpipe_run (the runtime's boundary
    buffers, one stream per pipeline, events between compute, averaging and comm). The averaging pass, the
    non-finite scan and the scale are CUDA kernels whose results equal the CPU device's bit for bit (see
-   BITWISE). Written against CUDA 13.0; kernels built by NVRTC need CUDA >= 12.8 (they are loaded and launched
+   BITWISE); the non-finite flag (flag_nonfinite, with the pass's skip word) lets the averaging check its
+   inputs without a host wait. Written against CUDA 13.0; kernels built by NVRTC need CUDA >= 12.8 (they are loaded and launched
    through the runtime's library API: cudaLibraryLoadData, cudaLibraryGetKernel, cudaLaunchKernel).
 
    USE FROM A .cu FILE (nvcc compiles the kernels into the program)
@@ -83,12 +84,25 @@
                         read or written buffers equally aligned modulo 16 bytes: a scalar head of up to 3
                         elements, the float4 body, a scalar tail), scalar otherwise. Reads only what the pass
                         needs (acc not on a first pass, z only when pulled or finalizing ELASTIC, z_prev only
-                        with momentum), writes w only when pulled. Asynchronous.
+                        with momentum), writes w only when pulled. Asynchronous. Honours
+                        avgpipe_ea_pass.skip: when it is not NULL, every thread first reads *skip (on the
+                        device, when the kernel starts, so after the stream's earlier work, e.g. the
+                        flag_nonfinite that wrote it) and, nonzero, returns without touching w or acc.
      find_nonfinite     a kernel testing exponent bits (float4 loads) into a per-call 8-byte result slot by an
                         atomic minimum, copied back and waited for (polled, see WAITS): synchronous, gives the
                         LOWEST index. Up to AVGPIPE__CUDA_SLOTS (64) calls run at once from different threads;
                         more wait for a slot (at most desc.timeout_s).
      scale              x[i] = x[i] * factor in fp32, a kernel like ea_pass.
+     flag_nonfinite     the non-finite check without a host wait (avgpipe_device.flag_nonfinite): a kernel
+                        enqueued on the stream like find_nonfinite's scan (float4 loads, exponent bits, its own
+                        grid: AVGPIPE_DEVICE_CUDA_KERNEL_FLAG), and nothing else: no copy back, no wait, no
+                        result slot. If some x[i] is NaN or +-Inf, a thread that found one does
+                        atomicCAS(&flag[0], 0, bits): the single winner (flag[0] was 0 before any bit was
+                        set) writes flag[1] = tag, every other finder atomicOr(&flag[0], bits). So the tag
+                        is that of the first flagging call, provided the calls on one flag are totally
+                        ordered on the device (the averaging module makes them on one stream chain: calls
+                        on unordered streams could race for the tag). flag: two uint32 of device memory.
+                        Returns after the launch; a failed launch is reported as by the other entries.
      error_string       the calling thread's text of its last failed entry on a CUDA device ("" if none).
      destroy            frees the device's own buffers, the kernels' module and the events' timed twins (see
                         TIMING); does not reset the device.
@@ -107,8 +121,8 @@
    occupancy.)
    desc.max_blocks overrides it (more blocks than fit at once make such a tail). avgpipe_device_cuda_query
    gives each kernel's occupancy and grid. The grid never changes a result: each element is computed by
-   one thread from its own inputs alone, and find_nonfinite's answer is the minimum over every thread's
-   (see BITWISE).
+   one thread from its own inputs alone, find_nonfinite's answer is the minimum over every thread's
+   (see BITWISE), and flag_nonfinite's flag does not depend on which threads found a bad value.
 
    TIMING
    ------
@@ -192,7 +206,7 @@
    ------
    - One device per table; a process may create several (one per GPU, or several on one GPU: each counts
      only its own streams against the hardware queues).
-   - ea_pass, find_nonfinite and scale take up to 2^64 - 1 floats; grids are at most desc.max_blocks blocks.
+   - ea_pass, find_nonfinite, flag_nonfinite and scale take up to 2^64 - 1 floats; grids are at most desc.max_blocks blocks.
    - NVRTC builds machine code for the device's architecture when NVRTC knows it, else PTX for the newest
      architecture NVRTC knows below it (compiled by the driver at load; needs a driver at least as new as
      NVRTC). A device older than NVRTC's oldest architecture is refused (AVGPIPE_BACKEND_ERROR).
@@ -258,7 +272,8 @@ typedef struct avgpipe_device_cuda_desc {
 #define AVGPIPE_DEVICE_CUDA_KERNEL_EA 0        /* ea_pass */
 #define AVGPIPE_DEVICE_CUDA_KERNEL_NONFINITE 1 /* find_nonfinite */
 #define AVGPIPE_DEVICE_CUDA_KERNEL_SCALE 2     /* scale */
-#define AVGPIPE_DEVICE_CUDA_KERNEL_COUNT 3
+#define AVGPIPE_DEVICE_CUDA_KERNEL_FLAG 3      /* flag_nonfinite */
+#define AVGPIPE_DEVICE_CUDA_KERNEL_COUNT 4
 
 /* What a created CUDA device runs with (avgpipe_device_cuda_query). */
 typedef struct avgpipe_device_cuda_info {
@@ -303,7 +318,8 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_query(avgpipe_context *ctx, const
 /* The CUDA kernels' element function compiled for the host: apply one averaging pass to HOST memory,
    element by element, with exactly the fp32 operations (and the same source text) the GPU kernel runs. The
    reference that tests and checks compare the GPU and the CPU device against. p's pointers are host
-   pointers; z and z_prev may be NULL where the pass does not read them (avgpipe_ea_pass).
+   pointers; z and z_prev may be NULL where the pass does not read them (avgpipe_ea_pass); p->skip, when
+   not NULL, is a host pointer here, and *skip nonzero leaves w and acc as they are (as the kernel does).
    Errors: AVGPIPE_INVALID_ARG (p NULL; w or acc NULL with count > 0; z or z_prev NULL where read; mode
    not MEAN or ELASTIC). Thread-safe (writes only ctx and the pass's buffers). */
 AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx, const avgpipe_ea_pass *p);
@@ -391,7 +407,9 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
         return (avgpipe__cu_u64)blockIdx.x * blockDim.x + threadIdx.x;                                      \
     }                                                                                                       \
     AVGPIPE__CU_DEVICE avgpipe__cu_u64 avgpipe__cu_threads(void) { return (avgpipe__cu_u64)gridDim.x * blockDim.x; } \
-    AVGPIPE__CU_DEVICE void avgpipe__cu_min(avgpipe__cu_u64 *p, avgpipe__cu_u64 v) { atomicMin(p, v); }
+    AVGPIPE__CU_DEVICE void avgpipe__cu_min(avgpipe__cu_u64 *p, avgpipe__cu_u64 v) { atomicMin(p, v); }      \
+    AVGPIPE__CU_DEVICE unsigned avgpipe__cu_cas(unsigned *p, unsigned cmp, unsigned v) { return atomicCAS(p, cmp, v); } \
+    AVGPIPE__CU_DEVICE void avgpipe__cu_or(unsigned *p, unsigned v) { atomicOr(p, v); }
 
 /* The element function of avgpipe_ea_pass (avgpipe.h, section 9), operation for operation as the CPU
    kernel avgpipe__ea_elem: w, z, zp, a are the element's inputs (z, zp, a only meaningful where f says they
@@ -417,17 +435,21 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
 
 /* Every kernel covers [0, head) and [head + 4 nvec, head + 4 nvec + tail) with scalar accesses and the
    nvec float4s in between with 16-byte ones (head makes the float4s aligned; the host plans it, see
-   avgpipe__cuda_plan_make), each in a grid-stride loop. */
+   avgpipe__cuda_plan_make), each in a grid-stride loop. The averaging kernel first reads *skip (skip not
+   NULL: avgpipe_ea_pass.skip, written earlier on the stream): nonzero, every thread returns at once, and
+   w and acc are not touched (one launch is the whole pass, so that one read decides it). */
 #define AVGPIPE__CUDA_EA_TEXT                                                                               \
     AVGPIPE__CU_GLOBAL void avgpipe__cu_ea(float *AVGPIPE__CU_RESTRICT w, const float *AVGPIPE__CU_RESTRICT z, \
                                            const float *AVGPIPE__CU_RESTRICT zp, float *AVGPIPE__CU_RESTRICT a, \
                                            avgpipe__cu_u64 head, avgpipe__cu_u64 nvec, avgpipe__cu_u64 tail,   \
-                                           float alpha, float scale, float mu, unsigned f) {                \
+                                           float alpha, float scale, float mu, unsigned f,                  \
+                                           const unsigned *skip) {                                          \
         const avgpipe__cu_u64 t0 = avgpipe__cu_thread(), step = avgpipe__cu_threads();                      \
         const int rz = (f & AVGPIPE__CUDA_F_PULL) || ((f & AVGPIPE__CUDA_F_ELASTIC) && (f & AVGPIPE__CUDA_F_LAST)); \
         const int rp = (f & AVGPIPE__CUDA_F_MOMENTUM) != 0, ra = !(f & AVGPIPE__CUDA_F_FIRST);             \
         const int ww = (f & AVGPIPE__CUDA_F_PULL) != 0;                                                     \
         avgpipe__cu_u64 i, e;                                                                               \
+        if (skip && *skip) return;                                                                          \
         for (i = t0; i < nvec; i += step) {                                                                 \
             float4 wv, zv, pv, av, wo, ao;                                                                  \
             e = head + 4 * i;                                                                               \
@@ -478,6 +500,31 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
         if (best != none) avgpipe__cu_min(result, best);                                                    \
     }
 
+/* flag_nonfinite: each thread stops at its own first NaN or +-Inf; a thread that found one sets the flag.
+   The compare-and-swap from 0 has exactly one winner while flag[0] is 0, and only the winner writes the
+   tag, so flag[1] = tag holds exactly when flag[0] was 0 before this call set any bit; every other finder
+   ORs its bits in (the same bits within a call). The calls on one flag are totally ordered on the device
+   (the averaging module makes them on one stream chain), so a later call sees flag[0] != 0 and keeps the
+   first call's tag. (With bits 0 flag[0] stays 0, and finders all store the same tag.) */
+#define AVGPIPE__CUDA_FLAG_TEXT                                                                             \
+    AVGPIPE__CU_GLOBAL void avgpipe__cu_flag(const float *AVGPIPE__CU_RESTRICT x, avgpipe__cu_u64 head,      \
+                                             avgpipe__cu_u64 nvec, avgpipe__cu_u64 tail, unsigned *flag,    \
+                                             unsigned bits, unsigned tag) {                                 \
+        const avgpipe__cu_u64 t0 = avgpipe__cu_thread(), step = avgpipe__cu_threads();                      \
+        avgpipe__cu_u64 i;                                                                                  \
+        int found = 0;                                                                                      \
+        for (i = t0; i < head && !found; i += step) found = avgpipe__cu_bad(x[i]);                          \
+        for (i = t0; i < nvec && !found; i += step) {                                                       \
+            const float4 v = *(const float4 *)(x + head + 4 * i);                                           \
+            found = avgpipe__cu_bad(v.x) | avgpipe__cu_bad(v.y) | avgpipe__cu_bad(v.z) | avgpipe__cu_bad(v.w); \
+        }                                                                                                   \
+        for (i = t0; i < tail && !found; i += step) found = avgpipe__cu_bad(x[head + 4 * nvec + i]);        \
+        if (found) {                                                                                        \
+            if (avgpipe__cu_cas(flag, 0u, bits) == 0u) flag[1] = tag;                                       \
+            else avgpipe__cu_or(flag, bits);                                                                \
+        }                                                                                                   \
+    }
+
 #define AVGPIPE__CUDA_SCALE_TEXT                                                                            \
     AVGPIPE__CU_GLOBAL void avgpipe__cu_scale(float *AVGPIPE__CU_RESTRICT x, float s, avgpipe__cu_u64 head,  \
                                               avgpipe__cu_u64 nvec, avgpipe__cu_u64 tail) {                 \
@@ -512,6 +559,7 @@ AVGPIPE__CUDA_HELPERS_TEXT
 AVGPIPE__CUDA_ELEM_DEVICE_TEXT
 AVGPIPE__CUDA_EA_TEXT
 AVGPIPE__CUDA_NONFINITE_TEXT
+AVGPIPE__CUDA_FLAG_TEXT
 AVGPIPE__CUDA_SCALE_TEXT
 #undef AVGPIPE__CU_GLOBAL
 #undef AVGPIPE__CU_DEVICE
@@ -570,6 +618,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
     if (!p->w || !p->acc || (rz && !p->z) || (rp && !p->z_prev))
         return avgpipe_set_error(ctx, AVGPIPE_INVALID_ARG, "avgpipe_device_cuda_ea_pass_host: %s is NULL but read",
                                  !p->w ? "w" : !p->acc ? "acc" : (rz && !p->z) ? "z" : "z_prev");
+    if (p->skip && *p->skip) return AVGPIPE_OK; /* as the kernel: a host pointer here */
     for (i = 0; i < p->count; i++) {
         float wo, ao;
         avgpipe__cuda_elem_host(&wo, &ao, p->w[i], rz ? p->z[i] : 0.0f, rp ? p->z_prev[i] : 0.0f, ra ? p->acc[i] : 0.0f,
@@ -664,7 +713,7 @@ typedef struct avgpipe__cuda {
     avgpipe_device_cuda_info info; /* resolved description and what the device is */
     int ordinal;
     char name[24];                 /* "cuda:N" */
-    const void *k_ea, *k_nonfinite, *k_scale; /* kernels, as cudaLaunchKernel takes them */
+    const void *k_ea, *k_nonfinite, *k_scale, *k_flag; /* kernels, as cudaLaunchKernel takes them */
 #ifdef AVGPIPE_CUDA_NVRTC
     cudaLibrary_t lib;
     char *image; /* the NVRTC output the library was loaded from (kept for the library's lifetime) */
@@ -1182,6 +1231,7 @@ typedef struct avgpipe__cuda_ea_args {
     const float *z, *zp;
     float alpha, scale, mu;
     unsigned f;
+    const unsigned *skip; /* avgpipe_ea_pass.skip (device memory, or NULL) */
     avgpipe__cuda_plan pl;
 } avgpipe__cuda_ea_args;
 
@@ -1193,6 +1243,7 @@ static avgpipe__cuda_ea_args avgpipe__cuda_ea_prep(const avgpipe_ea_pass *p, int
     x.z = avgpipe__cuda_reads_z(x.f) ? p->z : NULL;
     x.zp = (x.f & AVGPIPE__CUDA_F_MOMENTUM) ? p->z_prev : NULL;
     x.alpha = p->alpha, x.scale = p->scale, x.mu = p->momentum;
+    x.skip = (const unsigned *)p->skip;
     ptrs[0] = x.w, ptrs[1] = x.z, ptrs[2] = x.zp, ptrs[3] = x.a;
     x.pl = avgpipe__cuda_plan_make(ptrs, 4, p->count, block, max_blocks);
     return x;
@@ -1201,11 +1252,11 @@ static avgpipe__cuda_ea_args avgpipe__cuda_ea_prep(const avgpipe_ea_pass *p, int
 static avgpipe_result avgpipe__cuda_ea_pass(void *user, const avgpipe_ea_pass *p, avgpipe_device_stream stream) {
     avgpipe__cuda *d = (avgpipe__cuda *)user;
     avgpipe__cuda_ea_args x;
-    void *args[11];
+    void *args[12];
     if (!p->count) return AVGPIPE_OK;
     x = avgpipe__cuda_ea_prep(p, d->info.desc.block_size, d->info.grid[AVGPIPE_DEVICE_CUDA_KERNEL_EA]);
     args[0] = &x.w, args[1] = &x.z, args[2] = &x.zp, args[3] = &x.a, args[4] = &x.pl.head, args[5] = &x.pl.nvec;
-    args[6] = &x.pl.tail, args[7] = &x.alpha, args[8] = &x.scale, args[9] = &x.mu, args[10] = &x.f;
+    args[6] = &x.pl.tail, args[7] = &x.alpha, args[8] = &x.scale, args[9] = &x.mu, args[10] = &x.f, args[11] = &x.skip;
     AVGPIPE__CUDA_SET(d, "ea_pass");
     AVGPIPE__CUDA_TRY(d, "ea_pass", "cudaLaunchKernel", avgpipe__cuda_launch(d->k_ea, &x.pl, args, stream));
     return AVGPIPE_OK;
@@ -1222,6 +1273,24 @@ static avgpipe_result avgpipe__cuda_scale(void *user, float *x, float factor, si
     args[0] = &x, args[1] = &factor, args[2] = &pl.head, args[3] = &pl.nvec, args[4] = &pl.tail;
     AVGPIPE__CUDA_SET(d, "scale");
     AVGPIPE__CUDA_TRY(d, "scale", "cudaLaunchKernel", avgpipe__cuda_launch(d->k_scale, &pl, args, stream));
+    return AVGPIPE_OK;
+}
+
+/* The non-finite check without a host wait (see the kernel text): one launch on the stream, no result
+   copied back; the flag is read by whoever waits for the stream. */
+static avgpipe_result avgpipe__cuda_flag_nonfinite(void *user, const float *x, size_t count, uint32_t *flag, uint32_t bits,
+                                                   uint32_t tag, avgpipe_device_stream stream) {
+    avgpipe__cuda *d = (avgpipe__cuda *)user;
+    const void *ptrs[1];
+    avgpipe__cuda_plan pl;
+    unsigned *f = (unsigned *)flag, b = (unsigned)bits, t = (unsigned)tag;
+    void *args[7];
+    if (!count) return AVGPIPE_OK;
+    ptrs[0] = x;
+    pl = avgpipe__cuda_plan_of(d, AVGPIPE_DEVICE_CUDA_KERNEL_FLAG, ptrs, 1, count);
+    args[0] = &x, args[1] = &pl.head, args[2] = &pl.nvec, args[3] = &pl.tail, args[4] = &f, args[5] = &b, args[6] = &t;
+    AVGPIPE__CUDA_SET(d, "flag_nonfinite");
+    AVGPIPE__CUDA_TRY(d, "flag_nonfinite", "cudaLaunchKernel", avgpipe__cuda_launch(d->k_flag, &pl, args, stream));
     return AVGPIPE_OK;
 }
 
@@ -1321,6 +1390,8 @@ static const char *const avgpipe__cuda_src[] = {
     "\n",
     AVGPIPE__CUDA_STR(AVGPIPE__CUDA_NONFINITE_TEXT),
     "\n",
+    AVGPIPE__CUDA_STR(AVGPIPE__CUDA_FLAG_TEXT),
+    "\n",
     AVGPIPE__CUDA_STR(AVGPIPE__CUDA_SCALE_TEXT),
     "\n"};
 
@@ -1412,7 +1483,7 @@ static avgpipe_result avgpipe__nvrtc_build(avgpipe_context *ctx, const avgpipe_a
 /* Build the kernels for this device and load them (the runtime's library API: no driver API, no -lcuda). */
 static avgpipe_result avgpipe__cuda_kernels(avgpipe_context *ctx, avgpipe__cuda *d) {
     int cc = d->info.cc_major * 10 + d->info.cc_minor, machine, lo, hi, arch;
-    cudaKernel_t k_ea = NULL, k_nonfinite = NULL, k_scale = NULL;
+    cudaKernel_t k_ea = NULL, k_nonfinite = NULL, k_scale = NULL, k_flag = NULL;
     size_t size;
     avgpipe_result r;
     cudaError_t e;
@@ -1427,8 +1498,10 @@ static avgpipe_result avgpipe__cuda_kernels(avgpipe_context *ctx, avgpipe__cuda 
     if (e == cudaSuccess) e = cudaLibraryGetKernel(&k_ea, d->lib, "avgpipe__cu_ea");
     if (e == cudaSuccess) e = cudaLibraryGetKernel(&k_nonfinite, d->lib, "avgpipe__cu_nonfinite");
     if (e == cudaSuccess) e = cudaLibraryGetKernel(&k_scale, d->lib, "avgpipe__cu_scale");
+    if (e == cudaSuccess) e = cudaLibraryGetKernel(&k_flag, d->lib, "avgpipe__cu_flag");
     /* cudaLaunchKernel takes a cudaKernel_t in place of a kernel's address (CUDA >= 12.8) */
     d->k_ea = (const void *)k_ea, d->k_nonfinite = (const void *)k_nonfinite, d->k_scale = (const void *)k_scale;
+    d->k_flag = (const void *)k_flag;
     if (e != cudaSuccess) {
         r = avgpipe__cuda_fail(d->name, e, "create", d->lib ? "cudaLibraryGetKernel" : "cudaLibraryLoadData");
         return avgpipe_set_error(ctx, r, "avgpipe_device_cuda_create: %s", avgpipe__cuda_err);
@@ -1442,6 +1515,7 @@ static avgpipe_result avgpipe__cuda_kernels(avgpipe_context *ctx, avgpipe__cuda 
     d->k_ea = (const void *)avgpipe__cu_ea;
     d->k_nonfinite = (const void *)avgpipe__cu_nonfinite;
     d->k_scale = (const void *)avgpipe__cu_scale;
+    d->k_flag = (const void *)avgpipe__cu_flag;
     snprintf(d->info.kernels, sizeof d->info.kernels, "nvcc");
     d->info.nvrtc = 0;
     return AVGPIPE_OK;
@@ -1532,12 +1606,13 @@ static cudaError_t avgpipe__cuda_occupancy_cuda(int *blocks, const void *kernel,
    kernel no block of which fits (too many registers for that block size) refuses the description. */
 static avgpipe_result avgpipe__cuda_occupancy(avgpipe_context *ctx, avgpipe__cuda *d, avgpipe__cuda_occupancy_fn occupancy) {
     static const char *const names[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT] = {"avgpipe__cu_ea (ea_pass)", "avgpipe__cu_nonfinite (find_nonfinite)",
-                                                                        "avgpipe__cu_scale (scale)"};
+                                                                        "avgpipe__cu_scale (scale)", "avgpipe__cu_flag (flag_nonfinite)"};
     const void *kernels[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT];
     int per_sm[AVGPIPE_DEVICE_CUDA_KERNEL_COUNT], k;
     kernels[AVGPIPE_DEVICE_CUDA_KERNEL_EA] = d->k_ea;
     kernels[AVGPIPE_DEVICE_CUDA_KERNEL_NONFINITE] = d->k_nonfinite;
     kernels[AVGPIPE_DEVICE_CUDA_KERNEL_SCALE] = d->k_scale;
+    kernels[AVGPIPE_DEVICE_CUDA_KERNEL_FLAG] = d->k_flag;
     for (k = 0; k < AVGPIPE_DEVICE_CUDA_KERNEL_COUNT; k++) {
         cudaError_t e;
         per_sm[k] = 0;
@@ -1597,6 +1672,7 @@ static void avgpipe__cuda_fill(avgpipe_device *out, avgpipe__cuda *d) {
     out->ea_pass = avgpipe__cuda_ea_pass;
     out->find_nonfinite = avgpipe__cuda_find_nonfinite;
     out->scale = avgpipe__cuda_scale;
+    out->flag_nonfinite = avgpipe__cuda_flag_nonfinite;
     out->event_query = avgpipe__cuda_event_query;
     out->event_elapsed = d->info.desc.no_timing ? NULL : avgpipe__cuda_event_elapsed;
     d->twins = !d->info.desc.no_timing && !d->info.desc.timed_events; /* see TIMING */

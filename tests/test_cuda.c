@@ -7,6 +7,8 @@
      misaligned buffers: the grid-stride loops, the float4 body, the scalar head and tail;
    - the grids: each kernel's grid is multiprocessors x the occupancy an emulated GPU (an H200's limits,
      the kernels' register counts) reports, and the kernels give the same bits whatever the grid;
+   - the non-finite flag kernel (flag_nonfinite: bits ORed, the first call's tag) and the averaging
+     kernel's skip word, emulated the same way;
    - the NVRTC build of the kernels' source: PTX without fused multiply-adds or flushed denormals;
    - creation without a device fails cleanly (the state of this machine and of CI), every entry's error
      path, the mapping of CUDA errors to avgpipe_result;
@@ -252,12 +254,21 @@ static avgpipe__cu_u64 avgpipe__cu_threads(void) { return (avgpipe__cu_u64)emu_g
 static void avgpipe__cu_min(avgpipe__cu_u64 *p, avgpipe__cu_u64 v) {
     if (v < *p) *p = v;
 }
+static unsigned emu_cas_calls, emu_or_calls;
+static unsigned avgpipe__cu_cas(unsigned *p, unsigned cmp, unsigned v) {
+    unsigned old = *p;
+    emu_cas_calls++;
+    if (old == cmp) *p = v;
+    return old;
+}
+static void avgpipe__cu_or(unsigned *p, unsigned v) { emu_or_calls++, *p |= v; }
 #define AVGPIPE__CU_GLOBAL static
 #define AVGPIPE__CU_DEVICE static
 #define AVGPIPE__CU_RESTRICT restrict
 AVGPIPE__CUDA_ELEM_DEVICE_TEXT
 AVGPIPE__CUDA_EA_TEXT
 AVGPIPE__CUDA_NONFINITE_TEXT
+AVGPIPE__CUDA_FLAG_TEXT
 AVGPIPE__CUDA_SCALE_TEXT
 #undef AVGPIPE__CU_GLOBAL
 #undef AVGPIPE__CU_DEVICE
@@ -281,7 +292,7 @@ static void emu_ea(const avgpipe_ea_pass *p, void *user) {
     const launch_shape *s = (const launch_shape *)user;
     avgpipe__cuda_ea_args x = avgpipe__cuda_ea_prep(p, s->block, s->max_blocks);
     if (!p->count) return;
-    EMU_GRID(x.pl, avgpipe__cu_ea(x.w, x.z, x.zp, x.a, x.pl.head, x.pl.nvec, x.pl.tail, x.alpha, x.scale, x.mu, x.f));
+    EMU_GRID(x.pl, avgpipe__cu_ea(x.w, x.z, x.zp, x.a, x.pl.head, x.pl.nvec, x.pl.tail, x.alpha, x.scale, x.mu, x.f, x.skip));
 }
 
 /* Sizes around the float4 width and the block lengths, and the awkward ones of the GPU check. */
@@ -389,6 +400,140 @@ Test(cuda_kernels, nonfinite_kernel_finds_the_lowest) {
     free(x);
 }
 
+/* flag_nonfinite's kernel (emulated), with the entry's plan: {0, 0} stays on clean data; a NaN or +-Inf
+   anywhere sets flag[0] = bits and flag[1] = tag through exactly one compare-and-swap winner; a second
+   flagging call ORs its bits and keeps the first tag; a clean call changes nothing. */
+static void emu_flag(const float *x, size_t n, uint32_t *flag, uint32_t bits, uint32_t tag, const launch_shape *s) {
+    const void *p[1];
+    avgpipe__cuda_plan pl;
+    unsigned *f = (unsigned *)flag;
+    if (!n) return; /* as the entry: no launch */
+    p[0] = x;
+    pl = avgpipe__cuda_plan_make(p, 1, n, s->block, s->max_blocks);
+    EMU_GRID(pl, avgpipe__cu_flag(x, pl.head, pl.nvec, pl.tail, f, bits, tag));
+}
+
+Test(cuda_kernels, flag_kernel_sets_bits_and_first_tag) {
+    avgpipe_device cpu;
+    rng r = {13};
+    const size_t nmax = 10007 + 8;
+    float *x = fbuf(nmax);
+    const float bad[] = {INFINITY, -INFINITY, NAN, from_bits(0xffc00001u), from_bits(0x7f800001u)};
+    size_t si, j, o, sh, t, want;
+    cr_assert_eq(avgpipe_device_cpu_create(NULL, NULL, &cpu), AVGPIPE_OK);
+    for (si = 0; si < sizeof sizes / sizeof sizes[0]; si++)
+        for (o = 0; o < 4; o++)
+            for (t = 0; t < 7; t++) {
+                size_t n = sizes[si];
+                float *v = x + o;
+                for (j = 0; j < nmax - o; j++) v[j] = rng_float(&r, -1e30, 1e30);
+                v[n] = NAN; /* past the end: never seen */
+                if (t == 1) v[0] = bad[rng_next(&r) % 5];                        /* the first */
+                if (t == 2) v[n - 1] = bad[rng_next(&r) % 5];                    /* the last */
+                if (t == 3) v[n / 2] = bad[rng_next(&r) % 5];                    /* the middle */
+                if (t == 4) v[rng_next(&r) % n] = NAN, v[rng_next(&r) % n] = INFINITY; /* a NaN and an Inf */
+                if (t == 5) for (j = 0; j < n; j++) v[j] = bad[j % 5];            /* every one: many finders */
+                if (t == 6) v[n / 2] = from_bits(0x7f7fffffu), v[0] = -FLT_MAX;  /* finite extremes only */
+                cr_assert_eq(cpu.find_nonfinite(cpu.user, v, n, &want, NULL), AVGPIPE_OK);
+                for (sh = 0; sh < NSHAPE; sh++) {
+                    uint32_t flag[2] = {0, 0};
+                    const int dirty = want < n;
+                    char what[128];
+                    snprintf(what, sizeof what, "size %zu offset %zu case %zu shape %zu", n, o, t, sh);
+                    emu_cas_calls = emu_or_calls = 0;
+                    emu_flag(v, n, flag, 1u << 5, 0xabc0u + (uint32_t)t, &shapes[sh]);
+                    if (!dirty) {
+                        cr_assert(flag[0] == 0 && flag[1] == 0, "%s: clean data flagged {%#x, %#x}", what, flag[0], flag[1]);
+                        cr_assert_eq(emu_cas_calls, 0u, "%s: clean data touched the flag", what);
+                        continue;
+                    }
+                    cr_assert(flag[0] == 1u << 5 && flag[1] == 0xabc0u + (uint32_t)t, "%s: flag {%#x, %#x}", what, flag[0], flag[1]);
+                    cr_assert_eq(emu_cas_calls, emu_or_calls + 1, "%s: one winner, the other finders OR", what);
+                    /* a second flagging call (other bits, other tag): bits ORed, the first tag kept */
+                    emu_flag(v, n, flag, 1u << 9, 0x55u, &shapes[sh]);
+                    cr_assert(flag[0] == ((1u << 5) | (1u << 9)) && flag[1] == 0xabc0u + (uint32_t)t, "%s: second call: {%#x, %#x}",
+                              what, flag[0], flag[1]);
+                    /* the same bits again: nothing changes */
+                    emu_flag(v, n, flag, 1u << 5, 0x66u, &shapes[sh]);
+                    cr_assert(flag[0] == ((1u << 5) | (1u << 9)) && flag[1] == 0xabc0u + (uint32_t)t, "%s: third call", what);
+                }
+            }
+    {
+        /* a clean call after a flagged one changes nothing; a flagged call on a set flag keeps the tag; as the
+           test devices (adev_flag_task) do */
+        uint32_t flag[2] = {0, 0};
+        for (j = 0; j < 100; j++) x[j] = (float)j;
+        emu_flag(x, 100, flag, 1u, 3u, &shapes[2]);
+        cr_assert(flag[0] == 0 && flag[1] == 0);
+        x[37] = NAN;
+        emu_flag(x, 100, flag, 1u << 31, 4u, &shapes[2]);
+        cr_assert(flag[0] == 1u << 31 && flag[1] == 4u);
+        x[37] = 1.0f;
+        emu_flag(x, 100, flag, 1u, 5u, &shapes[2]);
+        cr_assert(flag[0] == 1u << 31 && flag[1] == 4u, "a clean call changed the flag");
+        emu_flag(x, 0, flag, 1u, 6u, &shapes[2]);
+        cr_assert(flag[0] == 1u << 31 && flag[1] == 4u);
+    }
+    avgpipe_device_destroy(&cpu);
+    free(x);
+}
+
+/* The averaging kernel's skip word (emulated): *skip nonzero leaves w and acc bit-identical, whatever the
+   pass; *skip 0 and skip NULL give the CPU device's bits, as before. */
+static void emu_ea_skip(const avgpipe_ea_pass *p, void *user) {
+    avgpipe_ea_pass q = *p;
+    q.skip = (const uint32_t *)user;
+    emu_ea(&q, (void *)&shapes[1]);
+}
+static void host_twin_skip(const avgpipe_ea_pass *p, void *user) {
+    avgpipe_ea_pass q = *p;
+    q.skip = (const uint32_t *)user;
+    host_twin(&q, NULL);
+}
+Test(cuda_kernels, ea_kernel_honours_skip) {
+    avgpipe_device cpu;
+    rng r = {17};
+    const size_t nmax = 4097 + 8;
+    float *w = fbuf(nmax), *z = fbuf(nmax), *zp = fbuf(nmax), *a = fbuf(nmax), *w2 = fbuf(nmax), *a2 = fbuf(nmax);
+    const float alphas[] = {0.0f, 0.1f};
+    static const size_t ns[] = {1, 5, 33, 4097};
+    const uint32_t zero = 0, one = 1, other = 0x80000000u;
+    pass_kind kinds[32];
+    int nk = pass_kinds(kinds, alphas, 2), k;
+    size_t ni, j, o;
+    for (j = 0; j < nmax; j++)
+        w[j] = rng_float(&r, -2, 2), z[j] = rng_float(&r, -2, 2), zp[j] = rng_float(&r, -2, 2), a[j] = rng_float(&r, -8, 8);
+    cr_assert_eq(avgpipe_device_cpu_create(NULL, NULL, &cpu), AVGPIPE_OK);
+    for (ni = 0; ni < sizeof ns / sizeof ns[0]; ni++)
+        for (o = 0; o < 2; o++)
+            for (k = 0; k < nk; k++) {
+                const size_t n = ns[ni];
+                const uint32_t *skips[] = {&one, &other};
+                int s;
+                /* *skip 0 and NULL: the CPU device's bits */
+                compare_pass(&cpu, &kinds[k], w + o, z + o, zp + o, a + o, n, emu_ea_skip, (void *)&zero, 1, "ea kernel, *skip 0");
+                compare_pass(&cpu, &kinds[k], w + o, z + o, zp + o, a + o, n, emu_ea_skip, NULL, 1, "ea kernel, skip NULL");
+                compare_pass(&cpu, &kinds[k], w + o, z + o, zp + o, a + o, n, host_twin_skip, (void *)&zero, 1, "host twin, *skip 0");
+                for (s = 0; s < 2; s++) {
+                    avgpipe_ea_pass p;
+                    memcpy(w2, w, nmax * sizeof(float)), memcpy(a2, a, nmax * sizeof(float));
+                    p = make_pass(&kinds[k], w2 + o, z + o, zp + o, a2 + o, n);
+                    emu_ea_skip(&p, (void *)skips[s]);
+                    cr_assert(memcmp(w2, w, nmax * sizeof(float)) == 0 && memcmp(a2, a, nmax * sizeof(float)) == 0,
+                              "ea kernel with *skip %#x changed w or acc (size %zu kind %d)", *skips[s], n, k);
+                    p.skip = skips[s];
+                    cr_assert_eq(avgpipe_device_cuda_ea_pass_host(NULL, &p), AVGPIPE_OK);
+                    cr_assert(memcmp(w2, w, nmax * sizeof(float)) == 0 && memcmp(a2, a, nmax * sizeof(float)) == 0,
+                              "host twin with *skip %#x changed w or acc", *skips[s]);
+                    cr_assert_eq(cpu.ea_pass(cpu.user, &p, NULL), AVGPIPE_OK);
+                    cr_assert(memcmp(w2, w, nmax * sizeof(float)) == 0 && memcmp(a2, a, nmax * sizeof(float)) == 0,
+                              "CPU device with *skip changed w or acc");
+                }
+            }
+    avgpipe_device_destroy(&cpu);
+    free(w), free(z), free(zp), free(a), free(w2), free(a2);
+}
+
 Test(cuda_kernels, scale_kernel_matches_cpu_device) {
     avgpipe_device cpu;
     rng r = {5};
@@ -422,14 +567,14 @@ Test(cuda_kernels, scale_kernel_matches_cpu_device) {
 /* ---- grids from occupancy -------------------------------------------------------------------------------
    An emulated H200 as CUDA's occupancy calculator sees it: 132 multiprocessors of 2048 threads, 65536
    registers (allocated per warp in units of 256), at most 32 blocks; the kernels' registers per thread as
-   ptxas reports them for sm_90 (ea 38, non-finite 20, scale 18). The fake kernel handles 1, 2, 3 stand
-   for the three kernels. */
-static int emu_regs[3] = {38, 20, 18};
+   ptxas reports them for sm_90 (ea 38, non-finite 20, scale 18, flag 16 as a stand-in). The fake kernel
+   handles 1, 2, 3, 4 stand for the four kernels. */
+static int emu_regs[4] = {38, 20, 18, 16};
 static int emu_calls;
 static cudaError_t emu_occupancy(int *blocks, const void *kernel, int block) {
     int k = (int)(uintptr_t)kernel - 1, per_warp, by_regs, by_threads, n;
     emu_calls++;
-    if (k < 0 || k > 2) return cudaErrorInvalidDeviceFunction;
+    if (k < 0 || k > 3) return cudaErrorInvalidDeviceFunction;
     per_warp = (emu_regs[k] * 32 + 255) / 256 * 256;
     by_regs = 65536 / per_warp / (block / 32); /* whole blocks of warps the register file holds */
     by_threads = 2048 / block;
@@ -444,7 +589,7 @@ static void emu_gpu(avgpipe__cuda *st, int block_size, int max_blocks) {
     st->info.desc = avgpipe_device_cuda_query_defaults(NULL);
     st->info.desc.block_size = block_size, st->info.desc.max_blocks = max_blocks;
     st->info.multiprocessors = 132;
-    st->k_ea = (const void *)1, st->k_nonfinite = (const void *)2, st->k_scale = (const void *)3;
+    st->k_ea = (const void *)1, st->k_nonfinite = (const void *)2, st->k_scale = (const void *)3, st->k_flag = (const void *)4;
 }
 
 Test(cuda_kernels, grid_is_multiprocessors_times_occupancy) {
@@ -460,7 +605,10 @@ Test(cuda_kernels, grid_is_multiprocessors_times_occupancy) {
     emu_gpu(&st, 256, 0);
     emu_calls = 0;
     cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    cr_assert_eq(emu_calls, 3, "asked once per kernel");
+    cr_assert_eq(emu_calls, AVGPIPE_DEVICE_CUDA_KERNEL_COUNT, "asked once per kernel");
+    cr_assert_eq(AVGPIPE_DEVICE_CUDA_KERNEL_COUNT, 4);
+    cr_assert_eq(st.info.blocks_per_sm[AVGPIPE_DEVICE_CUDA_KERNEL_FLAG], 8);
+    cr_assert_eq(st.info.grid[AVGPIPE_DEVICE_CUDA_KERNEL_FLAG], 132 * 8);
     /* 38 registers: 1280 per warp, 51 warps, 6 blocks of 8 warps (not the 8 that 2048 threads allow) */
     cr_assert_eq(st.info.blocks_per_sm[E], 6);
     cr_assert_eq(st.info.blocks_per_sm[NF], 8);
@@ -491,7 +639,8 @@ Test(cuda_kernels, grid_is_multiprocessors_times_occupancy) {
     /* desc.max_blocks given: every kernel's grid, the occupancy still reported */
     emu_gpu(&st, 256, 100);
     cr_assert_eq(avgpipe__cuda_occupancy(&ctx, &st, emu_occupancy), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    cr_assert(st.info.grid[E] == 100 && st.info.grid[NF] == 100 && st.info.grid[SC] == 100 && st.info.desc.max_blocks == 100);
+    cr_assert(st.info.grid[E] == 100 && st.info.grid[NF] == 100 && st.info.grid[SC] == 100 &&
+              st.info.grid[AVGPIPE_DEVICE_CUDA_KERNEL_FLAG] == 100 && st.info.desc.max_blocks == 100);
     cr_assert_eq(st.info.blocks_per_sm[E], 6);
     /* no block fits (too many registers for 1024 threads): refused, naming the kernel and the block size */
     emu_regs[0] = 80;
@@ -579,6 +728,8 @@ Test(cuda_nvrtc, kernels_have_no_fma_and_keep_denormals) {
         cr_assert(has(ptx, ".entry avgpipe__cu_ea("), "compute_%d: no ea kernel", archs[k]);
         cr_assert(has(ptx, ".entry avgpipe__cu_nonfinite("), "compute_%d: no non-finite kernel", archs[k]);
         cr_assert(has(ptx, ".entry avgpipe__cu_scale("), "compute_%d: no scale kernel", archs[k]);
+        cr_assert(has(ptx, ".entry avgpipe__cu_flag("), "compute_%d: no flag kernel", archs[k]);
+        cr_assert(has(ptx, "global.cas.b32") && has(ptx, "global.or.b32"), "compute_%d: the flag's atomics", archs[k]);
         cr_assert(has(ptx, "add.rn.f32") && has(ptx, "sub.rn.f32") && has(ptx, "mul.rn.f32"), "compute_%d", archs[k]);
         cr_assert(!has(ptx, "fma"), "compute_%d: an FMA in the kernels' PTX", archs[k]);
         cr_assert(!has(ptx, ".ftz"), "compute_%d: flush-to-zero in the kernels' PTX", archs[k]);
@@ -789,11 +940,11 @@ Test(cuda_device, every_entry_reports_cuda_errors) {
     snprintf(st.name, sizeof st.name, "cuda:0");
     st.info.desc = avgpipe_device_cuda_query_defaults(NULL);
     st.info.desc.max_blocks = 4;
-    st.info.grid[0] = st.info.grid[1] = st.info.grid[2] = 4;
+    st.info.grid[0] = st.info.grid[1] = st.info.grid[2] = st.info.grid[3] = 4;
     memset(&dev, 0, sizeof dev);
     avgpipe__cuda_fill(&dev, &st);
     cr_assert_eq(avgpipe_device_check(NULL, &dev), AVGPIPE_OK, "the table is complete");
-    cr_assert(dev.event_elapsed != NULL && dev.scale != NULL && dev.error_string != NULL);
+    cr_assert(dev.event_elapsed != NULL && dev.scale != NULL && dev.error_string != NULL && dev.flag_nonfinite != NULL);
     cr_assert_str_eq(dev.name, "cuda:0");
 #define EXPECT_FAIL(call, entry)                                                                                   \
     do {                                                                                                           \
@@ -823,6 +974,12 @@ Test(cuda_device, every_entry_reports_cuda_errors) {
     EXPECT_FAIL(dev.find_nonfinite(dev.user, host, 8, &index, NULL), "find_nonfinite");
     cr_assert_eq(index, (size_t)8);
     EXPECT_FAIL(dev.scale(dev.user, host, 2.0f, 8, NULL), "scale");
+    {
+        uint32_t flag[2] = {0, 0};
+        EXPECT_FAIL(dev.flag_nonfinite(dev.user, host, 8, flag, 1u, 7u, NULL), "flag_nonfinite");
+        cr_assert(flag[0] == 0 && flag[1] == 0);
+        cr_assert_eq(dev.flag_nonfinite(dev.user, host, 0, flag, 1u, 7u, NULL), AVGPIPE_OK, "no work, no call");
+    }
     /* the void entries record their failure */
     dev.free(dev.user, host);
     cr_assert(has(dev.error_string(dev.user), "cuda:0 free: "), "%s", dev.error_string(dev.user));

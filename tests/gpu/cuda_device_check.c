@@ -6,6 +6,7 @@
      - a profiled run (avgpipe_run, profile = 1) over the table: its second iteration's ops are timed by
        the device (a forward whose host function spins 3 ms lasts >= 3 ms although its call returns at once);
      - more streams than CUDA_DEVICE_MAX_CONNECTIONS: one warning through the context's logger;
+     - flag_nonfinite (bits ORed, the first call's tag) and ea_pass's skip word, chained on one stream;
      - ea_pass, find_nonfinite and scale against the CPU device, bit for bit, on random data (denormals and
        signed zeros included) and on edge values, of awkward sizes (1, 3, 4097, 2^20 + 3, ...) at aligned and
        misaligned offsets, for every kind of pass;
@@ -301,6 +302,110 @@ static void check_nonfinite_scale(avgpipe_device_stream s) {
 }
 
 /* ---- the averaging module over the GPU against the same module over the CPU ------------------------------- */
+
+/* flag_nonfinite (no host wait) and the averaging kernel's skip word, as the averaging module chains them on
+   one stream: the flag zeroed, flagging calls, a pass that reads the flag as its skip word. Clean data
+   leaves {0, 0}; a NaN or +-Inf (first, last, middle, a NaN and an Inf) gives {bits, tag}; a second call
+   ORs its bits and keeps the first tag. A pass whose skip word is set leaves w and acc bit-identical; with
+   a clear skip word (or NULL) it gives the CPU device's bits. */
+static void flag_down(uint32_t *h, const uint32_t *d, avgpipe_device_stream s) {
+    OK(gpu.stream_synchronize(gpu.user, s));
+    OK(gpu.copy(gpu.user, h, d, 2 * sizeof(uint32_t), AVGPIPE_DEVICE_COPY_D2H, NULL));
+    OK(gpu.stream_synchronize(gpu.user, NULL));
+}
+static void check_flag_skip(avgpipe_device_stream s) {
+    const size_t nmax = ((size_t)1 << 20) + 3;
+    float *h = hbuf(nmax), *d = dbuf(nmax), *hz = hbuf(nmax), *ha = hbuf(nmax), *gw = hbuf(nmax), *ga = hbuf(nmax);
+    float *dw = dbuf(nmax), *dz = dbuf(nmax), *da = dbuf(nmax);
+    const float badv[] = {INFINITY, -INFINITY, NAN, from_bits(0xffc00001u)};
+    uint32_t *dflag = NULL, hf[2];
+    rng r = {99};
+    size_t si, o, t, i, want;
+    long fbad = 0, calls = 0, sbad = 0, passes = 0;
+    OK(gpu.alloc(gpu.user, 2 * sizeof(uint32_t), (void **)&dflag));
+    if (!gpu.flag_nonfinite || !dflag) {
+        CHECK(0, "flag_nonfinite: entry %s, flag %p", gpu.flag_nonfinite ? "set" : "NULL", (void *)dflag);
+        return;
+    }
+    for (si = 0; si < NAWK; si++)
+        for (o = 0; o < 4; o++)
+            for (t = 0; t < 5; t++) {
+                size_t n = awkward[si];
+                const uint32_t tag = 0x1000u + (uint32_t)(si * 20 + o * 5 + t);
+                int dirty;
+                for (i = 0; i < n; i++) h[i] = rng_float(&r, -1e30, 1e30);
+                if (t == 1) h[0] = badv[rng_next(&r) % 4];
+                if (t == 2) h[n - 1] = badv[rng_next(&r) % 4];
+                if (t == 3) h[n / 2] = badv[rng_next(&r) % 4];
+                if (t == 4) h[rng_next(&r) % n] = NAN, h[rng_next(&r) % n] = INFINITY;
+                h[n] = NAN; /* just past the end: never seen */
+                up(d + o, h, n + 1);
+                OK(gpu.stream_synchronize(gpu.user, NULL));
+                OK(cpu.find_nonfinite(cpu.user, h, n, &want, NULL));
+                dirty = want < n;
+                OK(gpu.memset(gpu.user, dflag, 0, 2 * sizeof(uint32_t), s));
+                OK(gpu.flag_nonfinite(gpu.user, d + o, n, dflag, 1u << 3, tag, s));
+                flag_down(hf, dflag, s);
+                calls++;
+                if (dirty ? !(hf[0] == 1u << 3 && hf[1] == tag) : !(hf[0] == 0 && hf[1] == 0)) {
+                    fbad++;
+                    printf("  flag_nonfinite: n %zu offset %zu case %zu: flag {%#x, %#x}, want {%#x, %#x}\n", n, o, t, hf[0], hf[1],
+                           dirty ? 1u << 3 : 0u, dirty ? tag : 0u);
+                }
+                OK(gpu.flag_nonfinite(gpu.user, d + o, n, dflag, 1u << 30, 0xdeadu, s)); /* a second call: OR, first tag */
+                flag_down(hf, dflag, s);
+                if (dirty ? !(hf[0] == ((1u << 3) | (1u << 30)) && hf[1] == tag) : !(hf[0] == 0 && hf[1] == 0)) {
+                    fbad++;
+                    printf("  flag_nonfinite (second call): n %zu offset %zu case %zu: flag {%#x, %#x}\n", n, o, t, hf[0], hf[1]);
+                }
+            }
+    CHECK(fbad == 0, "flag_nonfinite: %ld of %ld flag checks wrong", fbad, calls);
+    printf("flag_nonfinite: %ld checks (clean, first, last, middle, NaN and Inf; 4 offsets; a second call): %s\n", calls,
+           fbad ? "WRONG" : "bits ORed, first tag kept");
+    for (si = 0; si < NAWK; si++)
+        for (o = 0; o < 2; o++)
+            for (t = 0; t < 3; t++) { /* 0: skip word set by a flagging call; 1: flag clear; 2: skip NULL */
+                size_t n = awkward[si];
+                pass_kind k;
+                avgpipe_ea_pass p;
+                size_t j;
+                k.mode = si % 2 ? AVGPIPE_EA_ELASTIC : AVGPIPE_EA_MEAN, k.alpha = 0.1f, k.momentum = 0.0f, k.first = 0, k.last = 1;
+                for (i = 0; i < n; i++) h[i] = rng_float(&r, -2, 2), hz[i] = rng_float(&r, -2, 2), ha[i] = rng_float(&r, -8, 8);
+                up(dw + o, h, n), up(dz + o, hz, n), up(da + o, ha, n);
+                memcpy(gw, h, n * sizeof(float)); /* the flagged data: w with a NaN in the middle */
+                if (t == 0) gw[n / 2] = NAN;
+                up(d, gw, n);
+                OK(gpu.stream_synchronize(gpu.user, NULL));
+                OK(gpu.memset(gpu.user, dflag, 0, 2 * sizeof(uint32_t), s));
+                OK(gpu.flag_nonfinite(gpu.user, d, n, dflag, 1u, 7u, s));
+                p = make_pass(&k, dw + o, dz + o, NULL, da + o, n);
+                p.skip = t == 2 ? NULL : dflag;
+                OK(gpu.ea_pass(gpu.user, &p, s));
+                OK(gpu.stream_synchronize(gpu.user, s));
+                down(gw, dw + o, n), down(ga, da + o, n);
+                passes++;
+                if (t == 0) {
+                    for (j = 0; j < n && same(gw[j], h[j]) && same(ga[j], ha[j]); j++) {
+                    }
+                } else {
+                    p = make_pass(&k, h, hz, NULL, ha, n);
+                    OK(cpu.ea_pass(cpu.user, &p, NULL));
+                    for (j = 0; j < n && same(gw[j], h[j]) && same(ga[j], ha[j]); j++) {
+                    }
+                }
+                if (j < n) {
+                    sbad++;
+                    printf("  ea_pass skip: n %zu offset %zu case %zu: element %zu differs (GPU w %a acc %a, want w %a acc %a)\n", n,
+                           o, t, j, (double)gw[j], (double)ga[j], (double)h[j], (double)ha[j]);
+                }
+            }
+    CHECK(sbad == 0, "ea_pass with skip: %ld of %ld passes wrong", sbad, passes);
+    printf("ea_pass skip: %ld passes (skip set on the device: untouched; clear or NULL: the CPU device's bits): %s\n", passes,
+           sbad ? "WRONG" : "ok");
+    gpu.free(gpu.user, dflag);
+    gpu.free(gpu.user, d), gpu.free(gpu.user, dw), gpu.free(gpu.user, dz), gpu.free(gpu.user, da);
+    free(h), free(hz), free(ha), free(gw), free(ga);
+}
 
 static void check_ea_module(avgpipe_ea_mode mode, float momentum) {
     const size_t P = ((size_t)1 << 20) + 3;
@@ -1020,20 +1125,22 @@ int main(int argc, char **argv) {
     printf("device %s: %s, compute capability %d.%d, %d multiprocessors; kernels: %s; launch: %d threads x up to %d blocks\n",
            gpu.name, prop.name, info.cc_major, info.cc_minor, info.multiprocessors, info.kernels, info.desc.block_size,
            info.desc.max_blocks);
-    printf("grids (multiprocessors x blocks per multiprocessor): ea_pass %d x %d = %d, find_nonfinite %d x %d = %d, scale %d x %d = %d; "
-           "CUDA_DEVICE_MAX_CONNECTIONS %d\n",
+    printf("grids (multiprocessors x blocks per multiprocessor): ea_pass %d x %d = %d, find_nonfinite %d x %d = %d, scale %d x %d = %d, "
+           "flag_nonfinite %d x %d = %d; CUDA_DEVICE_MAX_CONNECTIONS %d\n",
            info.multiprocessors, info.blocks_per_sm[0], info.grid[0], info.multiprocessors, info.blocks_per_sm[1], info.grid[1],
-           info.multiprocessors, info.blocks_per_sm[2], info.grid[2], info.max_connections);
+           info.multiprocessors, info.blocks_per_sm[2], info.grid[2], info.multiprocessors, info.blocks_per_sm[3], info.grid[3],
+           info.max_connections);
     for (i = 0; i < AVGPIPE_DEVICE_CUDA_KERNEL_COUNT; i++)
         CHECK(info.blocks_per_sm[i] >= 1 && info.grid[i] == info.multiprocessors * info.blocks_per_sm[i] && info.desc.max_blocks >= info.grid[i],
               "kernel %d: grid %d, %d multiprocessors x %d blocks, max_blocks %d", i, info.grid[i], info.multiprocessors,
               info.blocks_per_sm[i], info.desc.max_blocks);
-    CHECK(gpu.event_elapsed != NULL && gpu.scale != NULL && gpu.event_query != NULL, "optional entries set");
+    CHECK(gpu.event_elapsed != NULL && gpu.scale != NULL && gpu.event_query != NULL && gpu.flag_nonfinite != NULL, "optional entries set");
     check_memory();
     OK(gpu.stream_create(gpu.user, &s));
     check_ea_pass(s);
     check_ea_pass(NULL); /* the default stream too */
     check_nonfinite_scale(s);
+    check_flag_skip(s);
     check_ea_module(AVGPIPE_EA_MEAN, 0.0f);
     check_ea_module(AVGPIPE_EA_ELASTIC, 0.9f);
     check_streams_events();
