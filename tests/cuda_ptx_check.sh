@@ -16,7 +16,7 @@ check() { # $1: a label; the rest: extra nvcc flags
     awk -v o="$OUT" '/\.entry[ \t]+avgpipe_control/ { c = 1 }
                      { print > (c ? o "/control.ptx" : o "/ours.ptx") }
                      c && /^}/ { c = 0 }' "$OUT/all.ptx"
-    for k in avgpipe__cu_ea avgpipe__cu_nonfinite avgpipe__cu_scale; do
+    for k in avgpipe__cu_ea avgpipe__cu_nonfinite avgpipe__cu_scale avgpipe__cu_flag; do
         grep -q "\.entry.*$k" "$OUT/ours.ptx" || fail "$label: no kernel $k in the PTX"
     done
     for op in add.rn.f32 sub.rn.f32 mul.rn.f32; do
