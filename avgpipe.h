@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.3.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.4.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -68,7 +68,7 @@
      avgpipe_hwloc.h  thread placement with hwloc: each rank's threads on the cores nearest its GPU or
                       NIC (AVGPIPE_HWLOC_IMPLEMENTATION; link hwloc).
    AVGPIPE_IMPL turns on the implementation of every header included.
-   Writing your own backend: a comm or device table (sections 9, 11) plus avgpipe_set_error for errors;
+   Writing your own backend: a comm or device table (sections 10, 12) plus avgpipe_set_error for errors;
    examples/custom_comm.c is a complete comm backend over POSIX pipes.
 
    ERRORS
@@ -94,7 +94,7 @@
 
    CONTENTS
    --------
-   Nineteen sections, each one subject, in dependency order: no section's implementation calls a later
+   Twenty sections, each one subject, in dependency order: no section's implementation calls a later
    one (scripts/check_order.py checks it, and each section's size, in CI). The declarations and the
    implementation carry the same numbers.
      1. Basics          avgpipe_result, avgpipe_context (allocator, logger, last error), avgpipe_buf,
@@ -103,23 +103,25 @@
                                                                                     (avgpipe_sched_*, avgpipe_op_*)
      3. Text format     PyTorch-compatible CSV/text import and export               (avgpipe_sched_import/_export)
      4. Generators      AFAB, 1F1B, advance, interleaved, ZB-H1, ZB-V, DualPipeV    (avgpipe_sched_generate)
-     5. Greedy, lowering  greedy list scheduler; SEND/RECV insertion                (avgpipe_sched_greedy/_lower)
+     5. Greedy, lowering  greedy list scheduler; ties and agreement; SEND/RECV insertion
+                                                                (avgpipe_sched_greedy/_add_sync/_lower)
      6. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
-     7. Validation      invariants and deadlock replay                              (avgpipe_sched_validate)
-     8. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
-     9. Device backend  function-pointer table; the CPU device and its kernels      (avgpipe_device_*)
-    10. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
-    11. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
-    12. Buffer plan and run state   slots and their bytes; the run's structures, tags, accessors
+     7. Validation      invariants: the static checks                               (avgpipe_sched_validate)
+     8. Replay          the validator's deadlock replay and entry point
+     9. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
+    10. Device backend  function-pointer table; the CPU device and its kernels      (avgpipe_device_*)
+    11. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
+    12. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
+    13. Buffer plan and run state   slots and their bytes; the run's structures, tags, accessors
                                                                                     (avgpipe_run_plan_*)
-    13. Execution       callbacks, the run's description, worker and averaging threads
+    14. Execution       callbacks, the run's description, worker and averaging threads
                                                                                     (avgpipe_run_desc)
-    14. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
-    15. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
-    16. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
-    17. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
-    18. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
-    19. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
+    15. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
+    16. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
+    17. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
+    18. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
+    19. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
+    20. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
 */
 #ifndef AVGPIPE_H
 #define AVGPIPE_H
@@ -133,9 +135,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 3
+#define AVGPIPE_VERSION_MINOR 4
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.3.0"
+#define AVGPIPE_VERSION_STRING "0.4.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -260,7 +262,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.3.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.4.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -383,6 +385,10 @@ typedef enum avgpipe_op_kind {
     AVGPIPE_OP_UNSHARD,     /* PyTorch FSDP actions: imported, exported and validated as no-ops */
     AVGPIPE_OP_RESHARD,
     AVGPIPE_OP_REDUCE_GRAD,
+    /* Synchronisation before the STEPs of one (pipeline, round) (micro = round), placed by
+       avgpipe_sched_add_sync, executed by the runtime on its own sub-communicator: */
+    AVGPIPE_OP_TIE,         /* stage's tied gradient ranges with stage `peer` summed (both sides get a + b) */
+    AVGPIPE_OP_AGREE,       /* step agreement: the stage's vector contributed, all stages' combined */
     AVGPIPE_OP_KIND_COUNT
 } avgpipe_op_kind;
 
@@ -392,11 +398,11 @@ typedef enum avgpipe_op_kind {
 /* One op (16 bytes). micro is -1 where the kind takes none (UNSHARD, RESHARD, REDUCE_GRAD). */
 typedef struct avgpipe_op {
     int32_t stage; /* global stage partition g */
-    int32_t micro; /* micro-batch (per pipeline, across rounds); the round for STEP and AVG */
+    int32_t micro; /* micro-batch (per pipeline, across rounds); the round for STEP, AVG, TIE, AGREE */
     int16_t pipe;  /* parallel pipeline i */
     uint8_t kind;  /* avgpipe_op_kind */
     uint8_t flags; /* AVGPIPE_OPF_* */
-    int32_t reserved;
+    int32_t peer;  /* TIE: the stage the tie is with; 0 for every other kind */
 } avgpipe_op;
 
 typedef enum avgpipe_sched_kind {
@@ -495,7 +501,8 @@ AVGPIPE_API const char *avgpipe_placement_name(avgpipe_placement p);
 AVGPIPE_API avgpipe_result avgpipe_sched_kind_parse(const char *name, avgpipe_sched_kind *out);
 
 /* Text form of one op (no composite): "[P:]<stage><KIND>[<micro>]", e.g. "0F3", "1:2SEND_B0",
-   "3STEP1". Writes at most cap bytes including the NUL; returns the length it needed. */
+   "3STEP1", "7TIE2@0" (stage 7's tie with stage 0, round 2). Writes at most cap bytes including the
+   NUL; returns the length it needed. */
 AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out, size_t cap);
 
 /* ============================================================================================ */
@@ -508,6 +515,8 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    avgpipe's extension (documented, backwards compatible):
      - an action may carry its parallel pipeline as a prefix "P:" ("1:0F3" = pipeline 1);
      - STEP and AVG actions: "<stage>STEP<round>", "<stage>AVG<round>";
+     - synchronisation actions (avgpipe_sched_add_sync): "<stage>TIE<round>@<peer stage>",
+       "<stage>AGREE<round>";
      - a first line "# avgpipe kind=advance stages=4 chunks=1 micro=8 pipes=2 rounds=3 advance=2
        continuous=1" carries the shape; other lines starting with '#' are comments.
    Blank lines at the end of the text are not ranks, except as many as the header's stages count
@@ -516,7 +525,7 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    than one pipeline or round, STEP/AVG ops, a generator's shape or any shape import would not infer
    from the actions, or an empty last rank, whose blank line only the header's rank count keeps):
    a PyTorch file exports back byte-identical, and export -> import is the identity for every
-   schedule import accepts. AVGPIPE_TEXT_TORCH drops STEP/AVG and the header to produce a file
+   schedule import accepts. AVGPIPE_TEXT_TORCH drops STEP/AVG/TIE/AGREE and the header to produce a file
    PyTorch reads (an error when N > 1). */
 #define AVGPIPE_TEXT_TORCH 1u
 
@@ -617,6 +626,44 @@ AVGPIPE_API avgpipe_greedy_desc avgpipe_greedy_query_defaults(const avgpipe_gree
 AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgpipe_greedy_desc *desc,
                                                 avgpipe_schedule *out);
 
+/* Ties and step agreement (the transformer's needs) as ops of the schedule.
+   A tie says that a float range of stage partition a and one of partition b are one parameter (GPT-2's
+   token embedding: the first stage's embedding and the last stage's LM head). Each round, after both
+   partitions' backward work of a pipeline and before either STEP, the two gradient ranges are summed:
+   a TIE op on each side (TIE(a@b) on a's rank, TIE(b@a) on b's) exchanges the ranges and both get a + b
+   (the same bits: one fp32 addition is commutative). Step agreement: an AGREE op per stage before each
+   STEP, where every partition of that pipeline contributes a small vector and all receive their
+   combination (the global gradient norm for clipping, a non-finite count for skipping a step).
+   Placement: avgpipe_sched_add_sync inserts them into a compute-only schedule with STEPs (any kind,
+   any placement) by replaying it untimed: each rank runs its list in order; a STEP (and its AVG) whose
+   TIE or AGREE cannot complete yet is held back while the rank goes on with ops that do not need it
+   (only the pipeline's next forward on that stage does); a TIE pair is placed, on both ranks at once,
+   where both sides' backward work of the round has finished, an AGREE group where every stage's has (and
+   its TIEs), and the held STEP and AVG right after. The result is a schedule one execution of which the
+   replay has just run, so every execution completes (the validator's replay checks it again), and the
+   sync ops are in the same order on every rank (the runtime matches them in order on a communicator of
+   their own). A TIE between two stages on one rank moves no bytes. */
+typedef struct avgpipe_tie {
+    int stage_a, stage_b;      /* two different stage partitions */
+    size_t offset_a, offset_b; /* the range's first float in each partition's parameters (and gradients) */
+    size_t count;              /* floats in the range; > 0 */
+} avgpipe_tie;
+typedef struct avgpipe_sync_desc {
+    const avgpipe_tie *ties; /* only stage_a and stage_b are read here; several ties between the same two
+                                stages make one TIE op per side */
+    int nties;
+    int agree;               /* 1: an AGREE op before every STEP */
+} avgpipe_sync_desc;
+/* Insert TIE and AGREE ops into `in` (compute-only: F, B, I, W, STEP, AVG, IDLE; STEPs required, no
+   SEND/RECV and no sync ops yet), moving STEPs and AVGs after them as described above; out is a new
+   schedule (in may be out's source only, not out itself). With no ties and agree 0 it is a copy.
+   Errors: AVGPIPE_INVALID_ARG (a tie naming a stage outside the schedule or a stage tied to itself,
+   naming the tie), AVGPIPE_INVALID_SCHEDULE (in has comm or sync ops, or an op the replay cannot
+   run: then the schedule was not valid; or a STEP whose round's sync can never complete because the
+   rank's list needs that STEP first, naming both ops). */
+AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe_sync_desc *sync,
+                                                  avgpipe_schedule *out);
+
 /* Lowering: insert SEND/RECV ops into a compute-only schedule. Each compute op that produces data
    for a stage on another rank is followed by its SEND; the receiver's RECV (the sender inserts the
    matching receive) is posted right after the receiver's previous compute op, before that op's own
@@ -655,6 +702,8 @@ typedef struct avgpipe_sim_desc {
     int blocking_send;
     double act_bytes;           /* stashed activation bytes per micro-batch and stage, for peak_bytes */
     const double *stage_act_bytes; /* optional per stage */
+    double tie_bytes;              /* bytes a TIE between stages on two ranks exchanges each way */
+    const double *stage_tie_bytes; /* optional [G]: for the pair (a, b), a < b, stage a's entry */
     int record_events;          /* AVGPIPE_SIM_EVENTS_*: fill result.events (for the renderers); 0: none */
 } avgpipe_sim_desc;
 /* desc with its defaults filled in, as the simulator resolves them: cost[k] 0 -> the default above
@@ -742,7 +791,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
                                                      int mark_rank, int mark_pos, avgpipe_buf *out);
 
 /* ============================================================================================ */
-/* 8. Rendering                                                                                 */
+/* 8. Deadlock replay   (inside avgpipe_sched_validate)                                         */
+/* ============================================================================================ */
+/* The lockstep replay of section 7's validator (asynchronous and blocking sends, TIE and AGREE as
+   rendezvous), and the validator's entry point and grid, which run it: no declarations of its own. */
+
+/* ============================================================================================ */
+/* 9. Rendering                                                                                 */
 /* ============================================================================================ */
 /* Renderers take events (from the simulator, or later from a real run's profile). */
 typedef struct avgpipe_render_desc {
@@ -766,7 +821,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
                                               int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
 
 /* ============================================================================================ */
-/* 9. Device backend   (avgpipe_device_*)                                                       */
+/* 10. Device backend   (avgpipe_device_*)                                                       */
 /* ============================================================================================ */
 /* A device is a table of function pointers plus `void *user` (passed back as the first argument of
    every entry). The library never touches device memory itself: it only calls the table. Entries take a
@@ -910,7 +965,7 @@ AVGPIPE_API void avgpipe_device_destroy(avgpipe_device *dev);
 AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgpipe_device *dev);
 
 /* ============================================================================================ */
-/* 10. Averaging   (avgpipe_ea_*)                                                               */
+/* 11. Averaging   (avgpipe_ea_*)                                                               */
 /* ============================================================================================ */
 /* The elastic-averaging state of ONE stage partition (P floats) shared by N parallel models.
 
@@ -1108,7 +1163,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_load_state(avgpipe_context *ctx, avgpipe_e
 AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream);
 
 /* ============================================================================================ */
-/* 11. Comm backend   (avgpipe_comm_*)                                                          */
+/* 12. Comm backend   (avgpipe_comm_*)                                                          */
 /* ============================================================================================ */
 /* Point-to-point messages between ranks plus the collectives a trainer needs. A backend is this table
    plus `user`; `self` is the calling rank. An in-process backend serves several ranks (threads) of one
@@ -1237,7 +1292,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
 AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t stride, int nparts, size_t count);
 
 /* ============================================================================================ */
-/* 12. Buffer plan and run state   (avgpipe_run_plan_*, the run's accessors)                    */
+/* 13. Buffer plan and run state   (avgpipe_run_plan_*, the run's accessors)                    */
 /* ============================================================================================ */
 /* The runtime's buffer plan for a lowered schedule, the one avgpipe_run_create allocates by and the
    tuner's memory model reads: per stage, the bytes of one slot (input activation, output activation
@@ -1259,7 +1314,7 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
                                                     avgpipe_buffer_plan *out);
 AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_plan *plan);
 
-/* A run (avgpipe_run_create, section 16): what it holds, asked between iterations. */
+/* A run (avgpipe_run_create, section 17): what it holds, asked between iterations. */
 typedef struct avgpipe_run avgpipe_run; /* opaque */
 /* The reference model's partition of stage g (newest complete) of the first local replica group that
    holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
@@ -1279,7 +1334,7 @@ AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run)
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
 
 /* ============================================================================================ */
-/* 13. Execution   (avgpipe_stage_callbacks, avgpipe_run_desc, avgpipe_run_stats)               */
+/* 14. Execution   (avgpipe_stage_callbacks, avgpipe_run_desc, avgpipe_run_stats)               */
 /* ============================================================================================ */
 /* Executes a schedule: one host worker thread per local rank walks its (lowered) op list and calls
    the user's stage callbacks with the buffers of each (pipeline, micro-batch); receives are posted
@@ -1422,7 +1477,7 @@ typedef struct avgpipe_run_desc {
     const float *const *reference;     /* optional [G]: the reference's starting values (NULL entries for
                                           stages this process does not run); NULL -> pipeline 0's params */
     /* Averaging: mode (0 -> MEAN), alpha (0 -> 0.1, AVGPIPE_ZERO for exactly 0) and momentum (ELASTIC),
-       as avgpipe_ea_desc documents them (section 10). The run fills in the rest for each stage
+       as avgpipe_ea_desc documents them (section 11). The run fills in the rest for each stage
        partition (count, pipes, initial, device, stage, hold_every: leave them 0) and always guards
        against non-finite models (no_finite_check must be 0). */
     avgpipe_ea_desc averaging;
@@ -1475,7 +1530,7 @@ typedef struct avgpipe_run_stats {
 } avgpipe_run_stats;
 
 /* ============================================================================================ */
-/* 14. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
+/* 15. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
 /* ============================================================================================ */
 /* Collective (every process, between iterations): the reference of every stage of replica group 0
    lands in dst[g] (param_count[g] floats each) on the process that runs global rank 0; other
@@ -1495,7 +1550,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
 AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
 
 /* ============================================================================================ */
-/* 15. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
+/* 16. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
 /* ============================================================================================ */
 #ifndef AVGPIPE_NO_STDIO
 /* Checkpoints. Collective (every process, between iterations, the same dir name). avgpipe_run_save
@@ -1519,7 +1574,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
 #endif
 
 /* ============================================================================================ */
-/* 16. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
+/* 17. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
 /* ============================================================================================ */
 /* desc with its defaults filled in, as avgpipe_run_create resolves them: sched as
    avgpipe_sched_query_defaults; averaging as avgpipe_ea_query_defaults (mode, alpha); timeout_s 0 -> 60,
@@ -1567,7 +1622,7 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
 
 /* ============================================================================================ */
-/* 17. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
+/* 18. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
 /* ============================================================================================ */
 /* Events of the last iteration (desc.profile = 1), of the local ranks: times in seconds from its start. */
 AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count);
@@ -1642,7 +1697,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p);
 
 /* ============================================================================================ */
-/* 18. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
+/* 19. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
 /* ============================================================================================ */
 /* One profiled run is enough (the paper's Section 5, made exact): fit each stage's op times as a
    linear function of the micro-batch size (the profile should hold two sizes: two sections), the
@@ -1729,7 +1784,7 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
 AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds);
 
 /* ============================================================================================ */
-/* 19. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
+/* 20. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
 /* ============================================================================================ */
 /* The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
    backward time as a + b x samples, its parameters and output bytes, the stage that held it),
@@ -2216,7 +2271,7 @@ static int avgpipe__cells_ok(double cells, long long nops) {
 
 static const char *const avgpipe__op_names[AVGPIPE_OP_KIND_COUNT] = {
     "", "F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "STEP", "AVG",
-    "UNSHARD", "RESHARD", "REDUCE_GRAD"};
+    "UNSHARD", "RESHARD", "REDUCE_GRAD", "TIE", "AGREE"};
 /* The schedule kinds (avgpipe_sched_kind_info), in enum order. */
 static const avgpipe_sched_kind_info avgpipe__kinds[AVGPIPE_SCHED_KIND_COUNT] = {
     /* kind, name, generated, chunks, placement, advance, split, overlapped, tuned, micro_multiple, micro_pipes_per_stage */
@@ -2346,8 +2401,11 @@ static int avgpipe__is_compute(int k) {
     return k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_I || k == AVGPIPE_OP_W;
 }
 static int avgpipe__is_comm(int k) { return k >= AVGPIPE_OP_SEND_F && k <= AVGPIPE_OP_RECV_B; }
+static int avgpipe__is_sync(int k) { return k == AVGPIPE_OP_TIE || k == AVGPIPE_OP_AGREE; }
+/* Kinds whose micro is a round (not a micro-batch). */
+static int avgpipe__is_per_round(int k) { return k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG || avgpipe__is_sync(k); }
 static int avgpipe__is_backward(int k) { return k == AVGPIPE_OP_B || k == AVGPIPE_OP_I; }
-static int avgpipe__has_micro(int k) { return k >= AVGPIPE_OP_F && k <= AVGPIPE_OP_AVG; }
+static int avgpipe__has_micro(int k) { return (k >= AVGPIPE_OP_F && k <= AVGPIPE_OP_AVG) || avgpipe__is_sync(k); }
 
 static avgpipe_op avgpipe__op(int kind, int pipe, int stage, int micro) {
     avgpipe_op o;
@@ -2356,7 +2414,7 @@ static avgpipe_op avgpipe__op(int kind, int pipe, int stage, int micro) {
     o.pipe = (int16_t)pipe;
     o.kind = (uint8_t)kind;
     o.flags = 0;
-    o.reserved = 0;
+    o.peer = 0;
     return o;
 }
 
@@ -2537,6 +2595,8 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
         return 0;
     }
     if (with_pipe || op->pipe != 0) snprintf(pre, sizeof pre, "%d:", op->pipe);
+    if (op->kind == AVGPIPE_OP_TIE)
+        return snprintf(out, cap, "%s%dTIE%d@%d", pre, op->stage, op->micro, op->peer);
     if (avgpipe__has_micro(op->kind))
         return snprintf(out, cap, "%s%d%s%d", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind), op->micro);
     return snprintf(out, cap, "%s%d%s", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind));
@@ -2575,7 +2635,7 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             if (avgpipe__has_micro(op->kind)) {
                 if (op->micro < 0)
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative micro-batch", r, i, txt);
-                if (op->kind != AVGPIPE_OP_STEP && op->kind != AVGPIPE_OP_AVG && op->micro + 1LL > U) U = op->micro + 1LL;
+                if (!avgpipe__is_per_round(op->kind) && op->micro + 1LL > U) U = op->micro + 1LL;
             }
         }
     if ((long long)N * s->nstages * U > 200000000LL)
@@ -2632,7 +2692,7 @@ static avgpipe_sched_desc avgpipe__shape_of_ops(const avgpipe_schedule *s, int *
             if (op->kind == AVGPIPE_OP_IDLE) continue;
             if (op->stage > maxstage) maxstage = op->stage;
             if (op->pipe > maxpipe) maxpipe = op->pipe;
-            if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
+            if (avgpipe__is_per_round(op->kind)) {
                 if (op->micro > maxround) maxround = op->micro;
             } else if (op->micro > maxmicro)
                 maxmicro = op->micro;
@@ -2686,7 +2746,7 @@ static int avgpipe__needs_ext(avgpipe_context *ctx, const avgpipe_schedule *s) {
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             int k = s->ops[r][i].kind;
-            if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG || s->ops[r][i].pipe != 0) return 1;
+            if (avgpipe__is_per_round(k) || s->ops[r][i].pipe != 0) return 1;
         }
     return 0;
 }
@@ -2719,7 +2779,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_export(avgpipe_context *ctx, const avgp
         int first = 1, in_group = 0;
         for (i = 0; i < s->len[r] && ok; i++) {
             const avgpipe_op *op = &s->ops[r][i];
-            if (torch && (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG)) continue;
+            if (torch && avgpipe__is_per_round(op->kind)) continue;
             if (!in_group) {
                 if (!first) ok &= avgpipe__buf_put(ctx, out, ",", 1);
                 first = 0;
@@ -2810,6 +2870,17 @@ static int avgpipe__parse_action(const char *p, const char *end, avgpipe_op *op,
             return 0;
         }
         op->micro = b;
+    }
+    if (best == AVGPIPE_OP_TIE) { /* "<stage>TIE<round>@<peer stage>" */
+        if (p >= end || *p != '@' || (p++, !avgpipe__parse_int(&p, end, &b))) {
+            *why = "expected '@' and the tied stage after TIE<round>";
+            return 0;
+        }
+        if (b >= AVGPIPE__MAX_STAGES) {
+            *why = "tied stage number too large (at most 32767 stage partitions)";
+            return 0;
+        }
+        op->peer = b;
     }
     if (p != end) {
         *why = "unexpected characters after the action";
@@ -3950,6 +4021,266 @@ AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgp
     return avgpipe__greedy_run(ctx, desc, out);
 }
 
+/* ---- ties and step agreement: avgpipe_sched_add_sync ---- */
+
+/* The untimed replay that places TIE and AGREE ops (see avgpipe_sched_add_sync). Per (pipe, stage,
+   micro-batch): forward done, input gradient done; per (pipe, stage, round): backward halves done
+   (B counts 2, I and W 1 each; the round's work is complete at 2M), TIEs placed, the STEP's state. */
+#define AVGPIPE__HELD 1    /* the STEP was reached before its sync: held back */
+#define AVGPIPE__STEPPED 2 /* the STEP is placed */
+typedef struct avgpipe__sync {
+    const avgpipe_schedule *in;
+    avgpipe_schedule *out;
+    int G, N, M, T, agree;
+    long long U;
+    int *rank;                      /* [G] */
+    int *part_start, *part;         /* stage g's partners: part[part_start[g] .. part_start[g+1]-1], ascending */
+    unsigned char *fdone, *bdone;   /* [N][G][U] */
+    int *work, *ties_done;          /* [N][G][T] */
+    unsigned char *step, *avg_held, *agree_in; /* [N][G][T] */
+    int *agree_ready;               /* [N][T]: stages whose ties and work are complete */
+} avgpipe__sync;
+
+static size_t avgpipe__sx(const avgpipe__sync *y, int p, int g, long long u) { return ((size_t)p * y->G + (size_t)g) * (size_t)y->U + (size_t)u; }
+static size_t avgpipe__sr(const avgpipe__sync *y, int p, int g, int t) { return ((size_t)p * y->G + (size_t)g) * (size_t)y->T + (size_t)t; }
+
+static void avgpipe__sync_emit(avgpipe__sync *y, int r, avgpipe_op op) { y->out->ops[r][y->out->len[r]++] = op; }
+
+static int avgpipe__sync_done(const avgpipe__sync *y, int p, int g, int t) {
+    size_t k = avgpipe__sr(y, p, g, t);
+    return y->ties_done[k] == y->part_start[g + 1] - y->part_start[g] && (!y->agree || y->agree_in[k] == 2);
+}
+
+/* Place a held STEP (and its held AVG) of (p, g, t) whose sync has completed. */
+static void avgpipe__sync_release(avgpipe__sync *y, int p, int g, int t) {
+    size_t k = avgpipe__sr(y, p, g, t);
+    if (y->step[k] != AVGPIPE__HELD || !avgpipe__sync_done(y, p, g, t)) return;
+    y->step[k] = AVGPIPE__STEPPED;
+    avgpipe__sync_emit(y, y->rank[g], avgpipe__op(AVGPIPE_OP_STEP, p, g, t));
+    if (y->avg_held[k]) avgpipe__sync_emit(y, y->rank[g], avgpipe__op(AVGPIPE_OP_AVG, p, g, t));
+    y->avg_held[k] = 0;
+}
+
+/* Stage g of (p, t) may join the agreement once its work and its ties are complete; the last stage to
+   join places every stage's AGREE (each rank's consecutively, in stage order), then the held STEPs. */
+static void avgpipe__sync_join(avgpipe__sync *y, int p, int g, int t) {
+    size_t k = avgpipe__sr(y, p, g, t);
+    int h;
+    if (!y->agree) {
+        avgpipe__sync_release(y, p, g, t);
+        return;
+    }
+    if (y->agree_in[k] || y->ties_done[k] != y->part_start[g + 1] - y->part_start[g]) return;
+    y->agree_in[k] = 1;
+    if (++y->agree_ready[(size_t)p * y->T + (size_t)t] < y->G) return;
+    for (h = 0; h < y->G; h++) {
+        avgpipe__sync_emit(y, y->rank[h], avgpipe__op(AVGPIPE_OP_AGREE, p, h, t));
+        y->agree_in[avgpipe__sr(y, p, h, t)] = 2;
+    }
+    for (h = 0; h < y->G; h++) avgpipe__sync_release(y, p, h, t);
+}
+
+/* Stage g's backward work of (p, t) is complete: place the TIE pairs whose other side is complete too. */
+static void avgpipe__sync_work_done(avgpipe__sync *y, int p, int g, int t) {
+    int j;
+    for (j = y->part_start[g]; j < y->part_start[g + 1]; j++) {
+        int h = y->part[j], lo = g < h ? g : h, hi = g < h ? h : g;
+        if (y->work[avgpipe__sr(y, p, h, t)] != 2 * y->M) continue;
+        avgpipe__sync_emit(y, y->rank[lo], avgpipe__op(AVGPIPE_OP_TIE, p, lo, t));
+        y->out->ops[y->rank[lo]][y->out->len[y->rank[lo]] - 1].peer = hi;
+        avgpipe__sync_emit(y, y->rank[hi], avgpipe__op(AVGPIPE_OP_TIE, p, hi, t));
+        y->out->ops[y->rank[hi]][y->out->len[y->rank[hi]] - 1].peer = lo;
+        y->ties_done[avgpipe__sr(y, p, g, t)]++;
+        y->ties_done[avgpipe__sr(y, p, h, t)]++;
+        avgpipe__sync_join(y, p, h, t);
+    }
+    avgpipe__sync_join(y, p, g, t);
+}
+
+/* Can op run now (its inputs are there; a forward also needs its stage's STEP of the previous round)? */
+static int avgpipe__sync_ready(const avgpipe__sync *y, const avgpipe_op *op) {
+    int p = op->pipe, g = op->stage;
+    long long u = op->micro;
+    if (op->kind == AVGPIPE_OP_F) {
+        int t = (int)(u / y->M);
+        if (t > 0 && t - 1 < y->T && y->step[avgpipe__sr(y, p, g, t - 1)] == AVGPIPE__HELD) return 0;
+        return g == 0 || y->fdone[avgpipe__sx(y, p, g - 1, u)];
+    }
+    if (avgpipe__is_backward(op->kind))
+        return y->fdone[avgpipe__sx(y, p, g, u)] && (g == y->G - 1 || y->bdone[avgpipe__sx(y, p, g + 1, u)]);
+    return 1;
+}
+
+static void avgpipe__sync_run(avgpipe__sync *y, int r, const avgpipe_op *op) {
+    int p = op->pipe, g = op->stage, t;
+    if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
+        size_t k;
+        if (op->micro >= y->T) { /* a round past the last STEP's: nothing to hold for */
+            avgpipe__sync_emit(y, r, *op);
+            return;
+        }
+        k = avgpipe__sr(y, p, g, op->micro);
+        if (op->kind == AVGPIPE_OP_STEP) {
+            if (avgpipe__sync_done(y, p, g, op->micro)) {
+                y->step[k] = AVGPIPE__STEPPED;
+                avgpipe__sync_emit(y, r, *op);
+            } else
+                y->step[k] = AVGPIPE__HELD;
+        } else if (y->step[k] == AVGPIPE__HELD)
+            y->avg_held[k] = 1;
+        else
+            avgpipe__sync_emit(y, r, *op);
+        return;
+    }
+    avgpipe__sync_emit(y, r, *op);
+    if (!avgpipe__is_compute(op->kind)) return;
+    if (op->kind == AVGPIPE_OP_F) {
+        y->fdone[avgpipe__sx(y, p, g, op->micro)] = 1;
+        return;
+    }
+    if (avgpipe__is_backward(op->kind)) y->bdone[avgpipe__sx(y, p, g, op->micro)] = 1;
+    t = (int)(op->micro / y->M);
+    if (t >= y->T) return;
+    y->work[avgpipe__sr(y, p, g, t)] += op->kind == AVGPIPE_OP_B ? 2 : 1;
+    if (y->work[avgpipe__sr(y, p, g, t)] == 2 * y->M) avgpipe__sync_work_done(y, p, g, t);
+}
+
+static avgpipe_result avgpipe__sync_replay(avgpipe_context *ctx, avgpipe__sync *y) {
+    const avgpipe_schedule *s = y->in;
+    int S = s->nranks, r, progress = 1, left = 1;
+    int *cur = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
+    if (!cur) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_add_sync: out of memory");
+    while (left && progress) { /* lockstep: one op (or overlap pair) per rank per sweep */
+        progress = left = 0;
+        for (r = 0; r < S; r++) {
+            int c = cur[r], n = 1;
+            const avgpipe_op *o = s->ops[r];
+            if (c >= s->len[r]) continue;
+            left = 1;
+            if ((o[c].flags & AVGPIPE_OPF_OVERLAP_NEXT) && c + 1 < s->len[r]) n = 2;
+            if (!avgpipe__sync_ready(y, &o[c]) || (n == 2 && !avgpipe__sync_ready(y, &o[c + 1]))) continue;
+            avgpipe__sync_run(y, r, &o[c]);
+            if (n == 2) avgpipe__sync_run(y, r, &o[c + 1]);
+            cur[r] = c + n;
+            progress = 1;
+        }
+    }
+    if (left) {
+        char txt[64], held[64] = "";
+        int p, g, t;
+        for (r = 0; r < S && cur[r] >= s->len[r]; r++) {}
+        avgpipe_op_format(&s->ops[r][cur[r]], 0, txt, sizeof txt);
+        for (p = 0; p < y->N && !held[0]; p++)
+            for (g = 0; g < y->G && !held[0]; g++)
+                for (t = 0; t < y->T && !held[0]; t++)
+                    if (y->step[avgpipe__sr(y, p, g, t)] == AVGPIPE__HELD) {
+                        avgpipe_op st = avgpipe__op(AVGPIPE_OP_STEP, p, g, t);
+                        avgpipe_op_format(&st, 1, held, sizeof held);
+                    }
+        avgpipe_free(ctx, cur);
+        if (held[0])
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE,
+                                 "avgpipe_sched_add_sync: rank %d position %d (%s) cannot run before STEP %s, whose round's %s cannot "
+                                 "complete before it: this schedule cannot hold the sync (reorder it, or use synchronous rounds)",
+                                 r, cur[r], txt, held, y->agree ? "agreement" : "tie");
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sched_add_sync: rank %d position %d (%s) never becomes ready: the schedule is not valid",
+                             r, cur[r], txt);
+    }
+    avgpipe_free(ctx, cur);
+    for (r = 0; r < y->N * y->G * y->T; r++)
+        if (y->step[r] == AVGPIPE__HELD)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sched_add_sync: a STEP's sync never completed (a stage misses backward work)");
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe_sync_desc *sync,
+                                                  avgpipe_schedule *out) {
+    avgpipe__sync y;
+    avgpipe_result res;
+    int r, i, j, g, G, nt = 0;
+    size_t cells, rounds_cells;
+    if (!in || !out || in == out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_add_sync: NULL argument (or in == out)");
+    if (sync && (sync->nties < 0 || (sync->nties > 0 && !sync->ties)))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_add_sync: sync.ties is NULL with nties %d", sync->nties);
+    memset(&y, 0, sizeof y);
+    y.in = in;
+    y.out = out;
+    y.G = G = in->nstages;
+    y.agree = sync && sync->agree;
+    if (sync) nt = sync->nties;
+    for (i = 0; i < nt; i++) {
+        const avgpipe_tie *t = &sync->ties[i];
+        if (t->stage_a < 0 || t->stage_a >= G || t->stage_b < 0 || t->stage_b >= G)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_add_sync: ties[%d] names stage %d, outside the schedule's %d stages", i,
+                                 t->stage_a < 0 || t->stage_a >= G ? t->stage_a : t->stage_b, G);
+        if (t->stage_a == t->stage_b)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_add_sync: ties[%d] ties stage %d to itself", i, t->stage_a);
+    }
+    for (r = 0; r < in->nranks; r++)
+        for (i = 0; i < in->len[r]; i++)
+            if (avgpipe__is_comm(in->ops[r][i].kind) || avgpipe__is_sync(in->ops[r][i].kind)) {
+                char txt[64];
+                avgpipe_op_format(&in->ops[r][i], 0, txt, sizeof txt);
+                return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sched_add_sync: rank %d position %d (%s): the input must be compute-only, without sync ops",
+                                     r, i, txt);
+            }
+    if (!nt && !y.agree) return avgpipe_sched_copy(ctx, in, out);
+    res = avgpipe__sched_scan(ctx, in, NULL, &y.N, &y.U);
+    if (res) return res;
+    y.M = in->shape.micro > 0 ? in->shape.micro : 1;
+    y.T = 0;
+    for (r = 0; r < in->nranks; r++)
+        for (i = 0; i < in->len[r]; i++)
+            if (in->ops[r][i].kind == AVGPIPE_OP_STEP && in->ops[r][i].micro + 1 > y.T) y.T = in->ops[r][i].micro + 1;
+    if (y.T == 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sched_add_sync: the schedule has no STEP ops to synchronise");
+    cells = (size_t)y.N * (size_t)G * (size_t)y.U;
+    rounds_cells = (size_t)y.N * (size_t)G * (size_t)y.T;
+    y.rank = (int *)avgpipe__calloc(ctx, (size_t)G * 2 + 1 + 2 * (size_t)nt, sizeof(int));
+    y.fdone = (unsigned char *)avgpipe__calloc(ctx, 2 * cells + 3 * rounds_cells, 1);
+    y.work = (int *)avgpipe__calloc(ctx, 2 * rounds_cells + (size_t)y.N * y.T, sizeof(int));
+    res = avgpipe__sched_init_like(ctx, out, in);
+    if (!y.rank || !y.fdone || !y.work || res) {
+        if (!res) avgpipe_sched_free(ctx, out);
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_add_sync: out of memory");
+        goto done;
+    }
+    y.part_start = y.rank + G;
+    y.part = y.part_start + G + 1;
+    y.bdone = y.fdone + cells;
+    y.step = y.bdone + cells;
+    y.avg_held = y.step + rounds_cells;
+    y.agree_in = y.avg_held + rounds_cells;
+    y.ties_done = y.work + rounds_cells;
+    y.agree_ready = y.ties_done + rounds_cells;
+    for (g = 0; g < G; g++) y.rank[g] = avgpipe_stage_rank(in, g);
+    /* partners: each unordered pair once, per stage in ascending order */
+    for (g = 0, j = 0; g < G; g++) {
+        int h;
+        y.part_start[g] = j;
+        for (h = 0; h < G; h++) {
+            int k, hit = 0;
+            for (k = 0; k < nt && !hit; k++)
+                hit = (sync->ties[k].stage_a == g && sync->ties[k].stage_b == h) || (sync->ties[k].stage_a == h && sync->ties[k].stage_b == g);
+            if (hit) y.part[j++] = h;
+        }
+    }
+    y.part_start[G] = j;
+    for (r = 0; r < in->nranks && !res; r++) {
+        size_t n = (size_t)in->len[r];
+        for (i = 0; i < in->len[r]; i++)
+            if (in->ops[r][i].kind == AVGPIPE_OP_STEP)
+                n += (size_t)(y.part_start[in->ops[r][i].stage + 1] - y.part_start[in->ops[r][i].stage]) + (size_t)y.agree;
+        res = avgpipe__sched_reserve(ctx, out, r, n);
+    }
+    if (!res) res = avgpipe__sync_replay(ctx, &y);
+    if (res) avgpipe_sched_free(ctx, out);
+done:
+    avgpipe_free(ctx, y.rank);
+    avgpipe_free(ctx, y.fdone);
+    avgpipe_free(ctx, y.work);
+    return res;
+}
+
 /* ---- lowering ---- */
 
 
@@ -4205,9 +4536,16 @@ typedef struct avgpipe__sim {
     int stuck_rank, stuck_pos; /* after a deadlock: the first stuck rank and its op */
     int kind_cost_ready;       /* costs depend on the kind only: kind_cost holds them */
     double kind_cost[AVGPIPE_OP_KIND_COUNT];
+    /* TIE and AGREE rendezvous: a TIE pair (lo, hi) starts when both sides have arrived, an AGREE
+       group when every rank holding a stage has */
+    int T, npairs, agree_ranks;
+    int *pairs;       /* [npairs][2] */
+    double *tie_at;   /* [N][T][npairs][2]: arrival of each side, -1 */
+    double *agree_at; /* [N][T]: the latest arrival */
+    int *agree_n;     /* [N][T]: ranks arrived */
 } avgpipe__sim;
 
-static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
 
 AVGPIPE_API avgpipe_sim_desc avgpipe_sim_query_defaults(const avgpipe_sim_desc *desc) {
     avgpipe_sim_desc d;
@@ -4243,9 +4581,10 @@ static size_t avgpipe__idx(const avgpipe__sim *m, int pipe, int stage, int micro
     return ((size_t)pipe * (size_t)m->G + (size_t)stage) * (size_t)m->U + (size_t)micro;
 }
 
+/* waiting[r]: bit 0 asleep (woken by a producer), bit 1 arrived at the AGREE group it waits for */
 static void avgpipe__wake(avgpipe__sim *m, int r) {
-    if (m->waiting[r]) {
-        m->waiting[r] = 0;
+    if (m->waiting[r] & 1) {
+        m->waiting[r] &= ~1;
         m->stack[m->nstack++] = r;
     }
 }
@@ -4351,6 +4690,59 @@ static int avgpipe__sim_recv(avgpipe__sim *m, const avgpipe_op *op, double t, in
 }
 
 /* Run rank r as far as it can go. Returns 0 on allocation failure. */
+static int avgpipe__sim_pair(const avgpipe__sim *m, int g, int h) {
+    int q, lo = g < h ? g : h, hi = g < h ? h : g;
+    for (q = 0; q < m->npairs; q++)
+        if (m->pairs[2 * q] == lo && m->pairs[2 * q + 1] == hi) return q;
+    return -1;
+}
+
+/* A TIE or AGREE of rank r reached at time t: 0 to wait for the other side(s), else 1 with *start (when
+   all have arrived) and *xfer (the exchange's transfer time, 0 on one rank). */
+static int avgpipe__sim_sync(avgpipe__sim *m, int r, int pos, double t, double *start, double *xfer) {
+    const avgpipe_op *op = &m->s->ops[r][pos];
+    const avgpipe_sim_desc *d = m->d;
+    size_t pt = (size_t)op->pipe * (size_t)m->T + (size_t)op->micro;
+    int q;
+    *xfer = 0;
+    *start = t;
+    if (op->kind == AVGPIPE_OP_TIE) {
+        int h = op->peer, side = op->stage < h ? 0 : 1, lo;
+        double *at;
+        q = avgpipe__sim_pair(m, op->stage, h);
+        at = &m->tie_at[(pt * (size_t)m->npairs + (size_t)q) * 2];
+        if (m->pl.rank[h] == r) return 1; /* both sides here: no bytes move */
+        if (at[side] < 0) {
+            at[side] = t;
+            avgpipe__wake(m, m->pl.rank[h]);
+        }
+        if (at[1 - side] < 0) return 0;
+        *start = at[0] > at[1] ? at[0] : at[1];
+        lo = op->stage < h ? op->stage : h;
+        {
+            double b = d->stage_tie_bytes ? d->stage_tie_bytes[lo] : d->tie_bytes;
+            *xfer = d->latency + (d->bandwidth > 0 ? b / d->bandwidth : 0);
+        }
+        return 1;
+    }
+    if (pos > 0 && m->s->ops[r][pos - 1].kind == AVGPIPE_OP_AGREE && m->s->ops[r][pos - 1].pipe == op->pipe &&
+        m->s->ops[r][pos - 1].micro == op->micro)
+        return 1; /* the rest of this rank's group */
+    if (m->agree_n[pt] >= 0 && !(m->waiting[r] & 2)) { /* this rank arrives */
+        m->waiting[r] |= 2;
+        if (t > m->agree_at[pt]) m->agree_at[pt] = t;
+        if (++m->agree_n[pt] == m->agree_ranks) {
+            m->agree_n[pt] = -1; /* complete */
+            for (q = 0; q < m->S; q++) avgpipe__wake(m, q);
+        }
+    }
+    if (m->agree_n[pt] >= 0) return 0;
+    m->waiting[r] &= ~2;
+    *start = m->agree_at[pt];
+    *xfer = m->agree_ranks > 1 ? d->latency : 0;
+    return 1;
+}
+
 static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     const avgpipe_op *ops = m->s->ops[r];
     int n = m->s->len[r], ok = 1, pos = m->pos[r];
@@ -4359,12 +4751,16 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     double t = m->t[r];
     for (; pos < n && ok; pos++) {
         const avgpipe_op *op = &ops[pos];
-        double dep = 0, c, end;
+        double dep = 0, c, end, xfer = 0;
         size_t ix = 0;
         int k = op->kind, how;
         AVGPIPE__PREFETCH(op + 12);
-        if (avgpipe__has_micro(k) && k != AVGPIPE_OP_STEP && k != AVGPIPE_OP_AVG) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
+        if (avgpipe__has_micro(k) && !avgpipe__is_per_round(k)) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
         switch (k) {
+        case AVGPIPE_OP_TIE:
+        case AVGPIPE_OP_AGREE:
+            if (!avgpipe__sim_sync(m, r, pos, t, &dep, &xfer)) goto wait;
+            break;
         case AVGPIPE_OP_F:
             dep = op->stage > 0 ? m->cell[ix].act : 0;
             break;
@@ -4388,7 +4784,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             if (how < 0) goto stop;
             continue;
         }
-        c = m->kind_cost_ready ? m->kind_cost[k] : avgpipe__cost(m, op);
+        c = (m->kind_cost_ready ? m->kind_cost[k] : avgpipe__cost(m, op)) + xfer;
         if (dep < t) dep = t;
         end = dep + c;
         st->busy += c;
@@ -4416,7 +4812,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     m->t[r] = t;
     return ok;
 wait:
-    m->waiting[r] = 1;
+    m->waiting[r] |= 1;
 stop:
     m->pos[r] = pos;
     m->t[r] = t;
@@ -4445,6 +4841,48 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
     avgpipe_free(ctx, m->stash);
     avgpipe_free(ctx, m->t);
     avgpipe_free(ctx, m->bytes);
+    avgpipe_free(ctx, m->pairs);
+    avgpipe_free(ctx, m->tie_at);
+    avgpipe_free(ctx, m->agree_n);
+}
+
+/* The sync ops' tables: the tie pairs, the rounds, the ranks an AGREE waits for. */
+static avgpipe_result avgpipe__sim_sync_tables(avgpipe__sim *m) {
+    const avgpipe_schedule *s = m->s;
+    int r, i, g, nsync = 0;
+    size_t n, j;
+    for (r = 0; r < s->nranks; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (!avgpipe__is_sync(op->kind)) continue;
+            nsync++;
+            if (op->micro + 1 > m->T) m->T = op->micro + 1;
+            if (op->kind != AVGPIPE_OP_TIE) continue;
+            if (op->peer < 0 || op->peer >= m->G || op->peer == op->stage)
+                return avgpipe__fail(m->ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sim_run: rank %d position %d: TIE with stage %d (not another stage of 0..%d)", r, i,
+                                     op->peer, m->G - 1);
+            if (avgpipe__sim_pair(m, op->stage, op->peer) < 0) {
+                int *np = (int *)avgpipe__realloc(m->ctx, m->pairs, (size_t)m->npairs * 2 * sizeof(int), (size_t)(m->npairs + 1) * 2 * sizeof(int));
+                if (!np) return avgpipe__fail(m->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+                m->pairs = np;
+                np[2 * m->npairs] = op->stage < op->peer ? op->stage : op->peer;
+                np[2 * m->npairs + 1] = op->stage < op->peer ? op->peer : op->stage;
+                m->npairs++;
+            }
+        }
+    if (!nsync) return AVGPIPE_OK;
+    for (r = 0; r < m->S; r++) {
+        for (g = 0; g < m->G && m->pl.rank[g] != r; g++) {}
+        m->agree_ranks += g < m->G;
+    }
+    n = (size_t)m->N * (size_t)m->T;
+    m->tie_at = (double *)avgpipe_alloc(m->ctx, (n * 2 * (size_t)m->npairs + n) * sizeof(double));
+    m->agree_n = (int *)avgpipe__calloc(m->ctx, n, sizeof(int));
+    if (!m->tie_at || !m->agree_n) return avgpipe__fail(m->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+    m->agree_at = m->tie_at + n * 2 * (size_t)m->npairs;
+    for (j = 0; j < n * 2 * (size_t)m->npairs; j++) m->tie_at[j] = -1;
+    for (j = 0; j < n; j++) m->agree_at[j] = 0;
+    return AVGPIPE_OK;
 }
 
 /* Sizes of the dependency tables, and a structural check the simulator relies on. */
@@ -4549,6 +4987,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         goto done;
     }
     for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
+    if ((res = avgpipe__sim_sync_tables(&m)) != AVGPIPE_OK) goto done;
     if (desc->record_events) { /* room for every event at once: one per op, two per transfer */
         size_t ne = 0;
         int j;
@@ -4605,7 +5044,7 @@ done:
     return res;
 }
 
-/* --- 7. Validation (static checks, then a deadlock replay of its own) ------------------------- */
+/* --- 7. Validation: the static checks (section 8 replays) ------------------------------------ */
 
 typedef struct avgpipe__msg {
     uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
@@ -4647,12 +5086,23 @@ typedef struct avgpipe__vstate {
     int32_t *seqf, *seqb;
     int *nseq;
     int fsdp; /* the lists hold UNSHARD, RESHARD or REDUCE_GRAD ops */
+    /* Ties and agreement (TIE and AGREE ops). A tie pair is (lo, hi) stages; its TIE(lo@hi) is side 1,
+       TIE(hi@lo) side 2 (bits 1, 2 in tie[]: seen by the static pass; 4, 8: reached in the replay). */
+    int nsync, any_agree, npairs, agree_ranks;
+    int *pairs;          /* [npairs][2] */
+    int *npart;          /* [G]: partners of each stage */
+    uint8_t *tie;        /* [N][R][npairs] */
+    uint16_t *nties;     /* [N][G][R]: TIEs seen so far */
+    int *agree_at;       /* [S]: replay: p * R + t + 1 of the AGREE group the rank reached last */
+    int *agree_arrived;  /* [N][R]: replay: ranks that reached that group */
 } avgpipe__vstate;
 
 /* Bits of avgpipe__vstate.st: what the static pass saw (F, B, I, W, RECV_F, RECV_B), then what the
    replay delivered (the activation, the gradient). */
 enum { AVGPIPE__VF = 1, AVGPIPE__VB = 2, AVGPIPE__VI = 4, AVGPIPE__VW = 8, AVGPIPE__VRF = 16, AVGPIPE__VRB = 32,
        AVGPIPE__VA = 64, AVGPIPE__VG = 128 };
+/* Bits of avgpipe__vstate.step: per (pipe, stage, round). */
+enum { AVGPIPE__VSTEP = 1, AVGPIPE__VAVG = 2, AVGPIPE__VAGREE = 4 };
 
 static avgpipe_result avgpipe__vfail(avgpipe__vstate *v, avgpipe_result res, int rank, int pos, const char *fmt, ...) {
     va_list ap;
@@ -4679,6 +5129,57 @@ static size_t avgpipe__vix(const avgpipe__vstate *v, int p, int g, int u) {
 }
 
 /* One op of the static pass. */
+/* The first micro-batch of round t whose backward work on (p, g) is not done yet, or -1. */
+static int avgpipe__vwork_missing(const avgpipe__vstate *v, int p, int g, int t) {
+    int j;
+    for (j = t * v->M; j < (t + 1) * v->M; j++) {
+        uint8_t b = v->st[avgpipe__vix(v, p, g, j)];
+        if (!(b & AVGPIPE__VB) && !(b & AVGPIPE__VW)) return j;
+    }
+    return -1;
+}
+
+/* The tie pair of stages g and h, or -1. */
+static int avgpipe__vpair(const avgpipe__vstate *v, int g, int h) {
+    int q, lo = g < h ? g : h, hi = g < h ? h : g;
+    for (q = 0; q < v->npairs; q++)
+        if (v->pairs[2 * q] == lo && v->pairs[2 * q + 1] == hi) return q;
+    return -1;
+}
+
+/* A TIE or AGREE op (stage and pipeline already checked): after its stage's backward work of the
+   round (a TIE with a stage on the same rank: after that stage's too, as the runtime sums both there),
+   once, before the round's STEP; TIEs before the AGREE. */
+static avgpipe_result avgpipe__check_sync_op(avgpipe__vstate *v, int r, int i) {
+    const avgpipe_op *op = &v->s->ops[r][i];
+    int g = op->stage, p = op->pipe, t = op->micro, G = v->G, j;
+    size_t k = ((size_t)p * G + g) * v->R + (size_t)t;
+    const char *what = op->kind == AVGPIPE_OP_TIE ? "TIE" : "AGREE";
+    if (t < 0 || t >= v->R) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "round %d out of range 0..%d", t, v->R - 1);
+    if (v->step[k] & AVGPIPE__VSTEP) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "%s after the STEP of its round", what);
+    if ((j = avgpipe__vwork_missing(v, p, g, t)) >= 0)
+        return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "%s before the backward work of micro-batch %d", what, j);
+    if (op->kind == AVGPIPE_OP_AGREE) {
+        if (v->step[k] & AVGPIPE__VAGREE) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate AGREE");
+        if (v->nties[k] != v->npart[g])
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "AGREE before its TIEs (%d of %d placed)", v->nties[k], v->npart[g]);
+        v->step[k] |= AVGPIPE__VAGREE;
+        return AVGPIPE_OK;
+    }
+    {
+        int h = op->peer, q = avgpipe__vpair(v, g, h);
+        uint8_t bit = (uint8_t)(g < h ? 1 : 2), *x = &v->tie[((size_t)p * v->R + (size_t)t) * (size_t)v->npairs + (size_t)q];
+        if (v->step[k] & AVGPIPE__VAGREE) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "TIE after the AGREE of its round");
+        if (*x & bit) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate TIE");
+        if (v->pl.rank[h] == r && (j = avgpipe__vwork_missing(v, p, h, t)) >= 0)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i,
+                                  "TIE with stage %d (on this rank) before that stage's backward work of micro-batch %d", h, j);
+        *x |= bit;
+        v->nties[k]++;
+    }
+    return AVGPIPE_OK;
+}
+
 static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     const avgpipe_op *op = &v->s->ops[r][i];
     int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
@@ -4708,14 +5209,16 @@ static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
             return AVGPIPE_OK;
         }
         if (*sx & 1) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate STEP");
-        for (j = u * v->M; j < (u + 1) * v->M; j++) {
-            uint8_t b = v->st[avgpipe__vix(v, p, g, j)];
-            if (!(b & AVGPIPE__VB) && !(b & AVGPIPE__VW))
-                return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "STEP before the backward work of micro-batch %d", j);
-        }
+        if ((j = avgpipe__vwork_missing(v, p, g, u)) >= 0)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "STEP before the backward work of micro-batch %d", j);
+        if (v->nsync && v->nties[((size_t)p * G + g) * v->R + u] != v->npart[g])
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "STEP before its TIEs (%d of %d placed)",
+                                  v->nties[((size_t)p * G + g) * v->R + u], v->npart[g]);
+        if (v->any_agree && !(*sx & AVGPIPE__VAGREE)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "STEP before its AGREE");
         *sx |= 1;
         return AVGPIPE_OK;
     }
+    if (avgpipe__is_sync(k)) return avgpipe__check_sync_op(v, r, i);
     if (u < 0 || u >= MR)
         return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "micro-batch %d out of range 0..%d (micro x rounds)", u, MR - 1);
     x = &v->st[avgpipe__vix(v, p, g, u)];
@@ -4841,12 +5344,120 @@ static avgpipe_result avgpipe__check_channels(avgpipe__vstate *v) {
     return AVGPIPE_OK;
 }
 
+static int avgpipe__rank_holds_stage(const avgpipe__vstate *v, int r) {
+    int g;
+    for (g = 0; g < v->G; g++)
+        if (v->pl.rank[g] == r) return 1;
+    return 0;
+}
+
+/* Before the static pass: count the sync ops, check their peers, collect the tie pairs. */
+static avgpipe_result avgpipe__vsync_prepare(avgpipe__vstate *v) {
+    const avgpipe_schedule *s = v->s;
+    int r, i, q;
+    for (r = 0; r < v->S; r++)
+        for (i = 0; i < s->len[r]; i++) {
+            const avgpipe_op *op = &s->ops[r][i];
+            if (!avgpipe__is_sync(op->kind)) continue;
+            v->nsync++;
+            if (op->kind == AVGPIPE_OP_AGREE) {
+                v->any_agree = 1;
+                continue;
+            }
+            if (op->peer < 0 || op->peer >= v->G || op->peer == op->stage)
+                return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, op->peer == op->stage ? "TIE of stage %d with itself" : "TIE with stage %d, outside 0..%d",
+                                      op->peer, v->G - 1);
+            if (op->stage >= 0 && op->stage < v->G && avgpipe__vpair(v, op->stage, op->peer) < 0) {
+                int *np = (int *)avgpipe__realloc(v->ctx, v->pairs, (size_t)v->npairs * 2 * sizeof(int), (size_t)(v->npairs + 1) * 2 * sizeof(int));
+                if (!np) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+                v->pairs = np;
+                np[2 * v->npairs] = op->stage < op->peer ? op->stage : op->peer;
+                np[2 * v->npairs + 1] = op->stage < op->peer ? op->peer : op->stage;
+                v->npairs++;
+            }
+        }
+    if (!v->nsync) return AVGPIPE_OK;
+    v->npart = (int *)avgpipe__calloc(v->ctx, (size_t)v->G + 2 * (size_t)v->S + (size_t)v->N * v->R, sizeof(int));
+    v->nties = (uint16_t *)avgpipe__calloc(v->ctx, (size_t)v->N * v->G * v->R, sizeof(uint16_t));
+    v->tie = (uint8_t *)avgpipe__calloc(v->ctx, (size_t)v->N * v->R * (size_t)(v->npairs + 1), 1);
+    if (!v->npart || !v->nties || !v->tie) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    v->agree_at = v->npart + v->G;
+    v->agree_arrived = v->agree_at + v->S;
+    for (q = 0; q < v->npairs; q++) {
+        v->npart[v->pairs[2 * q]]++;
+        v->npart[v->pairs[2 * q + 1]]++;
+    }
+    for (r = 0; r < v->S; r++) v->agree_ranks += s->len[r] > 0 && avgpipe__rank_holds_stage(v, r);
+    return AVGPIPE_OK;
+}
+
+/* The next sync event of rank r from *i on that concerns rank `other` (a TIE with a stage there) or
+   everyone (the first AGREE of a group; other -1: AGREE groups only): its op, or NULL at the end. */
+static const avgpipe_op *avgpipe__vsync_next(const avgpipe__vstate *v, int r, int other, int *i) {
+    const avgpipe_op *o = v->s->ops[r];
+    for (; *i < v->s->len[r]; (*i)++) {
+        const avgpipe_op *op = &o[*i];
+        if (op->kind == AVGPIPE_OP_AGREE && !(*i > 0 && o[*i - 1].kind == AVGPIPE_OP_AGREE && o[*i - 1].pipe == op->pipe &&
+                                              o[*i - 1].micro == op->micro))
+            return &o[(*i)++];
+        if (op->kind == AVGPIPE_OP_TIE && other >= 0 && v->pl.rank[op->peer] == other) return &o[(*i)++];
+    }
+    return NULL;
+}
+
+/* The sync ops travel on a communicator of their own, matched in order: every rank meets the AGREE
+   groups in the same order, once each, and two ranks that share a tie meet their TIEs and the AGREE
+   groups in the same order. */
+static avgpipe_result avgpipe__check_sync_order(avgpipe__vstate *v) {
+    int r, q, first = -1;
+    for (r = 0; r < v->S; r++) {
+        int i = 0, j = 0, n = 0;
+        const avgpipe_op *a, *b;
+        if (!avgpipe__rank_holds_stage(v, r)) continue;
+        if (first < 0) first = r;
+        for (;;) {
+            a = avgpipe__vsync_next(v, r, -1, &i);
+            b = avgpipe__vsync_next(v, first, -1, &j);
+            if (!a && !b) break;
+            if (!a || !b || a->pipe != b->pipe || a->micro != b->micro)
+                return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, a ? r : first, (a ? i : j) - 1,
+                                      "AGREE group #%d of rank %d differs from rank %d's (the agreement is matched in order)", n, r, first);
+            n++;
+        }
+        if (v->any_agree && n != v->N * v->R)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, -1, "rank %d: %d AGREE groups, not one per pipeline and round (%d): a rank's AGREE ops of one round must be consecutive",
+                                  r, n, v->N * v->R);
+    }
+    for (q = 0; q < v->npairs; q++) {
+        int A = v->pl.rank[v->pairs[2 * q]], B = v->pl.rank[v->pairs[2 * q + 1]], i = 0, j = 0, n = 0, q2, seen = 0;
+        if (A == B) continue;
+        for (q2 = 0; q2 < q && !seen; q2++)
+            seen = (v->pl.rank[v->pairs[2 * q2]] == A && v->pl.rank[v->pairs[2 * q2 + 1]] == B) ||
+                   (v->pl.rank[v->pairs[2 * q2]] == B && v->pl.rank[v->pairs[2 * q2 + 1]] == A);
+        if (seen) continue;
+        for (;; n++) {
+            const avgpipe_op *a = avgpipe__vsync_next(v, A, B, &i), *b = avgpipe__vsync_next(v, B, A, &j);
+            if (!a && !b) break;
+            if (!a || !b || a->kind != b->kind || a->pipe != b->pipe || a->micro != b->micro ||
+                (a->kind == AVGPIPE_OP_TIE && (a->peer != b->stage || b->peer != a->stage)))
+                return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, a ? A : B, (a ? i : j) - 1,
+                                      "sync op #%d between rank %d and rank %d is not the one the other rank has there (ties and agreement "
+                                      "are matched in order)",
+                                      n, A, B);
+        }
+    }
+    return AVGPIPE_OK;
+}
+
 static avgpipe_result avgpipe__check_static(avgpipe__vstate *v) {
     avgpipe_result res = AVGPIPE_OK;
     int r, i;
     for (r = 0; r < v->S && !res; r++)
         for (i = 0; i < v->s->len[r] && !res; i++) res = avgpipe__check_op(v, r, i);
     if (!res) res = avgpipe__check_complete(v);
+    if (!res && v->nsync && !v->any_step)
+        res = avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "TIE and AGREE ops without STEPs (they synchronise the STEPs)");
+    if (!res && v->nsync) res = avgpipe__check_sync_order(v);
     if (!res && v->s->has_comm) res = avgpipe__check_channels(v);
     return res;
 }
@@ -4881,8 +5492,9 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     return AVGPIPE_OK;
 }
 
-/* ---- the deadlock replay ----
-   Every rank runs its list in order; an op waits only for what it needs from another rank (the
+/* --- 8. The deadlock replay, and the validator's entry point --------------------------------- */
+
+/* Every rank runs its list in order; an op waits only for what it needs from another rank (the
    static pass has already put each rank's own dependencies in order): a forward or backward waits
    for its input to arrive, and a blocking send waits until the receiver has posted the matching
    receive. Every condition, once true, stays true, so running each rank as far as it can go until
@@ -4997,6 +5609,35 @@ static int avgpipe__vsend(avgpipe__vreplay *P, const avgpipe_op *op, int explici
     return 1;
 }
 
+/* Whether the sync op at rank r's position i may run: a TIE once its twin has been reached, an AGREE once
+   every rank has reached its group. Marks this rank's arrival and wakes those waiting for it. */
+static int avgpipe__vsync_pass(avgpipe__vreplay *P, int r, int i) {
+    avgpipe__vstate *v = P->v;
+    const avgpipe_op *op = &v->s->ops[r][i];
+    int t = op->micro, p = op->pipe;
+    if (P->blocking) return 1; /* checked by the asynchronous replay (see avgpipe__replay) */
+    if (op->kind == AVGPIPE_OP_TIE) {
+        int q = avgpipe__vpair(v, op->stage, op->peer);
+        uint8_t mine = (uint8_t)(op->stage < op->peer ? 4 : 8), other = (uint8_t)(12 - mine),
+                *x = &v->tie[((size_t)p * v->R + (size_t)t) * (size_t)v->npairs + (size_t)q];
+        if (!(*x & mine)) {
+            *x |= mine;
+            avgpipe__vwake(P, v->pl.rank[op->peer]);
+        }
+        return (*x & other) != 0 || v->pl.rank[op->peer] == r; /* on one rank: the static pass checked both sides' work */
+    }
+    if (op->kind == AVGPIPE_OP_AGREE) {
+        int key = p * v->R + t + 1, *n = &v->agree_arrived[(size_t)p * v->R + (size_t)t], q;
+        if (v->agree_at[r] != key) {
+            v->agree_at[r] = key;
+            if (++*n == v->agree_ranks)
+                for (q = 0; q < v->S; q++) avgpipe__vwake(P, q);
+        }
+        return *n == v->agree_ranks;
+    }
+    return 1;
+}
+
 /* Run rank r of a lowered schedule as far as it goes. */
 static void avgpipe__vrun_comm(avgpipe__vreplay *P, int r) {
     avgpipe__vstate *v = P->v;
@@ -5011,7 +5652,7 @@ static void avgpipe__vrun_comm(avgpipe__vreplay *P, int r) {
             avgpipe__vwake(P, v->pl.src[c]);
         } else if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_SEND_B) {
             if (!avgpipe__vsend(P, op, 1)) break;
-        } else if (avgpipe__vneeds(v, op)) {
+        } else if (avgpipe__vneeds(v, op) || !avgpipe__vsync_pass(P, r, x->pos)) {
             break;
         }
     }
@@ -5057,7 +5698,7 @@ static void avgpipe__vrun_compute(avgpipe__vreplay *P, int r) {
             if (x->uend - x->ustart > 1) avgpipe__post_unit_grads(P, o, x->ustart, x->uend);
         }
         for (; x->pos < x->uend; x->pos++)
-            if (avgpipe__vneeds(v, &o[x->pos])) {
+            if (avgpipe__vneeds(v, &o[x->pos]) || !avgpipe__vsync_pass(P, r, x->pos)) {
                 P->waiting[r] = 1;
                 return;
             }
@@ -5102,6 +5743,8 @@ static void avgpipe__vdeadlock(const avgpipe__vreplay *P, char *msg, size_t cap,
         op = &v->s->ops[r][at];
         avgpipe_op_format(op, 0, txt, sizeof txt);
         if (sending && avgpipe__vmsg(v, op, &c, &cell, &bit)) snprintf(why, sizeof why, ", to send to rank %d", v->pl.dst[c]);
+        else if (op->kind == AVGPIPE_OP_TIE) snprintf(why, sizeof why, ", for rank %d's TIE", v->pl.rank[op->peer]);
+        else if (op->kind == AVGPIPE_OP_AGREE) snprintf(why, sizeof why, ", for every rank's AGREE");
         else if (op->kind == AVGPIPE_OP_F) snprintf(why, sizeof why, ", for rank %d's activation", v->pl.rank[op->stage - 1]);
         else snprintf(why, sizeof why, ", for rank %d's gradient", v->pl.rank[op->stage + 1]);
         n += (size_t)snprintf(msg + n, cap - n, " rank %d waits at position %d (%s%s);", r, at, txt, why);
@@ -5129,6 +5772,10 @@ static avgpipe_result avgpipe__vreplay_run(avgpipe__vstate *v, int blocking, cha
     P.sent = P.posted + nc;
     P.stack = P.waiting + v->S;
     for (i = 0; i < cells; i++) v->st[i] &= (uint8_t)~(AVGPIPE__VA | AVGPIPE__VG);
+    if (v->nsync) {
+        for (i = 0; i < (size_t)v->N * v->R * (size_t)v->npairs; i++) v->tie[i] &= 3;
+        memset(v->agree_at, 0, ((size_t)v->S + (size_t)v->N * v->R) * sizeof(int));
+    }
     for (r = 0; r < v->S; r++) {
         P.rk[r].uend = -1;
         if (!v->s->has_comm) avgpipe__post_acts(&P, r); /* the receives of the first unit holding a forward */
@@ -5352,12 +5999,19 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
         return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
                               "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)", v->N, v->G,
                               (long long)v->M * v->R);
-    if (!v->s->has_comm && v->seqf) { /* the compiled replay decides; a deadlock is explained below */
+    if (!v->s->has_comm && v->seqf && !v->nsync) { /* the compiled replay decides; a deadlock is explained below */
         res = avgpipe__xreplay(v);
         if (res == AVGPIPE_OUT_OF_MEMORY) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         if (res == AVGPIPE_OK) return res;
     }
     res = avgpipe__vreplay_run(v, 1, bdetail, sizeof bdetail, &brank, &bpos);
+    /* TIE and AGREE ops are matched on a communicator of their own and wait in the worker only after
+       it has issued every send before them (a device's transfers go on by themselves), so they are
+       rendezvous of the asynchronous replay; the blocking one checks the data messages without them. */
+    if (res == AVGPIPE_OK && v->nsync) {
+        res = avgpipe__vreplay_run(v, 0, detail, sizeof detail, &rank, &pos);
+        if (res == AVGPIPE_DEADLOCK) return avgpipe__vfail(v, AVGPIPE_DEADLOCK, rank, pos, "%s%s", detail, how);
+    }
     if (res == AVGPIPE_DEADLOCK) { /* which semantics does it need? */
         res = avgpipe__vreplay_run(v, 0, detail, sizeof detail, &rank, &pos);
         if (res == AVGPIPE_OK) return avgpipe__vfail(v, AVGPIPE_DEADLOCK, brank, bpos, "%s%s", bdetail, how);
@@ -5420,6 +6074,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
         if (v.pl.rank[c] < 0)
             res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
                                  s->nplace);
+    if (!res) res = avgpipe__vsync_prepare(&v);
     if (!res) res = avgpipe__check_static(&v);
     avgpipe__static_peaks(s, report->peak_stash, 256);
     if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
@@ -5436,6 +6091,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe_free(ctx, v.seqf);
     avgpipe_free(ctx, v.seqb);
     avgpipe_free(ctx, v.nseq);
+    avgpipe_free(ctx, v.pairs);
+    avgpipe_free(ctx, v.npart);
+    avgpipe_free(ctx, v.nties);
+    avgpipe_free(ctx, v.tie);
     report->result = res;
     return res;
 }
@@ -5480,7 +6139,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
     return AVGPIPE_OK;
 }
 
-/* --- 8. Rendering ----------------------------------------------------------------------------- */
+/* --- 9. Rendering ----------------------------------------------------------------------------- */
 
 AVGPIPE_API avgpipe_render_desc avgpipe_render_query_defaults(const avgpipe_render_desc *desc) {
     avgpipe_render_desc d;
@@ -5496,6 +6155,8 @@ AVGPIPE_API avgpipe_render_desc avgpipe_render_query_defaults(const avgpipe_rend
 static const char *avgpipe__label_kind(const avgpipe_op *op) {
     if (op->kind == AVGPIPE_OP_STEP) return "S";
     if (op->kind == AVGPIPE_OP_AVG) return "A";
+    if (op->kind == AVGPIPE_OP_TIE) return "T";
+    if (op->kind == AVGPIPE_OP_AGREE) return "G";
     if (op->kind == AVGPIPE_OP_SEND_F || op->kind == AVGPIPE_OP_RECV_F) return ">";
     if (op->kind == AVGPIPE_OP_SEND_B || op->kind == AVGPIPE_OP_RECV_B) return "<";
     return avgpipe_op_kind_name((avgpipe_op_kind)op->kind);
@@ -5689,6 +6350,8 @@ static const char *avgpipe__color(int kind) {
     case AVGPIPE_OP_W: return "#59a14f";
     case AVGPIPE_OP_STEP: return "#9c755f";
     case AVGPIPE_OP_AVG: return "#b07aa1";
+    case AVGPIPE_OP_TIE: return "#ff9da7";
+    case AVGPIPE_OP_AGREE: return "#bab0ac";
     default: return "#9d9d9d";
     }
 }
@@ -5760,7 +6423,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
     return ok ? AVGPIPE_OK : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
 }
 
-/* --- 9. Device backend ------------------------------------------------------------------------ */
+/* --- 10. Device backend ------------------------------------------------------------------------ */
 
 /* POSIX threads (<pthread.h>, included above) run the CPU device's kernel threads and guard the
    averaging module's bookkeeping. */
@@ -6203,7 +6866,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgp
     return AVGPIPE_OK;
 }
 
-/* --- 10. Averaging ---------------------------------------------------------------------------- */
+/* --- 11. Averaging ---------------------------------------------------------------------------- */
 
 struct avgpipe_ea {
     avgpipe_ea_desc desc;        /* resolved; desc.device points at dev */
@@ -6745,7 +7408,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
     return r;
 }
 
-/* --- 11. Comm backend: in-process threads ----------------------------------------------------- */
+/* --- 12. Comm backend: in-process threads ----------------------------------------------------- */
 
 /* Spin-then-sleep waits: a flag written under the mutex is read lock-free while spinning. */
 #ifndef AVGPIPE_COMM_SPIN
@@ -7473,7 +8136,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
     return AVGPIPE_OK;
 }
 
-/* --- 12. Buffer plan; the run's state, message tags, schedule preparation --------------------- */
+/* --- 13. Buffer plan; the run's state, message tags, schedule preparation --------------------- */
 
 /* A slot's buffers start at multiples of AVGPIPE__SLOT_ALIGN bytes from its allocation (cudaMalloc's own
    alignment), so that a kernel may load them as float4 or wider: each part's bytes, rounded up. */
@@ -8048,7 +8711,7 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
     return run && stage >= 0 && stage < run->G ? run->plan.slots[stage] : -1;
 }
 
-/* --- 13. Execution: the worker and averaging threads ------------------------------------------ */
+/* --- 14. Execution: the worker and averaging threads ------------------------------------------ */
 
 static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, int peer, int flow, double a, double b, double bytes) {
     avgpipe_run *run = w->run;
@@ -8876,7 +9539,7 @@ static void avgpipe__run_cancel_pending(avgpipe_run *run) {
     }
 }
 
-/* --- 14. Processes: control messages between iterations, collectives -------------------------- */
+/* --- 15. Processes: control messages between iterations, collectives -------------------------- */
 
 /* Post, for local worker k, a receive or a send of `bytes` with rank `peer`; collected in reqs. */
 typedef struct avgpipe__ctl {
@@ -9176,7 +9839,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
     return avgpipe__run_gather(run, replica, pipe, dst, AVGPIPE__TAG_CTL + 0x20000u, what);
 }
 
-/* --- 15. Checkpoints -------------------------------------------------------------------------- */
+/* --- 16. Checkpoints -------------------------------------------------------------------------- */
 
 #ifndef AVGPIPE_NO_STDIO
 #define AVGPIPE__CKPT_VERSION 1u
@@ -9560,7 +10223,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
 }
 #endif
 
-/* --- 16. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
+/* --- 17. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
 
 static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
@@ -9793,6 +10456,18 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     pthread_mutex_init(&run->mu, NULL);
     pthread_cond_init(&run->cv, NULL);
     if (desc->schedule) { /* the run's own copy: the caller may free theirs after create */
+        int r, i;
+        for (r = 0; r < desc->schedule->nranks; r++)
+            for (i = 0; i < desc->schedule->len[r]; i++)
+                if (avgpipe__is_sync(desc->schedule->ops[r][i].kind)) {
+                    pthread_mutex_destroy(&run->mu);
+                    pthread_cond_destroy(&run->cv);
+                    avgpipe_free(ctx, run);
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
+                                         "avgpipe_run_create: desc.schedule rank %d position %d is a %s op: this release's runtime does not "
+                                         "execute ties and step agreement yet (avgpipe_sched_add_sync builds them for validation and simulation)",
+                                         r, i, avgpipe_op_kind_name((avgpipe_op_kind)desc->schedule->ops[r][i].kind));
+                }
         if ((res = avgpipe_sched_copy(ctx, desc->schedule, &run->given)) != AVGPIPE_OK) {
             pthread_mutex_destroy(&run->mu);
             pthread_cond_destroy(&run->cv);
@@ -10095,7 +10770,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     return res;
 }
 
-/* --- 17. Profiles: events, the profile writer and reader, traces ------------------------------ */
+/* --- 18. Profiles: events, the profile writer and reader, traces ------------------------------ */
 
 /* The local ranks' events of the last iteration, gathered into one array (run->mev). */
 static size_t avgpipe__gather_events(avgpipe_run *run) {
@@ -10573,7 +11248,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 }
 #endif
 
-/* --- 18. Cost model: fitting and prediction --------------------------------------------------- */
+/* --- 19. Cost model: fitting and prediction --------------------------------------------------- */
 
 AVGPIPE_API void avgpipe_tune_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
     if (!m) return;
@@ -11131,7 +11806,7 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
     return total > 0 ? worst / total : -1;
 }
 
-/* --- 19. Search and the stage partitioner ----------------------------------------------------- */
+/* --- 20. Search and the stage partitioner ----------------------------------------------------- */
 
 static int avgpipe__cmp_candidate(const void *x, const void *y) {
     const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;

@@ -2,7 +2,7 @@
 
    WHAT IT IS
    ----------
-   An avgpipe_comm table (avgpipe.h, section 11) over MPI point-to-point messages and nonblocking
+   An avgpipe_comm table (avgpipe.h, section 12) over MPI point-to-point messages and nonblocking
    collectives, so that avgpipe_run executes one pipeline rank per MPI process: on one machine over
    shared memory, across machines over whatever network MPI uses. Open MPI from Debian (libopenmpi-dev,
    openmpi-bin) is what it is tested with; any MPI-3 library with MPI_THREAD_MULTIPLE should do.
@@ -84,8 +84,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_mpi.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 300 /* released together: 0.3.0 */
-#error "avgpipe_mpi.h is version 0.3.0: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 400 /* released together: 0.4.0 */
+#error "avgpipe_mpi.h is version 0.4.0: include the avgpipe.h of the same release"
 #endif
 
 #if defined(__cplusplus) /* the C API is all avgpipe uses: leave out MPI's deprecated C++ bindings */

@@ -3,7 +3,7 @@
 
    WHAT IT IS
    ----------
-   An avgpipe_comm table (avgpipe.h, section 11) over NCCL point-to-point calls (ncclSend/ncclRecv) and
+   An avgpipe_comm table (avgpipe.h, section 12) over NCCL point-to-point calls (ncclSend/ncclRecv) and
    collectives (ncclAllReduce, ncclAllGather), for avgpipe_run on CUDA devices: each pipeline rank is one
    process driving one GPU; between GPUs of one machine NCCL uses NVLink or PCIe, across machines the
    network. It implements every entry of the table, including the device-ordered isend_on/irecv_on that a
@@ -200,8 +200,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_nccl.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 300 /* released together: 0.3.0 */
-#error "avgpipe_nccl.h is version 0.3.0: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 400 /* released together: 0.4.0 */
+#error "avgpipe_nccl.h is version 0.4.0: include the avgpipe.h of the same release"
 #endif
 
 #include <cuda_runtime_api.h>

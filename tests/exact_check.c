@@ -2,7 +2,7 @@
    Built by meson with the project's flags and again with -std=gnu11 -O3 -march=native, -Ofast
    -march=native, -O2 -ffast-math, clang, g++ and nvcc (tests/exact_flags_test.sh runs them all):
      1. every averaging pass (MEAN and ELASTIC, each combination of pull, first, last and momentum;
-        1 and 3 kernel threads) equals the documented formula of section 9, computed here one rounded
+        1 and 3 kernel threads) equals the documented formula of section 10, computed here one rounded
         operation at a time (tests/exact_ref.h), on inputs with subnormals, signed zeros and
         cancellations; also with flush-to-zero set by the caller (and left set after the call);
      2. avgpipe_comm_sum_ranks equals the rank-order sum, for 1..8 ranks;

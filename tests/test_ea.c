@@ -289,7 +289,7 @@ Test(ea, elastic_n8_alpha_one_over_8) { elastic_run(0.0f, 8, 0.125f, 13); }
 /* ---- the documented fp32 pass, to the bit, in every build ------------------------------------ */
 
 /* The module driven in a fixed order (pipelines 0..N-1 each round, each round complete before the next):
-   every pulled model and every reference must be section 9's formula exactly, as tests/exact_ref.h
+   every pulled model and every reference must be section 10's formula exactly, as tests/exact_ref.h
    computes it one rounded operation at a time (so this holds whatever flags this file is built with:
    meson builds it again with -std=gnu11 -O3 -march=native and with -Ofast). Inputs include subnormals,
    signed zeros and near-cancellations; the caller runs with flush-to-zero on in odd rounds. */

@@ -1,4 +1,4 @@
-/* Tests of the runtime (sections 12-16): the small real model of tests/toy_model.h trained by the runtime
+/* Tests of the runtime (sections 13-17): the small real model of tests/toy_model.h trained by the runtime
    on stage threads, checked against a non-pipelined single-thread run (N = 1, alpha = 0: bit for bit)
    and against an independent float64 computation of the elastic-averaging math (N = 2, deterministic
    mode; replica groups); ranks split over several runs sharing one comm backend, as processes do
