@@ -635,11 +635,12 @@ AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgp
    STEP, where every partition of that pipeline contributes a small vector and all receive their
    combination (the global gradient norm for clipping, a non-finite count for skipping a step).
    Placement: avgpipe_sched_add_sync inserts them into a compute-only schedule with STEPs (any kind,
-   any placement) by replaying it untimed: each rank runs its list in order; a STEP (and its AVG) whose
-   TIE or AGREE cannot complete yet is held back while the rank goes on with ops that do not need it
-   (only the pipeline's next forward on that stage does); a TIE pair is placed, on both ranks at once,
-   where both sides' backward work of the round has finished, an AGREE group where every stage's has (and
-   its TIEs), and the held STEP and AVG right after. The result is a schedule one execution of which the
+   any placement) by replaying it with op times (the desc's, default F 1, B 2, I 1, W 1; free
+   transfers): each rank runs its list in order; a STEP (and its AVG) whose TIE or AGREE cannot complete
+   yet is held back while the rank goes on with ops that do not need it (only the pipeline's next
+   forward on that stage does); a TIE pair is placed, on both ranks at once, at the time both sides'
+   backward work of the round has ended (before any op that would start later), an AGREE group when
+   every stage's has (and its TIEs), and the held STEP and AVG right after. The result is a schedule one execution of which the
    replay has just run, so every execution completes (the validator's replay checks it again), and the
    sync ops are in the same order on every rank (the runtime matches them in order on a communicator of
    their own). A TIE between two stages on one rank moves no bytes. */
@@ -653,6 +654,7 @@ typedef struct avgpipe_sync_desc {
                                 stages make one TIE op per side */
     int nties;
     int agree;               /* 1: an AGREE op before every STEP */
+    double cost_f, cost_b, cost_i, cost_w; /* the replay's op times: 0 -> 1, 2, 1, 1 (AVGPIPE_ZERO: 0) */
 } avgpipe_sync_desc;
 /* Insert TIE and AGREE ops into `in` (compute-only: F, B, I, W, STEP, AVG, IDLE; STEPs required, no
    SEND/RECV and no sync ops yet), moving STEPs and AVGs after them as described above; out is a new
@@ -4023,28 +4025,50 @@ AVGPIPE_API avgpipe_result avgpipe_sched_greedy(avgpipe_context *ctx, const avgp
 
 /* ---- ties and step agreement: avgpipe_sched_add_sync ---- */
 
-/* The untimed replay that places TIE and AGREE ops (see avgpipe_sched_add_sync). Per (pipe, stage,
-   micro-batch): forward done, input gradient done; per (pipe, stage, round): backward halves done
-   (B counts 2, I and W 1 each; the round's work is complete at 2M), TIEs placed, the STEP's state. */
+/* The timed replay that places TIE and AGREE ops (see avgpipe_sched_add_sync). Per (pipe, stage,
+   micro-batch): when the forward and the input gradient ended (-1: not yet); per (pipe, stage, round):
+   backward halves done (B counts 2, I and W 1 each; the round's work is complete at 2M) and when the
+   last ended, TIEs placed and when, the STEP's state. A sync event (a TIE pair, an AGREE group) is
+   queued when its last prerequisite has ended, at that time, and placed on every rank it concerns at
+   once, when the replay's clock reaches it: before any op that would start later. */
 #define AVGPIPE__HELD 1    /* the STEP was reached before its sync: held back */
 #define AVGPIPE__STEPPED 2 /* the STEP is placed */
+typedef struct avgpipe__sync_event {
+    double at;
+    int p, t, g, h; /* a TIE pair (g < h), or h = -1: the AGREE group of (p, t) */
+} avgpipe__sync_event;
 typedef struct avgpipe__sync {
     const avgpipe_schedule *in;
     avgpipe_schedule *out;
     int G, N, M, T, agree;
     long long U;
+    double cost[AVGPIPE_OP_KIND_COUNT];
     int *rank;                      /* [G] */
     int *part_start, *part;         /* stage g's partners: part[part_start[g] .. part_start[g+1]-1], ascending */
-    unsigned char *fdone, *bdone;   /* [N][G][U] */
+    double *fend, *bend;            /* [N][G][U] */
+    double *clock;                  /* [S]: when the rank's last op ended */
+    double *wend, *jend;            /* [N][G][T]: backward work ended; ready to join the agreement */
     int *work, *ties_done;          /* [N][G][T] */
     unsigned char *step, *avg_held, *agree_in; /* [N][G][T] */
     int *agree_ready;               /* [N][T]: stages whose ties and work are complete */
+    double *agree_at;               /* [N][T]: when the last of them became ready */
+    avgpipe__sync_event *ev;        /* queued events, in the order they were queued */
+    int nev, cap_ev;
 } avgpipe__sync;
 
 static size_t avgpipe__sx(const avgpipe__sync *y, int p, int g, long long u) { return ((size_t)p * y->G + (size_t)g) * (size_t)y->U + (size_t)u; }
 static size_t avgpipe__sr(const avgpipe__sync *y, int p, int g, int t) { return ((size_t)p * y->G + (size_t)g) * (size_t)y->T + (size_t)t; }
 
 static void avgpipe__sync_emit(avgpipe__sync *y, int r, avgpipe_op op) { y->out->ops[r][y->out->len[r]++] = op; }
+
+static void avgpipe__sync_queue(avgpipe__sync *y, double at, int p, int t, int g, int h) {
+    avgpipe__sync_event *e = &y->ev[y->nev++]; /* cap_ev covers every event: one per pair and one per group, per (p, t) */
+    e->at = at;
+    e->p = p;
+    e->t = t;
+    e->g = g;
+    e->h = h;
+}
 
 static int avgpipe__sync_done(const avgpipe__sync *y, int p, int g, int t) {
     size_t k = avgpipe__sr(y, p, g, t);
@@ -4061,58 +4085,85 @@ static void avgpipe__sync_release(avgpipe__sync *y, int p, int g, int t) {
     y->avg_held[k] = 0;
 }
 
-/* Stage g of (p, t) may join the agreement once its work and its ties are complete; the last stage to
-   join places every stage's AGREE (each rank's consecutively, in stage order), then the held STEPs. */
-static void avgpipe__sync_join(avgpipe__sync *y, int p, int g, int t) {
-    size_t k = avgpipe__sr(y, p, g, t);
-    int h;
+/* Stage g of (p, t) joins the agreement (at time `at`) once its work and its ties are complete; the last
+   stage to join queues the group's event. */
+static void avgpipe__sync_join(avgpipe__sync *y, int p, int g, int t, double at) {
+    size_t k = avgpipe__sr(y, p, g, t), pt = (size_t)p * y->T + (size_t)t;
     if (!y->agree) {
         avgpipe__sync_release(y, p, g, t);
         return;
     }
     if (y->agree_in[k] || y->ties_done[k] != y->part_start[g + 1] - y->part_start[g]) return;
     y->agree_in[k] = 1;
-    if (++y->agree_ready[(size_t)p * y->T + (size_t)t] < y->G) return;
-    for (h = 0; h < y->G; h++) {
-        avgpipe__sync_emit(y, y->rank[h], avgpipe__op(AVGPIPE_OP_AGREE, p, h, t));
-        y->agree_in[avgpipe__sr(y, p, h, t)] = 2;
-    }
-    for (h = 0; h < y->G; h++) avgpipe__sync_release(y, p, h, t);
+    if (at > y->agree_at[pt]) y->agree_at[pt] = at;
+    if (++y->agree_ready[pt] == y->G) avgpipe__sync_queue(y, y->agree_at[pt], p, t, 0, -1);
 }
 
-/* Stage g's backward work of (p, t) is complete: place the TIE pairs whose other side is complete too. */
-static void avgpipe__sync_work_done(avgpipe__sync *y, int p, int g, int t) {
+/* An event's time has come: its ops on every rank it concerns (each rank's AGREEs consecutively, in
+   stage order), their clocks moved to it, then the STEPs it releases. */
+static void avgpipe__sync_fire(avgpipe__sync *y, const avgpipe__sync_event *e) {
+    int p = e->p, t = e->t, g;
+    if (e->h >= 0) {
+        int lo = e->g, hi = e->h, side;
+        for (side = 0; side < 2; side++) {
+            int a = side ? hi : lo, b = side ? lo : hi, r = y->rank[a];
+            avgpipe__sync_emit(y, r, avgpipe__op(AVGPIPE_OP_TIE, p, a, t));
+            y->out->ops[r][y->out->len[r] - 1].peer = b;
+            if (y->clock[r] < e->at) y->clock[r] = e->at;
+            y->ties_done[avgpipe__sr(y, p, a, t)]++;
+        }
+        avgpipe__sync_join(y, p, lo, t, e->at);
+        avgpipe__sync_join(y, p, hi, t, e->at);
+        return;
+    }
+    for (g = 0; g < y->G; g++) {
+        int r = y->rank[g];
+        avgpipe__sync_emit(y, r, avgpipe__op(AVGPIPE_OP_AGREE, p, g, t));
+        if (y->clock[r] < e->at) y->clock[r] = e->at;
+        y->agree_in[avgpipe__sr(y, p, g, t)] = 2;
+    }
+    for (g = 0; g < y->G; g++) avgpipe__sync_release(y, p, g, t);
+}
+
+/* Stage g's backward work of (p, t) is complete (ended at `at`): queue the TIE pairs whose other side is
+   complete too; a stage without ties joins the agreement now. */
+static void avgpipe__sync_work_done(avgpipe__sync *y, int p, int g, int t, double at) {
     int j;
+    y->wend[avgpipe__sr(y, p, g, t)] = at;
     for (j = y->part_start[g]; j < y->part_start[g + 1]; j++) {
-        int h = y->part[j], lo = g < h ? g : h, hi = g < h ? h : g;
-        if (y->work[avgpipe__sr(y, p, h, t)] != 2 * y->M) continue;
-        avgpipe__sync_emit(y, y->rank[lo], avgpipe__op(AVGPIPE_OP_TIE, p, lo, t));
-        y->out->ops[y->rank[lo]][y->out->len[y->rank[lo]] - 1].peer = hi;
-        avgpipe__sync_emit(y, y->rank[hi], avgpipe__op(AVGPIPE_OP_TIE, p, hi, t));
-        y->out->ops[y->rank[hi]][y->out->len[y->rank[hi]] - 1].peer = lo;
-        y->ties_done[avgpipe__sr(y, p, g, t)]++;
-        y->ties_done[avgpipe__sr(y, p, h, t)]++;
-        avgpipe__sync_join(y, p, h, t);
+        int h = y->part[j];
+        size_t kh = avgpipe__sr(y, p, h, t);
+        if (y->work[kh] != 2 * y->M) continue;
+        avgpipe__sync_queue(y, at > y->wend[kh] ? at : y->wend[kh], p, t, g < h ? g : h, g < h ? h : g);
     }
-    avgpipe__sync_join(y, p, g, t);
+    avgpipe__sync_join(y, p, g, t, at);
 }
 
-/* Can op run now (its inputs are there; a forward also needs its stage's STEP of the previous round)? */
-static int avgpipe__sync_ready(const avgpipe__sync *y, const avgpipe_op *op) {
+/* When op could start (its inputs have arrived; a forward also needs its stage's STEP of the previous
+   round), or -1 when it cannot yet. */
+static double avgpipe__sync_start(const avgpipe__sync *y, int r, const avgpipe_op *op) {
     int p = op->pipe, g = op->stage;
     long long u = op->micro;
+    double at = y->clock[r], dep = 0;
     if (op->kind == AVGPIPE_OP_F) {
         int t = (int)(u / y->M);
-        if (t > 0 && t - 1 < y->T && y->step[avgpipe__sr(y, p, g, t - 1)] == AVGPIPE__HELD) return 0;
-        return g == 0 || y->fdone[avgpipe__sx(y, p, g - 1, u)];
+        if (t > 0 && t - 1 < y->T && y->step[avgpipe__sr(y, p, g, t - 1)] == AVGPIPE__HELD) return -1;
+        dep = g == 0 ? 0 : y->fend[avgpipe__sx(y, p, g - 1, u)];
+    } else if (avgpipe__is_backward(op->kind)) {
+        dep = y->fend[avgpipe__sx(y, p, g, u)];
+        if (dep >= 0 && g < y->G - 1) {
+            double b = y->bend[avgpipe__sx(y, p, g + 1, u)];
+            dep = b < 0 ? -1 : b > dep ? b : dep;
+        }
     }
-    if (avgpipe__is_backward(op->kind))
-        return y->fdone[avgpipe__sx(y, p, g, u)] && (g == y->G - 1 || y->bdone[avgpipe__sx(y, p, g + 1, u)]);
-    return 1;
+    if (dep < 0) return -1;
+    return dep > at ? dep : at;
 }
 
-static void avgpipe__sync_run(avgpipe__sync *y, int r, const avgpipe_op *op) {
+static void avgpipe__sync_run(avgpipe__sync *y, int r, const avgpipe_op *op, double start) {
     int p = op->pipe, g = op->stage, t;
+    double end = start + y->cost[op->kind];
+    y->clock[r] = end;
     if (op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) {
         size_t k;
         if (op->micro >= y->T) { /* a round past the last STEP's: nothing to hold for */
@@ -4135,40 +4186,59 @@ static void avgpipe__sync_run(avgpipe__sync *y, int r, const avgpipe_op *op) {
     avgpipe__sync_emit(y, r, *op);
     if (!avgpipe__is_compute(op->kind)) return;
     if (op->kind == AVGPIPE_OP_F) {
-        y->fdone[avgpipe__sx(y, p, g, op->micro)] = 1;
+        y->fend[avgpipe__sx(y, p, g, op->micro)] = end;
         return;
     }
-    if (avgpipe__is_backward(op->kind)) y->bdone[avgpipe__sx(y, p, g, op->micro)] = 1;
+    if (avgpipe__is_backward(op->kind)) y->bend[avgpipe__sx(y, p, g, op->micro)] = end;
     t = (int)(op->micro / y->M);
     if (t >= y->T) return;
     y->work[avgpipe__sr(y, p, g, t)] += op->kind == AVGPIPE_OP_B ? 2 : 1;
-    if (y->work[avgpipe__sr(y, p, g, t)] == 2 * y->M) avgpipe__sync_work_done(y, p, g, t);
+    if (y->work[avgpipe__sr(y, p, g, t)] == 2 * y->M) avgpipe__sync_work_done(y, p, g, t, end);
 }
 
 static avgpipe_result avgpipe__sync_replay(avgpipe_context *ctx, avgpipe__sync *y) {
     const avgpipe_schedule *s = y->in;
-    int S = s->nranks, r, progress = 1, left = 1;
+    int S = s->nranks, r;
     int *cur = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
     if (!cur) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_add_sync: out of memory");
-    while (left && progress) { /* lockstep: one op (or overlap pair) per rank per sweep */
-        progress = left = 0;
+    for (;;) { /* the earliest thing next: an op (or overlap pair) that can start, or a queued event */
+        int best = -1, e, first = -1, n = 1;
+        double at = 0;
         for (r = 0; r < S; r++) {
-            int c = cur[r], n = 1;
+            int c = cur[r], k;
             const avgpipe_op *o = s->ops[r];
+            double st, st2;
             if (c >= s->len[r]) continue;
-            left = 1;
-            if ((o[c].flags & AVGPIPE_OPF_OVERLAP_NEXT) && c + 1 < s->len[r]) n = 2;
-            if (!avgpipe__sync_ready(y, &o[c]) || (n == 2 && !avgpipe__sync_ready(y, &o[c + 1]))) continue;
-            avgpipe__sync_run(y, r, &o[c]);
-            if (n == 2) avgpipe__sync_run(y, r, &o[c + 1]);
-            cur[r] = c + n;
-            progress = 1;
+            k = (o[c].flags & AVGPIPE_OPF_OVERLAP_NEXT) && c + 1 < s->len[r] ? 2 : 1;
+            st = avgpipe__sync_start(y, r, &o[c]);
+            if (k == 2 && st >= 0) {
+                st2 = avgpipe__sync_start(y, r, &o[c + 1]);
+                st = st2 < 0 ? -1 : st2 > st ? st2 : st;
+            }
+            if (st >= 0 && (best < 0 || st < at)) {
+                best = r;
+                at = st;
+                n = k;
+            }
         }
+        for (e = 0; e < y->nev; e++)
+            if (first < 0 || y->ev[e].at < y->ev[first].at) first = e;
+        if (first >= 0 && (best < 0 || y->ev[first].at <= at)) {
+            avgpipe__sync_event ev = y->ev[first];
+            memmove(&y->ev[first], &y->ev[first + 1], (size_t)(y->nev - first - 1) * sizeof ev);
+            y->nev--;
+            avgpipe__sync_fire(y, &ev);
+            continue;
+        }
+        if (best < 0) break;
+        avgpipe__sync_run(y, best, &s->ops[best][cur[best]], at);
+        if (n == 2) avgpipe__sync_run(y, best, &s->ops[best][cur[best] + 1], at);
+        cur[best] += n;
     }
-    if (left) {
+    for (r = 0; r < S && cur[r] >= s->len[r]; r++) {}
+    if (r < S) {
         char txt[64], held[64] = "";
         int p, g, t;
-        for (r = 0; r < S && cur[r] >= s->len[r]; r++) {}
         avgpipe_op_format(&s->ops[r][cur[r]], 0, txt, sizeof txt);
         for (p = 0; p < y->N && !held[0]; p++)
             for (g = 0; g < y->G && !held[0]; g++)
@@ -4228,6 +4298,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
     res = avgpipe__sched_scan(ctx, in, NULL, &y.N, &y.U);
     if (res) return res;
     y.M = in->shape.micro > 0 ? in->shape.micro : 1;
+    y.cost[AVGPIPE_OP_F] = avgpipe__or_default(sync->cost_f, 1);
+    y.cost[AVGPIPE_OP_B] = avgpipe__or_default(sync->cost_b, 2);
+    y.cost[AVGPIPE_OP_I] = avgpipe__or_default(sync->cost_i, 1);
+    y.cost[AVGPIPE_OP_W] = avgpipe__or_default(sync->cost_w, 1);
     y.T = 0;
     for (r = 0; r < in->nranks; r++)
         for (i = 0; i < in->len[r]; i++)
@@ -4236,18 +4310,26 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
     cells = (size_t)y.N * (size_t)G * (size_t)y.U;
     rounds_cells = (size_t)y.N * (size_t)G * (size_t)y.T;
     y.rank = (int *)avgpipe__calloc(ctx, (size_t)G * 2 + 1 + 2 * (size_t)nt, sizeof(int));
-    y.fdone = (unsigned char *)avgpipe__calloc(ctx, 2 * cells + 3 * rounds_cells, 1);
+    y.step = (unsigned char *)avgpipe__calloc(ctx, 3 * rounds_cells, 1);
     y.work = (int *)avgpipe__calloc(ctx, 2 * rounds_cells + (size_t)y.N * y.T, sizeof(int));
+    y.fend = (double *)avgpipe_alloc(ctx, (2 * cells + 2 * rounds_cells + (size_t)y.N * y.T + (size_t)in->nranks) * sizeof(double));
+    y.cap_ev = y.N * y.T * (nt + 1);
+    y.ev = (avgpipe__sync_event *)avgpipe_alloc(ctx, (size_t)y.cap_ev * sizeof *y.ev);
     res = avgpipe__sched_init_like(ctx, out, in);
-    if (!y.rank || !y.fdone || !y.work || res) {
+    if (!y.rank || !y.step || !y.work || !y.fend || !y.ev || res) {
         if (!res) avgpipe_sched_free(ctx, out);
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_add_sync: out of memory");
         goto done;
     }
     y.part_start = y.rank + G;
     y.part = y.part_start + G + 1;
-    y.bdone = y.fdone + cells;
-    y.step = y.bdone + cells;
+    y.bend = y.fend + cells;
+    y.wend = y.bend + cells;
+    y.jend = y.wend + rounds_cells;
+    y.agree_at = y.jend + rounds_cells;
+    y.clock = y.agree_at + (size_t)y.N * y.T;
+    for (j = 0; j < (int)(2 * cells); j++) y.fend[j] = -1;
+    memset(y.wend, 0, (2 * rounds_cells + (size_t)y.N * y.T + (size_t)in->nranks) * sizeof(double));
     y.avg_held = y.step + rounds_cells;
     y.agree_in = y.avg_held + rounds_cells;
     y.ties_done = y.work + rounds_cells;
@@ -4276,8 +4358,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
     if (res) avgpipe_sched_free(ctx, out);
 done:
     avgpipe_free(ctx, y.rank);
-    avgpipe_free(ctx, y.fdone);
+    avgpipe_free(ctx, y.step);
     avgpipe_free(ctx, y.work);
+    avgpipe_free(ctx, y.fend);
+    avgpipe_free(ctx, y.ev);
     return res;
 }
 

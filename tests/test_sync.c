@@ -54,7 +54,7 @@ Test(sync, every_kind_places_ties_and_agreement_that_validate_and_simulate) {
                             avgpipe_schedule s, t, l;
                             avgpipe_sim_result r0, r1;
                             avgpipe_tie ties[3];
-                            avgpipe_sync_desc sy = {ties, 0, 0};
+                            avgpipe_sync_desc sy = {.ties = ties};
                             char what[128];
                             int G, nt, steps;
                             if (!generate(kinds[ki], S, M, N, 2, cont, &s)) continue;
@@ -95,7 +95,7 @@ Test(sync, every_kind_places_ties_and_agreement_that_validate_and_simulate) {
 Test(sync, text_format_carries_tie_peers_and_agreement) {
     avgpipe_schedule s, t, u;
     avgpipe_tie tie = {0, 3, 0, 0, 4};
-    avgpipe_sync_desc sy = {&tie, 1, 1};
+    avgpipe_sync_desc sy = {.ties = &tie, .nties = 1, .agree = 1};
     avgpipe_buf b = {0};
     int r;
     cr_assert(generate(AVGPIPE_SCHED_1F1B, 4, 4, 2, 2, 1, &s));
@@ -161,7 +161,7 @@ Test(sync, validator_refuses_misplaced_sync_ops) {
 Test(sync, add_sync_refuses_bad_ties_naming_them) {
     avgpipe_schedule s, t;
     avgpipe_tie tie = {0, 9, 0, 0, 4};
-    avgpipe_sync_desc sy = {&tie, 1, 0};
+    avgpipe_sync_desc sy = {.ties = &tie, .nties = 1, .agree = 0};
     cr_assert(generate(AVGPIPE_SCHED_1F1B, 4, 4, 1, 1, 0, &s));
     cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_INVALID_ARG);
     cr_assert(strstr(avgpipe_last_error(NULL), "ties[0] names stage 9"), "%s", avgpipe_last_error(NULL));
@@ -182,7 +182,7 @@ Test(sync, add_sync_refuses_bad_ties_naming_them) {
 Test(sync, a_tie_costs_its_transfer_only_across_ranks) {
     avgpipe_schedule s, t;
     avgpipe_tie tie = {0, 1, 0, 0, 4};
-    avgpipe_sync_desc sy = {&tie, 1, 0};
+    avgpipe_sync_desc sy = {.ties = &tie, .nties = 1, .agree = 0};
     avgpipe_sim_desc sd = {0};
     avgpipe_sim_result r0, r1;
     /* AFAB, S = 2, M = 1: the TIE of both ranks starts when rank 0's backward ends and takes the
@@ -215,7 +215,7 @@ Test(sync, a_tie_costs_its_transfer_only_across_ranks) {
 Test(sync, the_runtime_refuses_sync_ops_it_cannot_run_yet) {
     avgpipe_schedule s, t;
     avgpipe_tie tie = {0, 1, 0, 0, 4};
-    avgpipe_sync_desc sy = {&tie, 1, 1};
+    avgpipe_sync_desc sy = {.ties = &tie, .nties = 1, .agree = 1};
     avgpipe_run_desc d = {0};
     avgpipe_run *run = NULL;
     cr_assert(generate(AVGPIPE_SCHED_1F1B, 2, 2, 1, 1, 0, &s));
