@@ -128,6 +128,15 @@ t "validate sim --csv" 0 validate "$TMP/t.csv"
 t "sim continuous" 0 sim --stages 3 --micro 3 --pipes 2 --rounds 2 --continuous --blocking-send \
     --comm-latency 0.5 --comm-bytes 100 --bandwidth 50 --cost-f 1.5 --cost-b 3 --cost-w 1.5 --quiet
 t "sim interleaved" 0 sim --schedule interleaved --stages 2 --micro 4 --chunks 3 --quiet
+# ties and step agreement: placed, written, validated again from the file; bad pairs named
+t "sim --tie --agree" 0 sim --stages 4 --micro 4 --pipes 2 --tie 0:3,1:2 --agree --tie-bytes 10 --bandwidth 5 --csv "$TMP/tie.csv" --quiet
+has "sim --tie csv" "$TMP/tie.csv" "3TIE0@0"
+has "sim --tie csv 2" "$TMP/tie.csv" "1:2TIE0@1"
+has "sim --agree csv" "$TMP/tie.csv" "2AGREE0"
+t "validate tie csv" 0 validate "$TMP/tie.csv"
+usage_error "sim --tie syntax" "STAGE:STAGE" sim --tie 0-3
+usage_error "sim --tie out of range" "names stage 9, outside" sim --tie 0:9 --quiet
+usage_error "sim --tie itself" "ties stage 1 to itself" sim --tie 1:1 --quiet
 t "sim --flag=value" 0 sim --stages=2 --micro=2 --quiet
 # a cost of 0 is free (AVGPIPE_ZERO), not the default: 1F1B S=2 M=2 with free backwards = 2 forwards + 1
 t "sim --cost-b 0" 0 sim --stages 2 --micro 2 --cost-b 0 --summary tsv

@@ -41,6 +41,8 @@
 enum { CMD_SIM = 1, CMD_VALIDATE = 2, CMD_COMPARE = 4, CMD_TUNE = 8, CMD_ALL = 15 };
 
 /* Everything the command line says, with the defaults filled in before parsing. */
+#define CLI_MAX_TIES 16
+
 typedef struct cli_opts {
     unsigned cmd;
     avgpipe_sched_kind kinds[CLI_MAX_KINDS];
@@ -50,6 +52,9 @@ typedef struct cli_opts {
     double cost_f, cost_b, cost_w;
     double latency, bytes, bandwidth;
     int blocking, width, tsv, quiet, lower, help;
+    avgpipe_tie ties[CLI_MAX_TIES]; /* --tie A:B,...: tied stage pairs (avgpipe_sched_add_sync) */
+    int nties, agree;
+    double tie_bytes;
     const char *trace, *svg, *csv, *file;
     /* tune */
     const char *profile;
@@ -159,6 +164,30 @@ static int set_str(cli_opts *o, const cli_flag *f, const char *val) {
     return 0;
 }
 
+/* --tie A:B[,C:D...]: stage pairs, each a tie of their gradients (the stages are checked by the library). */
+static int set_ties(cli_opts *o, const cli_flag *f, const char *val) {
+    const char *p = val;
+    (void)f;
+    o->nties = 0;
+    while (*p) {
+        long a, b;
+        char *end;
+        if (o->nties == CLI_MAX_TIES) return cli_error("--tie: at most %d pairs", CLI_MAX_TIES);
+        a = strtol(p, &end, 10);
+        if (end == p || *end != ':' || a < 0 || a > INT_MAX) return cli_error("--tie: expected STAGE:STAGE[,STAGE:STAGE...], got '%s'", val);
+        p = end + 1;
+        b = strtol(p, &end, 10);
+        if (end == p || (*end && *end != ',') || b < 0 || b > INT_MAX) return cli_error("--tie: expected STAGE:STAGE[,STAGE:STAGE...], got '%s'", val);
+        memset(&o->ties[o->nties], 0, sizeof o->ties[0]);
+        o->ties[o->nties].stage_a = (int)a;
+        o->ties[o->nties].stage_b = (int)b;
+        o->ties[o->nties].count = 1;
+        o->nties++;
+        p = *end ? end + 1 : end;
+    }
+    return o->nties ? 0 : cli_error("--tie: expected STAGE:STAGE[,STAGE:STAGE...], got ''");
+}
+
 /* A size in bytes: a whole number with an optional binary suffix K, M or G (KiB = 1024 bytes, MiB,
    GiB; "512M", "1.5G", "65536"); must be > 0. */
 static int set_size(cli_opts *o, const cli_flag *f, const char *val) {
@@ -263,6 +292,9 @@ static const cli_flag cli_flags[] = {
     {"--comm-bytes", set_num, OFF(bytes), 0, 1e18, SC, "B", "bytes per transfer (default 0)"},
     {"--bandwidth", set_num, OFF(bandwidth), 0, 1e18, SC, "B/T", "link bandwidth; 0 = no bandwidth term (default)"},
     {"--blocking-send", set_switch, OFF(blocking), 0, 0, SC, NULL, "blocking sends (default asynchronous)"},
+    {"--tie", set_ties, 0, 0, 0, SC, "A:B,...", "tie the gradients of stages A and B (GPT-2's embedding: 0:G-1) before the STEPs"},
+    {"--agree", set_switch, OFF(agree), 0, 0, SC, NULL, "step agreement (global-norm clipping) across each pipeline's stages"},
+    {"--tie-bytes", set_num, OFF(tie_bytes), 0, 1e18, SC, "B", "bytes a tie between two ranks exchanges each way (default 0)"},
     {"--trace", set_str, OFF(trace), 0, 0, CMD_SIM, "FILE", "write a Chrome trace JSON (ui.perfetto.dev)"},
     {"--svg", set_str, OFF(svg), 0, 0, CMD_SIM, "FILE", "write an SVG timeline"},
     {"--csv", set_str, OFF(csv), 0, 0, CMD_SIM, "FILE", "write the generated compute schedule as text/CSV"},
@@ -446,6 +478,7 @@ static avgpipe_sim_desc make_sim_desc(const cli_opts *o, int record, int chunks)
     d.bytes = o->bytes;
     d.bandwidth = o->bandwidth;
     d.blocking_send = o->blocking;
+    d.tie_bytes = o->tie_bytes;
     d.record_events = record;
     return d;
 }
@@ -486,6 +519,24 @@ static int evaluate(avgpipe_context *ctx, const cli_opts *o, avgpipe_sched_kind 
     if (check_size(&row->d) != 0) return CLI_EXIT_USAGE;
     sd = make_sim_desc(o, record, row->d.chunks);
     if (avgpipe_sched_generate(ctx, &d, s) != AVGPIPE_OK) return lib_error(ctx);
+    if (o->nties || o->agree) { /* ties and agreement, placed with the same op costs */
+        avgpipe_sync_desc sy;
+        avgpipe_schedule synced;
+        memset(&sy, 0, sizeof sy);
+        sy.ties = o->ties;
+        sy.nties = o->nties;
+        sy.agree = o->agree;
+        sy.cost_f = sd.cost[AVGPIPE_OP_F];
+        sy.cost_b = sd.cost[AVGPIPE_OP_B];
+        sy.cost_i = sd.cost[AVGPIPE_OP_I];
+        sy.cost_w = sd.cost[AVGPIPE_OP_W];
+        if (avgpipe_sched_add_sync(ctx, s, &sy, &synced) != AVGPIPE_OK) {
+            avgpipe_sched_free(ctx, s);
+            return lib_error(ctx);
+        }
+        avgpipe_sched_free(ctx, s);
+        *s = synced;
+    }
     avgpipe_sched_validate(ctx, s, NULL, &rep);
     row->valid = rep.result == AVGPIPE_OK;
     row->makespan = row->bubble = NAN;
