@@ -18,9 +18,17 @@
    (the GEMMs of this model are small: M = B x T rows of at most 4C; threading inside them scales worse).
    T = 1 is the bit-for-bit baseline; T > 1 sums the gradients in another order (not bit-identical).
 
-   Build: gcc -std=c11 -O2 -Wall -Wextra -Iexamples -I. examples/gpt_reference.c -o /tmp/gpt_reference \
-              -lopenblas -lm -pthread
-   Run:   /tmp/gpt_reference [--steps 600] [--threads 2] [--save FILE] ...   (--help lists all) */
+   Figures (2 vCPUs, AMD EPYC, OpenBLAS 0.3.21 Haswell kernel, gcc 12 -O3, quiet machine):
+     default shape (4 layers, 128 channels, 4 heads, context 64, B 8; M 4): 13.0k tokens/s with --threads 1,
+     22.6k with --threads 2 (llm.c's CPU trainer: 5,600 on 2 cores). Tokens are non-padding positions.
+     Learning (lr 3e-3, B 8, M 2: 16 windows a step learned more per token than 32 and as much as 8):
+       defaults, --threads 2: 3,600 steps, 3.1M tokens in 146 s: validation 2.540 bits/byte;
+       --channels 96 --steps 5600 --threads 2: 32k tokens/s, 4.8M tokens in 151 s: 2.495 bits/byte
+       (the fastest learner per second measured; 3 layers of 128 did as well per FLOP as 96 channels).
+     lr 6e-3 and 1e-2 stall near 2.7 nats; 2e-3 is slower than 3e-3.
+
+   Build: gcc -std=c11 -O3 -Wall -Wextra -I. examples/gpt_reference.c -o /tmp/gpt_reference -lopenblas -lm -pthread
+   Run:   /tmp/gpt_reference [--threads 2] [--channels 96 --steps 5600] [--save FILE] ...   (--help lists all) */
 #define _POSIX_C_SOURCE 200809L
 #include "examples/gpt_model.h"
 #define BLAS_KERNEL_IMPLEMENTATION
@@ -54,10 +62,10 @@ static const char *usage =
     "  --heads H        attention heads (default 4)\n"
     "  --ctx T          context: the longest micro-batch (default 64)\n"
     "  --batch B        rows per micro-batch (default 8)\n"
-    "  --micro M        micro-batches per step (default 4)\n"
-    "  --steps N        optimizer steps (default 600)\n"
+    "  --micro M        micro-batches per step (default 2)\n"
+    "  --steps N        optimizer steps (default 3600: about 2.5 minutes with --threads 2 on 2 cores)\n"
     "  --lr LR          peak learning rate (default 3e-3)\n"
-    "  --warmup W       linear warm-up steps (default 30), then cosine decay to lr / 10\n"
+    "  --warmup W       linear warm-up steps (default 100), then cosine decay to lr / 10\n"
     "  --wd WD          AdamW weight decay of the 2-D tensors (default 0.1)\n"
     "  --clip C         global gradient-norm clip (default 1.0; 0: none)\n"
     "  --seed S         weights and batch order (default 1)\n"
@@ -66,8 +74,8 @@ static const char *usage =
     "  --threads T      threads over the micro-batches of a step (default 1: the bit-for-bit baseline)\n"
     "  --data DIR       fortunes corpus (default /usr/share/games/fortunes: apt-get install fortunes)\n"
     "  --save FILE      write the trained model (gpt_save: the same bytes whatever the partitioning)\n"
-    "  --log-every K    train loss and tokens/s every K steps (default 50)\n"
-    "  --eval-every K   validation loss every K steps on 60 validation micro-batches (default 200; 0: only at the end, on all)\n"
+    "  --log-every K    train loss and tokens/s every K steps (default 200)\n"
+    "  --eval-every K   validation loss every K steps on 60 validation micro-batches (default 1000; 0: only at the end, on all)\n"
     "  --sample-len N   bytes of each of the 3 samples at the end (default 200; 0: none)\n"
     "  --temperature X  of the samples (default 0.8; top-k 40)\n";
 
@@ -110,8 +118,8 @@ static void parse_options(int argc, char **argv, options *o) {
     size_t k;
     memset(o, 0, sizeof *o);
     o->cfg.L = 4, o->cfg.C = 128, o->cfg.H = 4, o->cfg.Tmax = 64, o->cfg.B = 8;
-    o->micro = 4, o->stages = 2, o->threads = 1, o->steps = 600, o->warmup = 30, o->lr = 3e-3, o->clip = 1.0, o->wd = 0.1;
-    o->seed = 1, o->log_every = 50, o->eval_every = 200, o->eval_micro = 60, o->sample_len = 200, o->temperature = 0.8;
+    o->micro = 2, o->stages = 2, o->threads = 1, o->steps = 3600, o->warmup = 100, o->lr = 3e-3, o->clip = 1.0, o->wd = 0.1;
+    o->seed = 1, o->log_every = 200, o->eval_every = 1000, o->eval_micro = 60, o->sample_len = 200, o->temperature = 0.8;
     o->data = "/usr/share/games/fortunes";
     for (i = 1; i < argc; i++) {
         const char *f = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
