@@ -2404,6 +2404,25 @@ static int avgpipe__is_compute(int k) {
 }
 static int avgpipe__is_comm(int k) { return k >= AVGPIPE_OP_SEND_F && k <= AVGPIPE_OP_RECV_B; }
 static int avgpipe__is_sync(int k) { return k == AVGPIPE_OP_TIE || k == AVGPIPE_OP_AGREE; }
+/* Tie pairs (lo, hi stages, lo < hi) as the validator and the simulator collect them from TIE ops:
+   the pair of g and h in pairs[0 .. 2n), or -1; add appends it when new (0: out of memory). */
+static int avgpipe__pair_find(const int *pairs, int n, int g, int h) {
+    int q, lo = g < h ? g : h, hi = g < h ? h : g;
+    for (q = 0; q < n; q++)
+        if (pairs[2 * q] == lo && pairs[2 * q + 1] == hi) return q;
+    return -1;
+}
+static int avgpipe__pair_add(avgpipe_context *ctx, int **pairs, int *n, int g, int h) {
+    int *np;
+    if (avgpipe__pair_find(*pairs, *n, g, h) >= 0) return 1;
+    np = (int *)avgpipe__realloc(ctx, *pairs, (size_t)*n * 2 * sizeof(int), (size_t)(*n + 1) * 2 * sizeof(int));
+    if (!np) return 0;
+    np[2 * *n] = g < h ? g : h;
+    np[2 * *n + 1] = g < h ? h : g;
+    *pairs = np;
+    (*n)++;
+    return 1;
+}
 /* Kinds whose micro is a round (not a micro-batch). */
 static int avgpipe__is_per_round(int k) { return k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG || avgpipe__is_sync(k); }
 static int avgpipe__is_backward(int k) { return k == AVGPIPE_OP_B || k == AVGPIPE_OP_I; }
@@ -4047,7 +4066,7 @@ typedef struct avgpipe__sync {
     int *part_start, *part;         /* stage g's partners: part[part_start[g] .. part_start[g+1]-1], ascending */
     double *fend, *bend;            /* [N][G][U] */
     double *clock;                  /* [S]: when the rank's last op ended */
-    double *wend, *jend;            /* [N][G][T]: backward work ended; ready to join the agreement */
+    double *wend;                   /* [N][G][T]: backward work ended */
     int *work, *ties_done;          /* [N][G][T] */
     unsigned char *step, *avg_held, *agree_in; /* [N][G][T] */
     int *agree_ready;               /* [N][T]: stages whose ties and work are complete */
@@ -4312,7 +4331,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
     y.rank = (int *)avgpipe__calloc(ctx, (size_t)G * 2 + 1 + 2 * (size_t)nt, sizeof(int));
     y.step = (unsigned char *)avgpipe__calloc(ctx, 3 * rounds_cells, 1);
     y.work = (int *)avgpipe__calloc(ctx, 2 * rounds_cells + (size_t)y.N * y.T, sizeof(int));
-    y.fend = (double *)avgpipe_alloc(ctx, (2 * cells + 2 * rounds_cells + (size_t)y.N * y.T + (size_t)in->nranks) * sizeof(double));
+    y.fend = (double *)avgpipe_alloc(ctx, (2 * cells + rounds_cells + (size_t)y.N * y.T + (size_t)in->nranks) * sizeof(double));
     y.cap_ev = y.N * y.T * (nt + 1);
     y.ev = (avgpipe__sync_event *)avgpipe_alloc(ctx, (size_t)y.cap_ev * sizeof *y.ev);
     res = avgpipe__sched_init_like(ctx, out, in);
@@ -4325,11 +4344,10 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
     y.part = y.part_start + G + 1;
     y.bend = y.fend + cells;
     y.wend = y.bend + cells;
-    y.jend = y.wend + rounds_cells;
-    y.agree_at = y.jend + rounds_cells;
+    y.agree_at = y.wend + rounds_cells;
     y.clock = y.agree_at + (size_t)y.N * y.T;
     for (j = 0; j < (int)(2 * cells); j++) y.fend[j] = -1;
-    memset(y.wend, 0, (2 * rounds_cells + (size_t)y.N * y.T + (size_t)in->nranks) * sizeof(double));
+    memset(y.wend, 0, (rounds_cells + (size_t)y.N * y.T + (size_t)in->nranks) * sizeof(double));
     y.avg_held = y.step + rounds_cells;
     y.agree_in = y.avg_held + rounds_cells;
     y.ties_done = y.work + rounds_cells;
@@ -4773,14 +4791,6 @@ static int avgpipe__sim_recv(avgpipe__sim *m, const avgpipe_op *op, double t, in
     return 1;
 }
 
-/* Run rank r as far as it can go. Returns 0 on allocation failure. */
-static int avgpipe__sim_pair(const avgpipe__sim *m, int g, int h) {
-    int q, lo = g < h ? g : h, hi = g < h ? h : g;
-    for (q = 0; q < m->npairs; q++)
-        if (m->pairs[2 * q] == lo && m->pairs[2 * q + 1] == hi) return q;
-    return -1;
-}
-
 /* A TIE or AGREE of rank r reached at time t: 0 to wait for the other side(s), else 1 with *start (when
    all have arrived) and *xfer (the exchange's transfer time, 0 on one rank). */
 static int avgpipe__sim_sync(avgpipe__sim *m, int r, int pos, double t, double *start, double *xfer) {
@@ -4793,7 +4803,7 @@ static int avgpipe__sim_sync(avgpipe__sim *m, int r, int pos, double t, double *
     if (op->kind == AVGPIPE_OP_TIE) {
         int h = op->peer, side = op->stage < h ? 0 : 1, lo;
         double *at;
-        q = avgpipe__sim_pair(m, op->stage, h);
+        q = avgpipe__pair_find(m->pairs, m->npairs, op->stage, h);
         at = &m->tie_at[(pt * (size_t)m->npairs + (size_t)q) * 2];
         if (m->pl.rank[h] == r) return 1; /* both sides here: no bytes move */
         if (at[side] < 0) {
@@ -4827,6 +4837,7 @@ static int avgpipe__sim_sync(avgpipe__sim *m, int r, int pos, double t, double *
     return 1;
 }
 
+/* Run rank r as far as it can go. Returns 0 on allocation failure. */
 static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     const avgpipe_op *ops = m->s->ops[r];
     int n = m->s->len[r], ok = 1, pos = m->pos[r];
@@ -4945,14 +4956,8 @@ static avgpipe_result avgpipe__sim_sync_tables(avgpipe__sim *m) {
             if (op->peer < 0 || op->peer >= m->G || op->peer == op->stage)
                 return avgpipe__fail(m->ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sim_run: rank %d position %d: TIE with stage %d (not another stage of 0..%d)", r, i,
                                      op->peer, m->G - 1);
-            if (avgpipe__sim_pair(m, op->stage, op->peer) < 0) {
-                int *np = (int *)avgpipe__realloc(m->ctx, m->pairs, (size_t)m->npairs * 2 * sizeof(int), (size_t)(m->npairs + 1) * 2 * sizeof(int));
-                if (!np) return avgpipe__fail(m->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
-                m->pairs = np;
-                np[2 * m->npairs] = op->stage < op->peer ? op->stage : op->peer;
-                np[2 * m->npairs + 1] = op->stage < op->peer ? op->peer : op->stage;
-                m->npairs++;
-            }
+            if (!avgpipe__pair_add(m->ctx, &m->pairs, &m->npairs, op->stage, op->peer))
+                return avgpipe__fail(m->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
         }
     if (!nsync) return AVGPIPE_OK;
     for (r = 0; r < m->S; r++) {
@@ -5224,12 +5229,7 @@ static int avgpipe__vwork_missing(const avgpipe__vstate *v, int p, int g, int t)
 }
 
 /* The tie pair of stages g and h, or -1. */
-static int avgpipe__vpair(const avgpipe__vstate *v, int g, int h) {
-    int q, lo = g < h ? g : h, hi = g < h ? h : g;
-    for (q = 0; q < v->npairs; q++)
-        if (v->pairs[2 * q] == lo && v->pairs[2 * q + 1] == hi) return q;
-    return -1;
-}
+static int avgpipe__vpair(const avgpipe__vstate *v, int g, int h) { return avgpipe__pair_find(v->pairs, v->npairs, g, h); }
 
 /* A TIE or AGREE op (stage and pipeline already checked): after its stage's backward work of the
    round (a TIE with a stage on the same rank: after that stage's too, as the runtime sums both there),
@@ -5451,14 +5451,8 @@ static avgpipe_result avgpipe__vsync_prepare(avgpipe__vstate *v) {
             if (op->peer < 0 || op->peer >= v->G || op->peer == op->stage)
                 return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, op->peer == op->stage ? "TIE of stage %d with itself" : "TIE with stage %d, outside 0..%d",
                                       op->peer, v->G - 1);
-            if (op->stage >= 0 && op->stage < v->G && avgpipe__vpair(v, op->stage, op->peer) < 0) {
-                int *np = (int *)avgpipe__realloc(v->ctx, v->pairs, (size_t)v->npairs * 2 * sizeof(int), (size_t)(v->npairs + 1) * 2 * sizeof(int));
-                if (!np) return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
-                v->pairs = np;
-                np[2 * v->npairs] = op->stage < op->peer ? op->stage : op->peer;
-                np[2 * v->npairs + 1] = op->stage < op->peer ? op->peer : op->stage;
-                v->npairs++;
-            }
+            if (op->stage >= 0 && op->stage < v->G && !avgpipe__pair_add(v->ctx, &v->pairs, &v->npairs, op->stage, op->peer))
+                return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         }
     if (!v->nsync) return AVGPIPE_OK;
     v->npart = (int *)avgpipe__calloc(v->ctx, (size_t)v->G + 2 * (size_t)v->S + (size_t)v->N * v->R, sizeof(int));
