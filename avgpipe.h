@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.4.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.5.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -94,7 +94,7 @@
 
    CONTENTS
    --------
-   Twenty sections, each one subject, in dependency order: no section's implementation calls a later
+   Twenty-one sections, each one subject, in dependency order: no section's implementation calls a later
    one (scripts/check_order.py checks it, and each section's size, in CI). The declarations and the
    implementation carry the same numbers.
      1. Basics          avgpipe_result, avgpipe_context (allocator, logger, last error), avgpipe_buf,
@@ -114,14 +114,16 @@
     12. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
     13. Buffer plan and run state   slots and their bytes; the run's structures, tags, accessors
                                                                                     (avgpipe_run_plan_*)
-    14. Execution       callbacks, the run's description, worker and averaging threads
+    14. Execution       callbacks, the run's description; waits, slots, compute and comm ops
                                                                                     (avgpipe_run_desc)
-    15. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
-    16. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
-    17. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
-    18. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
-    19. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
-    20. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
+    15. Steps and sync  ties, step agreement, STEP and AVG; the worker and averaging threads
+                                                          (avgpipe_grad_sumsq, avgpipe_clip_scale)
+    16. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
+    17. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
+    18. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
+    19. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
+    20. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
+    21. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
 */
 #ifndef AVGPIPE_H
 #define AVGPIPE_H
@@ -135,9 +137,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 4
+#define AVGPIPE_VERSION_MINOR 5
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.4.0"
+#define AVGPIPE_VERSION_STRING "0.5.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -262,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.4.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.5.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -1316,7 +1318,7 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
                                                     avgpipe_buffer_plan *out);
 AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_plan *plan);
 
-/* A run (avgpipe_run_create, section 17): what it holds, asked between iterations. */
+/* A run (avgpipe_run_create, section 18): what it holds, asked between iterations. */
 typedef struct avgpipe_run avgpipe_run; /* opaque */
 /* The reference model's partition of stage g (newest complete) of the first local replica group that
    holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
@@ -1407,7 +1409,30 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
    avgpipe_run_gather_reference copy through the device table. With desc.profile the ops' times come
    from device events (event_elapsed) when the table has them: the profile the tuner reads is the
    device's, not the host's issue times. The CPU device (the default) runs everything on the calling
-   thread: streams are NULL and every ordering holds trivially. */
+   thread: streams are NULL and every ordering holds trivially.
+
+   Tied parameters and step agreement (a transformer's needs). The library reaches the gradients
+   through desc.grads (the buffers each model's backward accumulates into and its step reads, one per
+   model and partition, indexed as params). desc.ties declares float ranges of two partitions to be one
+   parameter (GPT-2's token embedding, the first stage's input and the last stage's LM head): each
+   round, after both partitions' backward work of a pipeline and before either STEP, the two gradient
+   ranges are summed and both hold a + b with the same bits, so both copies take the same step (give
+   them the same starting values) and stay identical; averaging keeps them so. desc.agree makes every
+   partition of a pipeline contribute a small vector of doubles before the round's STEPs; the vectors
+   are summed over the partitions in partition order ((0 + v_0) + v_1) + ..., so every rank sees the
+   same bits on every run (threads or processes), and every partition's step_agreed callback receives
+   the sums. Built on it: clipping by the global gradient norm (agree.clip_norm: the step gets the
+   scale) and skipping a pipeline's step on every partition when any gradient is non-finite
+   (agree.skip_nonfinite: counted in avgpipe_run_stats.skipped; the run goes on). The norm is the
+   library's own: each partition's sum of squares is avgpipe_grad_sumsq over its gradients in index
+   order, a tied range counted once (on the lower-numbered partition), combined as above;
+   avgpipe_agree_combine and avgpipe_clip_scale give a plain loop the same bits. The schedule carries
+   TIE and AGREE ops (avgpipe_sched_add_sync places them in every generated schedule; a given schedule
+   gets them unless it has its own, which must match desc.ties and desc.agree): a tie between two
+   ranks exchanges its range on a communicator of its own (comm.split over the replica group's ranks),
+   one between two partitions on one rank moves nothing; an agreement sends each rank's vectors to the
+   other ranks of its group. This release runs them on the CPU device (desc.device NULL or the CPU
+   table): gradients in host memory. */
 
 typedef struct avgpipe_op_ctx {
     int rank, pipe, stage, micro, round; /* rank: global (replica · S + s); micro: within the batch;
@@ -1428,6 +1453,36 @@ typedef struct avgpipe_op_ctx {
                                             compute stream on this rank; NULL on the CPU device) */
     void *user;
 } avgpipe_op_ctx;
+
+/* What a step receives with step agreement, and what a contribution is asked for. */
+typedef struct avgpipe_step_ctx {
+    int rank, pipe, stage, round;  /* as step's arguments: rank global, round global */
+    int replica;                   /* replica group d */
+    float *params;                 /* parameters of (replica, pipe, stage) */
+    float *grads;                  /* desc.grads of (replica, pipe, stage) (ties already summed), or NULL */
+    size_t count;                  /* param_count[stage] */
+    const double *agreed;          /* [width]: the partitions' contributions summed in partition order
+                                      (NULL in contribute, and without agree.width) */
+    int width;                     /* agree.width */
+    double sumsq;                  /* with clip_norm or skip_nonfinite: the global sum of squares of the
+                                      pipeline's gradients (a tied range once); else 0 */
+    double nonfinite;              /* with clip_norm or skip_nonfinite: the gradients' NaN and Inf count */
+    double scale;                  /* clip_norm > 0: avgpipe_clip_scale(sumsq, clip_norm), else 1: multiply
+                                      the gradients by it (or fold it into the update) */
+    int skip;                      /* skip_nonfinite and nonfinite > 0: leave params as they are and reset
+                                      what you accumulated (the run counts the skip and goes on) */
+    void *user;                    /* cb.user */
+} avgpipe_step_ctx;
+
+/* Step agreement across the stage partitions of a pipeline (see "Tied parameters and step agreement"). */
+typedef struct avgpipe_agree_desc {
+    int width;                     /* doubles each partition's contribute callback fills; 0: none */
+    /* Fill out[0 .. width-1] for (pipe, stage, round) after its backward work and ties (st->grads
+       final, st->agreed NULL); on the thread of the rank that runs the stage. Required with width. */
+    int (*contribute)(const avgpipe_step_ctx *st, double *out);
+    double clip_norm;              /* > 0: the global gradient norm is computed; step gets the clip scale */
+    int skip_nonfinite;            /* 1: a non-finite gradient anywhere in the pipeline skips its step */
+} avgpipe_agree_desc;
 
 /* Callbacks return 0 on success; any other value stops every rank with AVGPIPE_CALLBACK_ERROR. */
 typedef struct avgpipe_stage_callbacks {
@@ -1452,6 +1507,9 @@ typedef struct avgpipe_stage_callbacks {
     /* Instead of step, on a device with asynchronous streams (optional): enqueue the update on `stream`
        (the pipeline's compute stream, after the round's backward work) and return. */
     int (*step_async)(int rank, int pipe, int stage, int round, float *params, avgpipe_device_stream stream, void *user);
+    /* Instead of step (required with desc.agree, allowed without): the step with the agreement's result
+       (avgpipe_step_ctx: the sums, the clip scale, whether to skip). Called on the rank's thread. */
+    int (*step_agreed)(const avgpipe_step_ctx *st);
     /* Checkpoints (optional): what you own for global rank `rank` (the optimizer state of its stages,
        anything your data order needs): save appends it to *out (avgpipe_buf_append), load gets back
        exactly those bytes when the checkpoint is loaded. Called on the thread that saves or loads. */
@@ -1463,6 +1521,11 @@ typedef struct avgpipe_stage_callbacks {
        touched after it. rank is global. Count these against avgpipe_run_abandoned() to know when the
        state those callbacks use may be freed. */
     void (*abandoned_return)(int rank, void *user);
+    /* Optional, with desc.reseed_nonfinite: partition (pipe, stage) of global rank `rank` was found
+       non-finite at round `round`'s AVG and now holds the reference's values; reset what you keep for
+       it (e.g. Adam's moments). Called on the rank's averaging thread, before the partition's next
+       forward; nonzero stops the run (AVGPIPE_CALLBACK_ERROR). */
+    int (*reseeded)(int rank, int pipe, int stage, int round, void *user);
     void *user;
 } avgpipe_stage_callbacks;
 
@@ -1484,6 +1547,13 @@ typedef struct avgpipe_run_desc {
        against non-finite models (no_finite_check must be 0). */
     avgpipe_ea_desc averaging;
     int deterministic;    /* 1: each AVG waits for the previous round's reference (see above) */
+    /* The non-finite guard: 0, a parallel model whose partition is non-finite at its AVG fails the
+       iteration (AVGPIPE_NON_FINITE, naming pipeline, stage, round). 1: that partition is re-seeded from
+       its stage's reference (avgpipe_ea_reset_from_reference), cb.reseeded is told (reset the optimizer
+       state you keep for it), the partition contributes again and the run goes on (counted in
+       avgpipe_run_stats.reseeded). On a device the check then waits on the host at each AVG. Not with
+       ties (one partition re-seeded alone would part its tied copies): use agree.skip_nonfinite. */
+    int reseed_nonfinite;
     double timeout_s;     /* every wait; 0 -> 60 s */
     /* The comm backend over all D·S ranks. NULL: in-process threads, which needs every rank local
        (avgpipe_comm_local_create; with a device, avgpipe_comm_local_create_on: its memory moves by the
@@ -1516,6 +1586,14 @@ typedef struct avgpipe_run_desc {
        runs unbound. */
     int (*bind_thread)(int rank, int role, void *user);
     void *bind_user;
+    /* Tied parameters and step agreement (see above). grads: [(replica * N + pipe) * G + stage], as
+       params (host memory, param_count[g] floats; entries of stages this process does not run may be
+       NULL), required with ties, clip_norm or skip_nonfinite. ties: nties ranges of two different
+       partitions, in bounds, of one length, no two overlapping in one partition. */
+    float *const *grads;
+    const avgpipe_tie *ties;
+    int nties;
+    avgpipe_agree_desc agree;
 } avgpipe_run_desc;
 
 #define AVGPIPE_THREAD_WORKER 0
@@ -1529,10 +1607,31 @@ typedef struct avgpipe_run_stats {
                              than cores this includes the time threads wait for a core */
     int advance;          /* K the iteration ran with */
     long long ops;
+    long long skipped;    /* agree.skip_nonfinite: the (pipeline, round) steps skipped in the iteration in
+                             the replica groups this process runs, counted once each */
+    long long reseeded;   /* reseed_nonfinite: the partitions re-seeded from the reference in the
+                             iteration on this process's ranks */
 } avgpipe_run_stats;
 
 /* ============================================================================================ */
-/* 15. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
+/* 15. Steps and sync: the agreement's arithmetic   (avgpipe_grad_sumsq, _agree_combine)        */
+/* ============================================================================================ */
+/* Ties and step agreement run inside the iteration (section 14 describes them); these give a plain
+   loop the runtime's bits. */
+/* Sum of squares for the global gradient norm: *sumsq += x[i]·x[i] for i = 0 .. count-1 in that order
+   in double, *nonfinite += the number of NaN and Inf among them (either pointer may be NULL). The
+   same bits under any compiler flags (so calling it on consecutive pieces equals one call on their
+   concatenation). What the runtime computes for each partition; thread-safe. */
+AVGPIPE_API void avgpipe_grad_sumsq(const float *x, size_t count, double *sumsq, double *nonfinite);
+/* out[k] = ((0 + parts[0·width + k]) + parts[1·width + k]) + ... over nparts, in that order, the same
+   bits under any flags: how the runtime combines the partitions' contributions. */
+AVGPIPE_API void avgpipe_agree_combine(const double *parts, int nparts, int width, double *out);
+/* The clip scale for a global sum of squares: clip_norm / sqrt(sumsq) when sqrt(sumsq) > clip_norm,
+   else 1 (also for clip_norm <= 0, and for a non-finite sumsq: skip such a step instead). Exact. */
+AVGPIPE_API double avgpipe_clip_scale(double sumsq, double clip_norm);
+
+/* ============================================================================================ */
+/* 16. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
 /* ============================================================================================ */
 /* Collective (every process, between iterations): the reference of every stage of replica group 0
    lands in dst[g] (param_count[g] floats each) on the process that runs global rank 0; other
@@ -1552,7 +1651,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
 AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
 
 /* ============================================================================================ */
-/* 16. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
+/* 17. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
 /* ============================================================================================ */
 #ifndef AVGPIPE_NO_STDIO
 /* Checkpoints. Collective (every process, between iterations, the same dir name). avgpipe_run_save
@@ -1576,7 +1675,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
 #endif
 
 /* ============================================================================================ */
-/* 17. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
+/* 18. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
 /* ============================================================================================ */
 /* desc with its defaults filled in, as avgpipe_run_create resolves them: sched as
    avgpipe_sched_query_defaults; averaging as avgpipe_ea_query_defaults (mode, alpha); timeout_s 0 -> 60,
@@ -1624,7 +1723,7 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
 
 /* ============================================================================================ */
-/* 18. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
+/* 19. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
 /* ============================================================================================ */
 /* Events of the last iteration (desc.profile = 1), of the local ranks: times in seconds from its start. */
 AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count);
@@ -1699,7 +1798,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p);
 
 /* ============================================================================================ */
-/* 19. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
+/* 20. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
 /* ============================================================================================ */
 /* One profiled run is enough (the paper's Section 5, made exact): fit each stage's op times as a
    linear function of the micro-batch size (the profile should hold two sizes: two sections), the
@@ -1786,7 +1885,7 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
 AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds);
 
 /* ============================================================================================ */
-/* 20. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
+/* 21. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
 /* ============================================================================================ */
 /* The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
    backward time as a + b x samples, its parameters and output bytes, the stage that held it),
@@ -7896,6 +7995,54 @@ AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t s
     }
     avgpipe__fp_exact_leave(fp);
 }
+
+/* The step agreement's arithmetic (declared in section 15): the same bits under any flags. A value is
+   non-finite when its exponent bits are all ones (a bit test: -ffinite-math-only folds isnan away). */
+AVGPIPE_API void avgpipe_grad_sumsq(const float *x, size_t count, double *sumsq, double *nonfinite) {
+    uint64_t fp = avgpipe__fp_exact_enter();
+    double acc = sumsq ? *sumsq : 0, bad = nonfinite ? *nonfinite : 0, v;
+    size_t i;
+    uint32_t b;
+    for (i = 0; i < count; i++) {
+        memcpy(&b, x + i, sizeof b);
+        if ((b & 0x7f800000u) == 0x7f800000u) bad += 1;
+        v = (double)x[i] * (double)x[i];
+        AVGPIPE__FP_KEEP(v); /* rounded before the add */
+        acc += v;
+        AVGPIPE__FP_KEEP(acc); /* added in index order */
+    }
+    if (sumsq) *sumsq = acc;
+    if (nonfinite) *nonfinite = bad;
+    avgpipe__fp_exact_leave(fp);
+}
+
+AVGPIPE_API void avgpipe_agree_combine(const double *parts, int nparts, int width, double *out) {
+    uint64_t fp = avgpipe__fp_exact_enter();
+    int k, g;
+    for (k = 0; k < width; k++) {
+        double sum = 0;
+        AVGPIPE__FP_KEEP(sum);
+        for (g = 0; g < nparts; g++) {
+            sum += parts[(size_t)g * (size_t)width + (size_t)k];
+            AVGPIPE__FP_KEEP(sum);
+        }
+        out[k] = sum;
+    }
+    avgpipe__fp_exact_leave(fp);
+}
+
+AVGPIPE_API double avgpipe_clip_scale(double sumsq, double clip_norm) {
+    uint64_t fp = avgpipe__fp_exact_enter();
+    double norm = sqrt(sumsq), scale = 1;
+    uint64_t b;
+    memcpy(&b, &norm, sizeof b);
+    if (clip_norm > 0 && (b & 0x7ff0000000000000ull) != 0x7ff0000000000000ull && norm > clip_norm) {
+        AVGPIPE__FP_KEEP(norm);
+        scale = clip_norm / norm;
+    }
+    avgpipe__fp_exact_leave(fp);
+    return scale;
+}
 AVGPIPE__FP_EXACT_END
 
 /* Each rank leaves its values in its own part; the last to arrive sums the parts in rank order (the
@@ -8377,6 +8524,18 @@ typedef struct avgpipe__worker {
     avgpipe_context ctx, avg_ctx;
     avgpipe_comm group; /* replicas: this stage-rank's D ranks (comm.split) */
     int has_group;
+    /* ties and step agreement: their communicator (comm.split over the replica group's S ranks, in
+       which this worker is srank), the receive buffer of a tie's range, the agreement's tables (by rank
+       order, by partition order: [G * wagree] each), its result per pipeline and the round it is of,
+       the requests of one exchange ([2 S]), the skipped steps seen in the iteration */
+    avgpipe_comm sync;
+    int has_sync, counts_skips;
+    float *tie_buf;
+    double *agree_tab, *agreed;
+    int *agree_round, *tie_round; /* [N], [N * nties]: the round last agreed, last summed on this rank */
+    avgpipe_comm_request *sreq;
+    int *speer;
+    long long skipped, reseeded; /* reseeded: by the averaging thread, under run->mu */
     avgpipe__job *jobs;
     int jcap, jhead, jlen;
     double busy, loss;
@@ -8416,6 +8575,11 @@ struct avgpipe_run {
     avgpipe_device dev;
     int own_dev;
     int ordered;          /* transfers through comm.isend_on / irecv_on (a device was given and the comm has them) */
+    avgpipe_tie *ties;    /* a copy of desc.ties */
+    int nties;
+    int agreeing, builtin, wagree; /* an agreement; its built-in slots (sumsq, non-finite count) first; doubles per partition */
+    int *excl_start;      /* [G + 1]: the tied ranges partition g leaves out of its sum of squares (it is the */
+    size_t *excl;         /* higher-numbered side): excl[2 k] offset, [2 k + 1] count, k in excl_start[g] .. , by offset */
     int timed;            /* profile from device events (desc.profile and the device has event_elapsed) */
     avgpipe__stage *st;   /* [D * G] */
     int *slot_of;         /* [((d * G + g) * N + pipe) * U + micro] */
@@ -8448,6 +8612,9 @@ static int avgpipe__run_aborted(const avgpipe_run *run) { return AVGPIPE__LOAD(&
 static float *avgpipe__run_params(const avgpipe_run *run, int replica, int pipe, int g) {
     return run->d.params[((size_t)replica * run->N + (size_t)pipe) * run->G + g];
 }
+static float *avgpipe__run_grads(const avgpipe_run *run, int replica, int pipe, int g) {
+    return run->d.grads ? run->d.grads[((size_t)replica * run->N + (size_t)pipe) * run->G + g] : NULL;
+}
 static int *avgpipe__slot_key(avgpipe_run *run, int replica, int g, int pipe, int micro) {
     return &run->slot_of[(((size_t)replica * run->G + g) * run->N + pipe) * run->U + micro];
 }
@@ -8469,6 +8636,8 @@ static void avgpipe__run_abort_comms(avgpipe_run *run, avgpipe_result res, const
     if (run->comm.abort) run->comm.abort(run->comm.user, res, msg);
     for (k = 0; k < run->nlocal; k++)
         if (run->w[k].has_group) run->w[k].group.abort(run->w[k].group.user, res, msg);
+    for (k = 0; k < run->nlocal; k++)
+        if (run->w[k].has_sync) run->w[k].sync.abort(run->w[k].sync.user, res, msg);
 }
 
 /* First failure wins: it is recorded, every waiter wakes, the comm backend aborts the other ranks. */
@@ -8561,8 +8730,71 @@ static avgpipe_result avgpipe__add_steps(avgpipe_context *ctx, avgpipe_schedule 
 
 /* The schedule a run executes: desc's own (copied) or generated for sd with K, STEP/AVG added where
    missing, validated (a generated one is valid by construction unless `check`), lowered. */
+/* The run's ties and agreement as avgpipe_sched_add_sync takes them; NULL when it has neither. */
+static const avgpipe_sync_desc *avgpipe__run_sync_desc(const avgpipe_run *run, avgpipe_sync_desc *out) {
+    memset(out, 0, sizeof *out);
+    out->ties = run->ties;
+    out->nties = run->nties;
+    out->agree = run->agreeing;
+    return run->nties || run->agreeing ? out : NULL;
+}
+
+/* A schedule's sync ops against the run's ties and agreement: none yet -> placed (avgpipe_sched_add_sync,
+   which needs it compute-only); some -> every TIE op's pair is a tie of desc.ties and back, AGREE
+   ops present exactly when desc.agree asks for them. */
+static avgpipe_result avgpipe__run_sync_ops(avgpipe_context *ctx, const avgpipe_sync_desc *sync, avgpipe_schedule *base) {
+    int r, i, t, nsync = 0, agree = 0, fr = -1, fi = -1;
+    avgpipe_schedule out;
+    avgpipe_result res;
+    for (r = 0; r < base->nranks; r++)
+        for (i = 0; i < base->len[r]; i++) {
+            const avgpipe_op *op = &base->ops[r][i];
+            if (!avgpipe__is_sync(op->kind)) continue;
+            if (!nsync++) fr = r, fi = i;
+            if (op->kind == AVGPIPE_OP_AGREE) {
+                agree = 1;
+                continue;
+            }
+            for (t = 0; sync && t < sync->nties; t++)
+                if ((sync->ties[t].stage_a == op->stage && sync->ties[t].stage_b == op->peer) ||
+                    (sync->ties[t].stage_b == op->stage && sync->ties[t].stage_a == op->peer))
+                    break;
+            if (sync && t == sync->nties)
+                return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "schedule: rank %d position %d ties stages %d and %d, which desc.ties does not", r, i, op->stage, op->peer);
+        }
+    if (!nsync) {
+        if (!sync) return AVGPIPE_OK;
+        if (base->has_comm)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "schedule: lowered and without TIE/AGREE ops while desc.ties or desc.agree is set: give it "
+                                 "compute-only (the run places them) or with them (avgpipe_sched_add_sync, then avgpipe_sched_lower)");
+        if ((res = avgpipe_sched_add_sync(ctx, base, sync, &out)) != AVGPIPE_OK) return res;
+        avgpipe_sched_free(ctx, base);
+        *base = out;
+        return AVGPIPE_OK;
+    }
+    if (!sync)
+        return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "schedule: rank %d position %d is a %s op, but desc.ties and desc.agree are empty", fr, fi,
+                             avgpipe_op_kind_name((avgpipe_op_kind)base->ops[fr][fi].kind));
+    if (agree != sync->agree)
+        return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "schedule: %s AGREE ops while desc.agree %s", agree ? "has" : "has no",
+                             agree ? "asks for none" : "asks for an agreement");
+    for (t = 0; t < sync->nties; t++) { /* every tie has its ops */
+        for (r = 0; r < base->nranks; r++) {
+            for (i = 0; i < base->len[r]; i++) {
+                const avgpipe_op *op = &base->ops[r][i];
+                if (op->kind == AVGPIPE_OP_TIE && op->stage == sync->ties[t].stage_a && op->peer == sync->ties[t].stage_b) break;
+            }
+            if (i < base->len[r]) break;
+        }
+        if (r == base->nranks)
+            return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "schedule: no TIE op of stage %d with stage %d (desc.ties[%d])", sync->ties[t].stage_a,
+                                 sync->ties[t].stage_b, t);
+    }
+    return AVGPIPE_OK;
+}
+
 static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
-                                             int check, avgpipe_schedule *base, avgpipe_schedule *low) {
+                                             int check, const avgpipe_sync_desc *sync, avgpipe_schedule *base, avgpipe_schedule *low) {
     avgpipe_validate_report rep;
     avgpipe_result res;
     memset(low, 0, sizeof *low);
@@ -8574,6 +8806,7 @@ static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe
     }
     if (res) return res;
     res = avgpipe__add_steps(ctx, base);
+    if (!res) res = avgpipe__run_sync_ops(ctx, sync, base);
     if (!res && (check || given) && (res = avgpipe_sched_validate(ctx, base, NULL, &rep)) != AVGPIPE_OK)
         res = avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
     if (!res) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe_sched_lower(ctx, base, low);
@@ -8655,8 +8888,9 @@ static avgpipe_result avgpipe__run_prepare(avgpipe_run *run) {
     avgpipe_result res;
     int j;
     int k, g;
+    avgpipe_sync_desc sy;
     avgpipe__free_buffer_plan(run);
-    res = avgpipe__run_schedules(ctx, run->d.schedule, &run->sd, run->K, 1, &run->base, &run->low);
+    res = avgpipe__run_schedules(ctx, run->d.schedule, &run->sd, run->K, 1, avgpipe__run_sync_desc(run, &sy), &run->base, &run->low);
     if (res) return res;
     run->M = run->base.shape.micro;
     run->R = run->base.shape.rounds;
@@ -8734,9 +8968,18 @@ static void avgpipe__run_free(avgpipe_run *run) {
         avgpipe_free(ctx, w->rseq);
         avgpipe_free(ctx, w->ev);
         avgpipe_free(ctx, w->evbytes);
+        avgpipe_free(ctx, w->tie_buf);
+        avgpipe_free(ctx, w->agree_tab);
+        avgpipe_free(ctx, w->agree_round);
+        avgpipe_free(ctx, w->tie_round);
+        avgpipe_free(ctx, w->sreq);
+        avgpipe_free(ctx, w->speer);
         if (w->cb_ready) pthread_mutex_destroy(&w->cbmu);
     }
     avgpipe__free_buffer_plan(run);
+    avgpipe_free(ctx, run->ties);
+    avgpipe_free(ctx, run->excl_start);
+    avgpipe_free(ctx, run->excl);
     avgpipe_sched_free(ctx, &run->given);
     if (run->own_comm) avgpipe_comm_destroy(&run->comm);
     if (run->own_dev) avgpipe_device_destroy(&run->dev);
@@ -8789,7 +9032,7 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
     return run && stage >= 0 && stage < run->G ? run->plan.slots[stage] : -1;
 }
 
-/* --- 14. Execution: the worker and averaging threads ------------------------------------------ */
+/* --- 14. Execution: waits, slots, callbacks, the compute and comm ops ------------------------- */
 
 static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, int peer, int flow, double a, double b, double bytes) {
     avgpipe_run *run = w->run;
@@ -9336,6 +9579,227 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
     return res;
 }
 
+/* --- 15. Steps and sync: ties, agreement, STEP and AVG; worker and averaging threads ---------- */
+
+/* ---- ties and step agreement (TIE, AGREE) ---- */
+
+/* The tag of a sync message of (pipe, round micro) in an iteration of this parity: `what` 2 t + d is tie
+   t's range sent by its lower-numbered stage (d 0) or its higher one (d 1), 2 nties the agreement's
+   vectors. The sync communicator keeps them in order; the receive checks the tag. */
+static uint32_t avgpipe__sync_tag(const avgpipe_run *run, int pipe, int micro, int what) {
+    uint64_t v = (((uint64_t)(run->iter & 1) * (uint64_t)run->R + (uint64_t)micro) * (uint64_t)run->N + (uint64_t)pipe) *
+                     (uint64_t)(2 * run->nties + 1) + (uint64_t)what;
+    return (uint32_t)(v % (AVGPIPE__TAG_CTL - 1)) + 1;
+}
+
+/* Wait for the n requests of one exchange on the sync communicator (sends and receives with the ranks
+   peers[k] of the group); on a failure the others are cancelled and the message names the first. */
+static avgpipe_result avgpipe__sync_wait(avgpipe__worker *w, const avgpipe_op *op, avgpipe_comm_request *req, const int *peers, int n,
+                                         const char *what) {
+    avgpipe_run *run = w->run;
+    avgpipe_comm_status st;
+    avgpipe_result res = AVGPIPE_OK;
+    char txt[64];
+    int k, bad = -1;
+    for (k = 0; k < n; k++) {
+        avgpipe_result r;
+        if (!req[k]) continue;
+        if (res) { /* after a failure: give the rest back */
+            if (w->sync.cancel) w->sync.cancel(w->sync.user, w->srank, req[k]);
+            req[k] = NULL;
+            continue;
+        }
+        memset(&st, 0, sizeof st);
+        r = w->sync.wait(w->sync.user, w->srank, req[k], run->d.timeout_s, &st);
+        if (r == AVGPIPE_TIMEOUT || r == AVGPIPE_ABORTED) {
+            if (w->sync.cancel) w->sync.cancel(w->sync.user, w->srank, req[k]);
+        }
+        req[k] = NULL;
+        if (r) res = r, bad = k;
+    }
+    if (!res) return AVGPIPE_OK;
+    if (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run)) return res;
+    if (res == AVGPIPE_TIMEOUT && avgpipe__watchdog(run, 0.5 * run->d.timeout_s)) return res; /* a local callback is the cause */
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d %s (%s)", w->rank, txt, what, w->replica * run->S + peers[bad],
+                             res == AVGPIPE_TIMEOUT    ? "timed out"
+                             : res == AVGPIPE_MISMATCH ? "got another message (the two ranks' ties and agreements are out of step)"
+                             : res == AVGPIPE_ABORTED  ? "stopped"
+                                                       : "failed",
+                             res == AVGPIPE_TIMEOUT ? "nothing within the timeout: is that rank alive?"
+                                                    : (w->sync.last_error ? w->sync.last_error(w->sync.user, w->srank) : ""));
+}
+
+/* Post a send of sbytes and a receive of rbytes with group rank q on the sync communicator. */
+static avgpipe_result avgpipe__sync_post(avgpipe__worker *w, const avgpipe_op *op, int q, const void *sbuf, size_t sbytes, uint32_t stag,
+                                         void *rbuf, size_t rbytes, uint32_t rtag, avgpipe_comm_request *req) {
+    avgpipe_run *run = w->run;
+    avgpipe_result res = w->sync.isend(w->sync.user, w->srank, q, sbuf, sbytes, stag, &req[0]);
+    char txt[64];
+    if (!res && (res = w->sync.irecv(w->sync.user, w->srank, q, rbuf, rbytes, rtag, &req[1])) != AVGPIPE_OK) {
+        if (w->sync.cancel) w->sync.cancel(w->sync.user, w->srank, req[0]);
+        req[0] = NULL;
+    }
+    if (!res || (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run))) return res;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(run, res, "rank %d, op %s: posting its exchange with rank %d failed: %s", w->rank, txt, w->replica * run->S + q,
+                             w->sync.last_error ? w->sync.last_error(w->sync.user, w->srank) : "");
+}
+
+/* TIE: sum this stage's gradient ranges tied to op->peer with the peer's. On one rank the first of the
+   two TIEs sums both in place (both come after both stages' backward work; the second finds the round
+   done, and a STEP after the first sees the sum); across ranks each side sends its range and adds the
+   other's: a + b and b + a are the same bits. */
+static avgpipe_result avgpipe__exec_tie(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    int g = op->stage, h = op->peer, q = avgpipe__run_rank(run, h), t;
+    float *a = avgpipe__run_grads(run, w->replica, op->pipe, g);
+    double t0 = avgpipe__now(), bytes = 0;
+    avgpipe_result res = AVGPIPE_OK;
+    for (t = 0; t < run->nties && !res; t++) {
+        const avgpipe_tie *tie = &run->ties[t];
+        size_t mine, theirs, i, n = tie->count;
+        if (!((tie->stage_a == g && tie->stage_b == h) || (tie->stage_a == h && tie->stage_b == g))) continue;
+        mine = tie->stage_a == g ? tie->offset_a : tie->offset_b;
+        theirs = tie->stage_a == g ? tie->offset_b : tie->offset_a;
+        if (q == w->srank) {
+            float *b = avgpipe__run_grads(run, w->replica, op->pipe, h);
+            int *done = &w->tie_round[(size_t)op->pipe * (size_t)run->nties + (size_t)t], round = (int)(run->iter * run->R + op->micro);
+            if (*done != round)
+                for (i = 0; i < n; i++) a[mine + i] = b[theirs + i] = a[mine + i] + b[theirs + i];
+            *done = round;
+            continue;
+        }
+        {
+            avgpipe_comm_request req[2] = {NULL, NULL};
+            int peers[2];
+            peers[0] = peers[1] = q;
+            res = avgpipe__sync_post(w, op, q, a + mine, n * sizeof(float), avgpipe__sync_tag(run, op->pipe, op->micro, 2 * t + (g > h)),
+                                     w->tie_buf, n * sizeof(float), avgpipe__sync_tag(run, op->pipe, op->micro, 2 * t + (h > g)), req);
+            if (res) return res;
+            if ((res = avgpipe__sync_wait(w, op, req, peers, 2, "exchanging a tied gradient range with")) != AVGPIPE_OK) return res;
+        }
+        for (i = 0; i < n; i++) a[mine + i] = a[mine + i] + w->tie_buf[i];
+        bytes += (double)(n * sizeof(float));
+    }
+    if (!res && !avgpipe__record(w, op, 0, -1, -1, t0, avgpipe__now(), bytes)) return avgpipe__profile_oom(w);
+    return res;
+}
+
+/* The context a contribution or an agreed step sees for (pipe, stage) of this worker's group. */
+static void avgpipe__step_ctx_init(avgpipe__worker *w, int pipe, int g, int round, avgpipe_step_ctx *sc) {
+    avgpipe_run *run = w->run;
+    memset(sc, 0, sizeof *sc);
+    sc->rank = w->rank;
+    sc->pipe = pipe;
+    sc->stage = g;
+    sc->round = round;
+    sc->replica = w->replica;
+    sc->params = avgpipe__run_params(run, w->replica, pipe, g);
+    sc->grads = avgpipe__run_grads(run, w->replica, pipe, g);
+    sc->count = run->d.param_count[g];
+    sc->width = run->d.agree.width;
+    sc->scale = 1;
+    sc->user = run->d.cb.user;
+}
+
+/* Partition g's vector of the agreement: the built-in sum of squares and non-finite count (its tied
+   ranges where it is the higher-numbered side left out), then the user's contribution. */
+static avgpipe_result avgpipe__contribute(avgpipe__worker *w, const avgpipe_op *op, int g, int round, double *v) {
+    avgpipe_run *run = w->run;
+    avgpipe_step_ctx sc;
+    int rc, k;
+    char txt[64];
+    avgpipe__step_ctx_init(w, op->pipe, g, round, &sc);
+    if (run->builtin) {
+        size_t at = 0;
+        v[0] = v[1] = 0;
+        for (k = run->excl_start[g]; k < run->excl_start[g + 1]; k++) {
+            avgpipe_grad_sumsq(sc.grads + at, run->excl[2 * k] - at, &v[0], &v[1]);
+            at = run->excl[2 * k] + run->excl[2 * k + 1];
+        }
+        avgpipe_grad_sumsq(sc.grads + at, sc.count - at, &v[0], &v[1]);
+        v += 2;
+    }
+    if (!run->d.agree.width) return AVGPIPE_OK;
+    for (k = 0; k < run->d.agree.width; k++) v[k] = 0;
+    avgpipe__in_callback(w, AVGPIPE_OP_AGREE, op);
+    rc = run->d.agree.contribute(&sc, v);
+    avgpipe__in_callback(w, 0, NULL);
+    if (avgpipe__run_aborted(run)) return AVGPIPE_ABORTED;
+    if (!rc) return AVGPIPE_OK;
+    avgpipe_op_format(op, 1, txt, sizeof txt);
+    return avgpipe__run_fail(run, AVGPIPE_CALLBACK_ERROR, "rank %d, op %s: agree.contribute returned %d for stage %d", w->rank, txt, rc, g);
+}
+
+/* AGREE: the first of a group on this rank (they are consecutive) computes the vectors of the rank's
+   stages, swaps them with every other rank of the group and combines all G in partition order; the
+   rest of the group find the round's result there. */
+static avgpipe_result avgpipe__exec_agree(avgpipe__worker *w, const avgpipe_op *op) {
+    avgpipe_run *run = w->run;
+    int p = op->pipe, round = (int)(run->iter * run->R + op->micro), W = run->wagree, j, g, q, n = 0, r = w->srank;
+    double *tab = w->agree_tab, *parts = tab + (size_t)run->G * W, t0 = avgpipe__now();
+    avgpipe_result res = AVGPIPE_OK;
+    int *peers = w->speer;
+    if (w->agree_round[p] == round) return AVGPIPE_OK;
+    for (j = run->roff[r]; j < run->roff[r + 1] && !res; j++) res = avgpipe__contribute(w, op, run->rst[j], round, tab + (size_t)j * W);
+    for (q = 0; q < run->S && !res; q++) {
+        uint32_t tag = avgpipe__sync_tag(run, p, op->micro, 2 * run->nties);
+        if (q == r) continue;
+        res = avgpipe__sync_post(w, op, q, tab + (size_t)run->roff[r] * W, (size_t)(run->roff[r + 1] - run->roff[r]) * W * sizeof(double), tag,
+                                 tab + (size_t)run->roff[q] * W, (size_t)(run->roff[q + 1] - run->roff[q]) * W * sizeof(double), tag, w->sreq + n);
+        if (res) break;
+        peers[n] = peers[n + 1] = q;
+        n += 2;
+    }
+    if (res) { /* give back what was posted */
+        for (j = 0; j < n && w->sync.cancel; j++) w->sync.cancel(w->sync.user, w->srank, w->sreq[j]);
+        return res;
+    }
+    if (n && (res = avgpipe__sync_wait(w, op, w->sreq, peers, n, "agreeing with")) != AVGPIPE_OK) return res;
+    for (g = 0; g < run->G; g++) { /* rank order -> partition order */
+        int at = run->roff[run->place[g]];
+        while (run->rst[at] != g) at++;
+        memcpy(parts + (size_t)g * W, tab + (size_t)at * W, (size_t)W * sizeof(double));
+    }
+    avgpipe_agree_combine(parts, run->G, W, w->agreed + (size_t)p * W);
+    w->agree_round[p] = round;
+    if (run->builtin && run->d.agree.skip_nonfinite && w->agreed[(size_t)p * W + 1] > 0 && w->counts_skips) w->skipped++;
+    if (!avgpipe__record(w, op, 0, -1, -1, t0, avgpipe__now(), (double)((size_t)(run->S - 1) * W * sizeof(double))))
+        return avgpipe__profile_oom(w);
+    return AVGPIPE_OK;
+}
+
+/* STEP through cb.step_agreed: the agreement's result for the round (checked to be this round's). */
+static int avgpipe__step_agreed(avgpipe__worker *w, const avgpipe_op *op, int round, avgpipe_result *res) {
+    avgpipe_run *run = w->run;
+    avgpipe_step_ctx sc;
+    int rc, W = run->wagree;
+    avgpipe__step_ctx_init(w, op->pipe, op->stage, round, &sc);
+    if (run->agreeing) {
+        const double *v = w->agreed + (size_t)op->pipe * W;
+        char txt[64];
+        if (w->agree_round[op->pipe] != round) {
+            avgpipe_op_format(op, 1, txt, sizeof txt);
+            *res = avgpipe__run_fail(run, AVGPIPE_STATE_ERROR, "rank %d, op %s: no agreement of round %d before the step (the schedule's AGREE is missing)",
+                                     w->rank, txt, round);
+            return 0;
+        }
+        if (run->builtin) {
+            sc.sumsq = v[0];
+            sc.nonfinite = v[1];
+            sc.scale = avgpipe_clip_scale(v[0], run->d.agree.clip_norm);
+            sc.skip = run->d.agree.skip_nonfinite && v[1] > 0;
+            v += 2;
+        }
+        sc.agreed = run->d.agree.width ? v : NULL;
+    }
+    avgpipe__in_callback(w, AVGPIPE_OP_STEP, op);
+    rc = run->d.cb.step_agreed(&sc);
+    avgpipe__in_callback(w, 0, NULL);
+    return rc;
+}
+
 static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *op) {
     avgpipe_run *run = w->run;
     int round = (int)(run->iter * run->R + op->micro), rc = 0;
@@ -9361,7 +9825,10 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
         avgpipe_device_stream cs = w->cs[op->pipe];
         float *params = avgpipe__run_params(run, w->replica, op->pipe, op->stage);
         avgpipe_result res = AVGPIPE_OK;
-        if (run->d.cb.step_async) { /* enqueued on the pipeline's stream, after its backward work */
+        if (run->d.cb.step_agreed) { /* on the host (ties and agreement run on the CPU device) */
+            rc = avgpipe__step_agreed(w, op, round, &res);
+            if (res) return res;
+        } else if (run->d.cb.step_async) { /* enqueued on the pipeline's stream, after its backward work */
             if ((res = avgpipe__prof_begin(w, cs)) != AVGPIPE_OK) return res;
             avgpipe__in_callback(w, AVGPIPE_OP_STEP, op);
             rc = run->d.cb.step_async(w->rank, op->pipe, op->stage, round, params, cs, run->d.cb.user);
@@ -9444,6 +9911,8 @@ static void avgpipe__worker_iteration(avgpipe__worker *w) {
         } else if (avgpipe__is_compute(k)) res = avgpipe__exec_compute(w, op);
         else if (avgpipe__is_comm(k)) res = avgpipe__exec_comm(w, op);
         else if (k == AVGPIPE_OP_STEP || k == AVGPIPE_OP_AVG) res = avgpipe__exec_step(w, op);
+        else if (k == AVGPIPE_OP_TIE) res = avgpipe__exec_tie(w, op);
+        else if (k == AVGPIPE_OP_AGREE) res = avgpipe__exec_agree(w, op);
         else continue;
         w->ops += 1 + pair;
         if (!res && rel[0] >= 0) avgpipe__slot_put(w, rel[0], op);
@@ -9550,6 +10019,24 @@ static avgpipe_result avgpipe__replica_average(avgpipe__worker *w, avgpipe__stag
 }
 
 /* The averaging thread of a rank: pull + contribute, in the order the AVG ops came. */
+/* reseed_nonfinite: a refused (non-finite) contribution's partition takes the reference's values, the
+   user resets its optimizer state, and it contributes again to the same round. */
+static avgpipe_result avgpipe__reseed(avgpipe__worker *w, avgpipe__stage *st, const avgpipe__job *j) {
+    avgpipe_run *run = w->run;
+    float *p = avgpipe__run_params(run, w->replica, j->pipe, j->g);
+    avgpipe_result res = avgpipe_ea_reset_from_reference(&w->avg_ctx, st->ea, j->pipe, p, w->as);
+    int rc;
+    if (res) return res;
+    avgpipe__log(run->ctx, AVGPIPE_LOG_WARN, "rank %d: pipeline %d stage %d was non-finite at round %d: re-seeded from the reference", w->rank,
+                 j->pipe, j->g, j->round);
+    if (run->d.cb.reseeded && (rc = run->d.cb.reseeded(w->rank, j->pipe, j->g, j->round, run->d.cb.user)) != 0)
+        return avgpipe__fail(&w->avg_ctx, AVGPIPE_CALLBACK_ERROR, "cb.reseeded returned %d", rc);
+    pthread_mutex_lock(&run->mu);
+    w->reseeded++;
+    pthread_mutex_unlock(&run->mu);
+    return avgpipe_ea_contribute(&w->avg_ctx, st->ea, j->pipe, (uint64_t)j->round, p, w->as);
+}
+
 static void *avgpipe__avg_main(void *arg) {
     avgpipe__worker *w = (avgpipe__worker *)arg;
     avgpipe_run *run = w->run;
@@ -9578,6 +10065,7 @@ static void *avgpipe__avg_main(void *arg) {
             if (!res)
                 res = avgpipe_ea_contribute(&w->avg_ctx, st->ea, j.pipe, (uint64_t)j.round, avgpipe__run_params(run, w->replica, j.pipe, j.g),
                                             w->as);
+            if (res == AVGPIPE_NON_FINITE && run->d.reseed_nonfinite) res = avgpipe__reseed(w, st, &j);
             if (!res && st->ev_avg[j.pipe] && (res = run->dev.event_record(run->dev.user, st->ev_avg[j.pipe], w->as)) != AVGPIPE_OK)
                 avgpipe__fail(&w->avg_ctx, res, "device '%s': recording the averaging's event failed: %s", run->dev.name,
                               run->dev.error_string ? run->dev.error_string(run->dev.user) : "");
@@ -9617,7 +10105,7 @@ static void avgpipe__run_cancel_pending(avgpipe_run *run) {
     }
 }
 
-/* --- 15. Processes: control messages between iterations, collectives -------------------------- */
+/* --- 16. Processes: control messages between iterations, collectives -------------------------- */
 
 /* Post, for local worker k, a receive or a send of `bytes` with rank `peer`; collected in reqs. */
 typedef struct avgpipe__ctl {
@@ -9700,12 +10188,13 @@ static avgpipe_result avgpipe__ctl_allgather(avgpipe_run *run, const unsigned ch
 
 /* The agreement check: a fingerprint of the description and the lowered schedule, compared field by
    field between every rank and rank 0 (every process finds the same first difference). */
-#define AVGPIPE__FP_FIELDS 25
+#define AVGPIPE__FP_FIELDS 27
 static const char *const avgpipe__fp_names[AVGPIPE__FP_FIELDS] = {
     "protocol", "comm.size", "replicas", "average_every", "schedule (given or generated)", "sched.kind", "sched.stages",
     "sched.chunks", "sched.micro", "sched.pipes", "sched.rounds", "sched.advance (K)", "sched.continuous", "adaptive", "window",
     "mem_limit", "averaging.mode", "averaging.alpha", "averaging.momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
-    "the lowered schedule (its ops)", "stage partitions (G)", "placement (the rank of each stage)"};
+    "the lowered schedule (its ops)", "stage partitions (G)", "placement (the rank of each stage)", "ties (stages, offsets, counts)",
+    "agree (width, clip_norm, skip_nonfinite)"};
 
 static uint64_t avgpipe__fnv(uint64_t h, const void *p, size_t n) {
     const unsigned char *b = (const unsigned char *)p;
@@ -9749,6 +10238,17 @@ static void avgpipe__fingerprint(const avgpipe_run *run, int64_t *f) {
     f[i++] = (int64_t)h;
     f[i++] = run->G;
     f[i++] = (int64_t)avgpipe__fnv(14695981039346656037ull, run->place, (size_t)run->G * sizeof(int));
+    h = 14695981039346656037ull; /* 0 without ties and agreement: what a checkpoint without these fields means */
+    for (r = 0; r < run->nties; r++) {
+        uint64_t t[5];
+        t[0] = (uint64_t)run->ties[r].stage_a, t[1] = (uint64_t)run->ties[r].stage_b;
+        t[2] = run->ties[r].offset_a, t[3] = run->ties[r].offset_b, t[4] = run->ties[r].count;
+        h = avgpipe__fnv(h, t, sizeof t);
+    }
+    f[i++] = run->nties ? (int64_t)h : 0;
+    f[i++] = run->agreeing ? (int64_t)avgpipe__fnv(avgpipe__fnv((uint64_t)run->d.agree.width * 2 + (uint64_t)run->d.agree.skip_nonfinite, &run->d.agree.clip_norm,
+                                                                sizeof(double)), "agree", 5)
+                           : 0;
 }
 
 static avgpipe_result avgpipe__run_agree(avgpipe_run *run) {
@@ -9917,7 +10417,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
     return avgpipe__run_gather(run, replica, pipe, dst, AVGPIPE__TAG_CTL + 0x20000u, what);
 }
 
-/* --- 16. Checkpoints -------------------------------------------------------------------------- */
+/* --- 17. Checkpoints -------------------------------------------------------------------------- */
 
 #ifndef AVGPIPE_NO_STDIO
 #define AVGPIPE__CKPT_VERSION 1u
@@ -10149,7 +10649,8 @@ static avgpipe_result avgpipe__ckpt_manifest_read(avgpipe_run *run, const char *
         if (!avgpipe__ckpt_field(run, i)) continue;
         snprintf(key, sizeof key, " f%d=", i);
         p = strstr(d, key);
-        if (!p || p > strchr(d + 1, '\n') || sscanf(p + strlen(key), "%lld", &got) != 1)
+        if ((!p || p > strchr(d + 1, '\n')) && i >= 25) got = 0; /* written before ties and agreement existed */
+        else if (!p || p > strchr(d + 1, '\n') || sscanf(p + strlen(key), "%lld", &got) != 1)
             return avgpipe__fail(ctx, AVGPIPE_PARSE_ERROR, "checkpoint '%s/manifest': no %s", dir, avgpipe__fp_names[i]);
         if (got != f[i])
             return avgpipe__fail(ctx, AVGPIPE_MISMATCH, "checkpoint '%s' was made by another run: its %s differs from this run's%s", dir,
@@ -10301,11 +10802,101 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
 }
 #endif
 
-/* --- 17. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
+/* --- 18. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
 
-static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run *run) {
+/* The floats of stage-rank r's tie receive buffer: its longest tie range with a stage on another rank. */
+static size_t avgpipe__tie_floats(const avgpipe_run *run, int r) {
+    size_t n = 0;
+    int t;
+    for (t = 0; t < run->nties; t++) {
+        int ra = run->place[run->ties[t].stage_a], rb = run->place[run->ties[t].stage_b];
+        if (ra != rb && (ra == r || rb == r) && run->ties[t].count > n) n = run->ties[t].count;
+    }
+    return n;
+}
+
+/* The bytes of stage-rank r's tie and agreement buffers (host memory). */
+static double avgpipe__sync_bytes(const avgpipe_run *run, int r) {
+    double b = (double)avgpipe__tie_floats(run, r) * sizeof(float);
+    if (run->agreeing) b += (double)((2 * (size_t)run->G + (size_t)run->N) * (size_t)run->wagree) * sizeof(double);
+    return b;
+}
+
+/* desc.ties and desc.agree checked (each field named) and taken: the copy of the ties, the ranges each
+   partition leaves out of its sum of squares, the agreement's width. Needs the shape (G, place). */
+static avgpipe_result avgpipe__run_ties(avgpipe_context *ctx, avgpipe_run *run) {
+    const avgpipe_run_desc *d = &run->d;
+    const avgpipe_agree_desc *a = &d->agree;
+    int t, u, g, k, n;
+    if (d->nties < 0 || (d->nties > 0 && !d->ties) || (d->ties && !d->nties))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties, nties: %d ties with ties %s", d->nties, d->ties ? "given" : "NULL");
+    if (a->width < 0 || a->width > 1024 || (a->width > 0) != (a->contribute != NULL))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "agree.width, agree.contribute: width %d (0..1024) needs contribute, and contribute a width", a->width);
+    if (avgpipe__nan(a->clip_norm) || a->clip_norm < 0 || a->clip_norm > 1e300)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "agree.clip_norm: %g (>= 0, finite; 0 = no clipping)", a->clip_norm);
+    if (a->skip_nonfinite != 0 && a->skip_nonfinite != 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "agree.skip_nonfinite: %d (0 or 1)", a->skip_nonfinite);
+    run->agreeing = a->width > 0 || a->clip_norm > 0 || a->skip_nonfinite;
+    run->builtin = a->clip_norm > 0 || a->skip_nonfinite;
+    run->wagree = (run->builtin ? 2 : 0) + a->width;
+    if (!d->nties && !run->agreeing) return AVGPIPE_OK;
+    if (d->device && strcmp(d->device->name ? d->device->name : "", "cpu") != 0)
+        return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "ties, agree: this release runs them on the CPU device only (desc.device is '%s')",
+                             d->device->name ? d->device->name : "?");
+    for (t = 0; t < d->nties; t++) {
+        const avgpipe_tie *x = &d->ties[t];
+        if (x->stage_a < 0 || x->stage_a >= run->G || x->stage_b < 0 || x->stage_b >= run->G)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties[%d]: stages %d and %d (the model has partitions 0..%d)", t, x->stage_a, x->stage_b, run->G - 1);
+        if (x->stage_a == x->stage_b)
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties[%d]: stage_a and stage_b are both %d (a partition tied to itself)", t, x->stage_a);
+        if (x->count < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties[%d].count: 0 (a range has at least one float)", t);
+        if (d->param_count && (x->offset_a > d->param_count[x->stage_a] || x->count > d->param_count[x->stage_a] - x->offset_a))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties[%d].offset_a: floats %zu .. %zu of stage %d, which has %zu (param_count[%d])", t,
+                                 x->offset_a, x->offset_a + x->count - 1, x->stage_a, d->param_count[x->stage_a], x->stage_a);
+        if (d->param_count && (x->offset_b > d->param_count[x->stage_b] || x->count > d->param_count[x->stage_b] - x->offset_b))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties[%d].offset_b: floats %zu .. %zu of stage %d, which has %zu (param_count[%d])", t,
+                                 x->offset_b, x->offset_b + x->count - 1, x->stage_b, d->param_count[x->stage_b], x->stage_b);
+        for (u = 0; u < t; u++) { /* no float of a partition in two ties */
+            const avgpipe_tie *y = &d->ties[u];
+            int sx, sy;
+            for (sx = 0; sx < 2; sx++)
+                for (sy = 0; sy < 2; sy++) {
+                    int gx = sx ? x->stage_b : x->stage_a, gy = sy ? y->stage_b : y->stage_a;
+                    size_t ox = sx ? x->offset_b : x->offset_a, oy = sy ? y->offset_b : y->offset_a;
+                    if (gx == gy && ox < oy + y->count && oy < ox + x->count)
+                        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "ties[%d] overlaps ties[%d] in stage %d (floats %zu .. %zu and %zu .. %zu)", t, u, gx, ox,
+                                             ox + x->count - 1, oy, oy + y->count - 1);
+                }
+        }
+    }
+    run->nties = d->nties;
+    run->ties = (avgpipe_tie *)avgpipe_alloc(ctx, (size_t)(d->nties ? d->nties : 1) * sizeof(avgpipe_tie));
+    run->excl_start = (int *)avgpipe__calloc(ctx, (size_t)run->G + 1, sizeof(int));
+    run->excl = (size_t *)avgpipe_alloc(ctx, (size_t)(2 * d->nties + 1) * sizeof(size_t));
+    if (!run->ties || !run->excl_start || !run->excl) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    if (d->nties) memcpy(run->ties, d->ties, (size_t)d->nties * sizeof(avgpipe_tie));
+    for (g = 0, n = 0; g < run->G; g++) { /* the higher-numbered side of each tie, by offset */
+        run->excl_start[g] = n;
+        for (t = 0; t < run->nties; t++) {
+            const avgpipe_tie *x = &run->ties[t];
+            size_t off = x->stage_a > x->stage_b ? x->offset_a : x->offset_b;
+            if ((x->stage_a > x->stage_b ? x->stage_a : x->stage_b) != g) continue;
+            for (k = n; k > run->excl_start[g] && run->excl[2 * (k - 1)] > off; k--) {
+                run->excl[2 * k] = run->excl[2 * (k - 1)];
+                run->excl[2 * k + 1] = run->excl[2 * (k - 1) + 1];
+            }
+            run->excl[2 * k] = off;
+            run->excl[2 * k + 1] = x->count;
+            n++;
+        }
+    }
+    run->excl_start[run->G] = n;
+    return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, avgpipe_run *run) {
     const avgpipe_run_desc *d = &run->d;
     int k, g, p, j;
+    avgpipe_result res;
     if (!d->cb.forward) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.forward: required");
     if (!d->cb.backward && !(d->cb.backward_input && d->cb.backward_weight))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.backward: required (or both backward_input and backward_weight)");
@@ -10333,6 +10924,26 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, const avgpipe_run
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "timeout_s, mem_limit and window must be >= 0 (and not NaN)");
     if (d->adaptive && (d->schedule || d->sched.kind != AVGPIPE_SCHED_ADVANCE))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "adaptive: needs sched.kind = AVGPIPE_SCHED_ADVANCE and no custom schedule");
+    if ((res = avgpipe__run_ties(ctx, run)) != AVGPIPE_OK) return res;
+    if (!!d->cb.step + !!d->cb.step_async + !!d->cb.step_agreed > 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.step, cb.step_async, cb.step_agreed: give one of them");
+    if (run->agreeing && !d->cb.step_agreed)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "cb.step_agreed: required with agree (%s): the step receives the agreement",
+                             d->agree.width ? "width" : d->agree.clip_norm > 0 ? "clip_norm" : "skip_nonfinite");
+    if (d->reseed_nonfinite && run->nties)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "reseed_nonfinite with ties: a partition is re-seeded on its own, which would leave its tied "
+                                                       "copies apart for good; use agree.skip_nonfinite (a non-finite gradient then never reaches the parameters)");
+    if (d->reseed_nonfinite != 0 && d->reseed_nonfinite != 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "reseed_nonfinite: %d (0 or 1)", d->reseed_nonfinite);
+    if ((run->nties || run->builtin) && !d->grads)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "grads: required with %s (the gradient buffers, indexed as params)",
+                             run->nties ? "ties" : d->agree.clip_norm > 0 ? "agree.clip_norm" : "agree.skip_nonfinite");
+    for (k = 0; d->grads && k < run->nlocal; k++)
+        AVGPIPE__RANK_STAGES(run, run->w[k].srank, j, g)
+            for (p = 0; p < run->N; p++)
+                if (!avgpipe__run_grads(run, run->w[k].replica, p, g))
+                    return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "grads[%d]: NULL (replica %d, pipeline %d, stage %d, run by local rank %d)",
+                                         (run->w[k].replica * run->N + p) * run->G + g, run->w[k].replica, p, g, run->w[k].rank);
     return AVGPIPE_OK;
 }
 
@@ -10410,6 +11021,50 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
     return res;
 }
 
+/* Ties and agreement: each local worker's buffers and, when they cross ranks, its communicator for
+   them (comm.split over the S ranks of its replica group, so they keep their own order). */
+static avgpipe_result avgpipe__run_sync(avgpipe_context *ctx, avgpipe_run *run) {
+    int k, q, cross = 0, *members;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!run->nties && !run->agreeing) return AVGPIPE_OK;
+    for (q = 0; q < run->S; q++) cross |= avgpipe__tie_floats(run, q) > 0;
+    cross |= run->agreeing && run->S > 1;
+    for (k = 0; k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        size_t nt = avgpipe__tie_floats(run, w->srank), W = (size_t)run->wagree;
+        w->counts_skips = k == 0 || run->w[k - 1].replica != w->replica; /* the first local rank of each group */
+        w->tie_buf = nt ? (float *)avgpipe_alloc(ctx, nt * sizeof(float)) : NULL;
+        w->agree_tab = (double *)avgpipe__calloc(ctx, (2 * (size_t)run->G + (size_t)run->N) * W + 1, sizeof(double));
+        w->agreed = w->agree_tab + 2 * (size_t)run->G * W;
+        w->agree_round = (int *)avgpipe_alloc(ctx, (size_t)run->N * sizeof(int));
+        w->tie_round = (int *)avgpipe_alloc(ctx, (size_t)run->N * (size_t)(run->nties + 1) * sizeof(int));
+        w->sreq = (avgpipe_comm_request *)avgpipe__calloc(ctx, 2 * (size_t)run->S, sizeof(avgpipe_comm_request));
+        w->speer = (int *)avgpipe__calloc(ctx, 2 * (size_t)run->S, sizeof(int));
+        if ((nt && !w->tie_buf) || !w->agree_tab || !w->agree_round || !w->tie_round || !w->sreq || !w->speer)
+            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+        for (q = 0; q < run->N; q++) w->agree_round[q] = -1;
+        for (q = 0; q < run->N * (run->nties + 1); q++) w->tie_round[q] = -1;
+    }
+    if (!cross) return AVGPIPE_OK;
+    if (!run->comm.split)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': ties and agreement between ranks need its split entry (they travel on a communicator of their own)",
+                             run->comm.name ? run->comm.name : "?");
+    members = (int *)avgpipe_alloc(ctx, (size_t)run->S * sizeof(int));
+    if (!members) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    for (k = 0; k < run->nlocal && !res; k++) {
+        avgpipe__worker *w = &run->w[k];
+        for (q = 0; q < run->S; q++) members[q] = w->replica * run->S + q;
+        res = run->comm.split(run->comm.user, w->rank, members, run->S, &w->sync);
+        if (res)
+            res = avgpipe__fail(ctx, res, "comm '%s': rank %d cannot form the communicator of its ties and agreement: %s", run->comm.name ? run->comm.name : "?",
+                                w->rank, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+        else
+            w->has_sync = 1;
+    }
+    avgpipe_free(ctx, members);
+    return res;
+}
+
 static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
     int k, g, j, p;
     avgpipe_result res;
@@ -10427,7 +11082,8 @@ static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
             ed.device = &run->dev;
             ed.stage = g;
             ed.hold_every = run->D > 1 ? run->H : 0;
-            ed.check_on_device = run->dev.flag_nonfinite != NULL; /* no host wait per AVG; read at the iteration's end */
+            /* no host wait per AVG, read at the iteration's end; re-seeding needs the host's check (a refused contribution) */
+            ed.check_on_device = run->dev.flag_nonfinite != NULL && !run->d.reseed_nonfinite;
             if ((res = avgpipe_ea_create(run->ctx, &ed, &st->ea)) != AVGPIPE_OK) return res;
             st->avg_done = (int *)avgpipe__calloc(run->ctx, (size_t)run->N, sizeof(int));
             st->ev_step = (avgpipe_device_event *)avgpipe__calloc(run->ctx, 2 * (size_t)run->N, sizeof(avgpipe_device_event));
@@ -10534,18 +11190,6 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     pthread_mutex_init(&run->mu, NULL);
     pthread_cond_init(&run->cv, NULL);
     if (desc->schedule) { /* the run's own copy: the caller may free theirs after create */
-        int r, i;
-        for (r = 0; r < desc->schedule->nranks; r++)
-            for (i = 0; i < desc->schedule->len[r]; i++)
-                if (avgpipe__is_sync(desc->schedule->ops[r][i].kind)) {
-                    pthread_mutex_destroy(&run->mu);
-                    pthread_cond_destroy(&run->cv);
-                    avgpipe_free(ctx, run);
-                    return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
-                                         "avgpipe_run_create: desc.schedule rank %d position %d is a %s op: this release's runtime does not "
-                                         "execute ties and step agreement yet (avgpipe_sched_add_sync builds them for validation and simulation)",
-                                         r, i, avgpipe_op_kind_name((avgpipe_op_kind)desc->schedule->ops[r][i].kind));
-                }
         if ((res = avgpipe_sched_copy(ctx, desc->schedule, &run->given)) != AVGPIPE_OK) {
             pthread_mutex_destroy(&run->mu);
             pthread_cond_destroy(&run->cv);
@@ -10577,6 +11221,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     if (!res) res = avgpipe__run_prepare(run);
     if (!res) res = avgpipe__run_agree(run);
     if (!res) res = avgpipe__run_groups(ctx, run);
+    if (!res) res = avgpipe__run_sync(ctx, run);
     if (!res) res = avgpipe__run_start(run);
     if (res) {
         char msg[AVGPIPE_ERROR_MAX];
@@ -10606,6 +11251,7 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
         else if (w->started) pthread_join(w->thread, NULL);
         if (w->avg_started) pthread_join(w->avg_thread, NULL);
         if (w->has_group) avgpipe_comm_destroy(&w->group);
+        if (w->has_sync) avgpipe_comm_destroy(&w->sync);
     }
     if (run->st && run->comm.isend) avgpipe__run_cancel_pending(run);
     if (!orphans) {
@@ -10711,7 +11357,7 @@ static void avgpipe__run_wait_workers(avgpipe_run *run) {
 AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_stats *stats) {
     int k, g, i;
     double busy = 0, loss = 0, t1;
-    long long nloss = 0, ops = 0;
+    long long nloss = 0, ops = 0, skipped = 0, reseeded = 0;
     avgpipe_result res;
     if (stats) memset(stats, 0, sizeof *stats); /* zeros when the iteration fails */
     if (!run) return avgpipe__fail(NULL, AVGPIPE_INVALID_ARG, "avgpipe_run_iteration: run is NULL");
@@ -10726,7 +11372,10 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     for (k = 0; k < run->nlocal; k++) {
         avgpipe__worker *w = &run->w[k];
         w->busy = w->loss = 0;
-        w->nloss = w->ops = 0;
+        w->nloss = w->ops = w->skipped = 0;
+        pthread_mutex_lock(&run->mu);
+        w->reseeded = 0;
+        pthread_mutex_unlock(&run->mu);
         w->nev = 0;
     }
     run->t0 = avgpipe__now();
@@ -10765,6 +11414,10 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
     }
     for (k = 0; k < run->nlocal; k++) {
         busy += run->w[k].busy;
+        skipped += run->w[k].skipped;
+        pthread_mutex_lock(&run->mu);
+        reseeded += run->w[k].reseeded;
+        pthread_mutex_unlock(&run->mu);
         loss += run->w[k].loss;
         nloss += run->w[k].nloss;
         ops += run->w[k].ops;
@@ -10778,6 +11431,8 @@ AVGPIPE_API avgpipe_result avgpipe_run_iteration(avgpipe_run *run, avgpipe_run_s
         stats->bubble = run->seconds > 0 ? 1 - busy / (run->nlocal * run->seconds) : 0;
         stats->advance = run->K;
         stats->ops = ops;
+        stats->skipped = skipped;
+        stats->reseeded = reseeded;
     }
     res = avgpipe__adapt(run, run->seconds);
     if (res) run->dead = 1;
@@ -10795,7 +11450,7 @@ static double avgpipe__ea_bytes(avgpipe_context *ctx, const avgpipe_run_desc *d,
     ed.alpha = d->averaging.alpha;
     ed.momentum = d->averaging.momentum;
     ed.device = d->device;
-    ed.check_on_device = d->device && d->device->flag_nonfinite; /* as the run creates it */
+    ed.check_on_device = d->device && d->device->flag_nonfinite && !d->reseed_nonfinite; /* as the run creates it */
     return avgpipe_ea_memory_bytes(ctx, &ed, &mi) == AVGPIPE_OK ? (double)mi.device_bytes : -1;
 }
 
@@ -10814,13 +11469,14 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
     avgpipe_context_init(&quiet, NULL);
     AVGPIPE__RANK_STAGES(run, rank % run->S, j, g)
         bytes += avgpipe__slot_bytes(&run->d, &run->plan, g) + avgpipe__ea_bytes(&quiet, &run->d, run->N, run->d.param_count[g]);
-    return bytes;
+    return bytes + avgpipe__sync_bytes(run, rank % run->S);
 }
 
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
     avgpipe_run run;
     avgpipe_schedule base, low;
     avgpipe_buffer_plan plan;
+    avgpipe_sync_desc sy;
     avgpipe_result res;
     int g;
     if (!desc || !per_rank) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_run_memory: NULL argument");
@@ -10828,7 +11484,8 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     memset(&run, 0, sizeof run);
     run.d = *desc;
     res = avgpipe__run_shape(ctx, &run);
-    if (!res) res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, &base, &low);
+    if (!res) res = avgpipe__run_ties(ctx, &run);
+    if (!res) res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), &base, &low);
     if (!res) {
         res = avgpipe_buffer_plan_build(ctx, &low, run.act, &plan);
         avgpipe_sched_free(ctx, &base);
@@ -10841,14 +11498,18 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
             if (ea < 0) res = avgpipe_last_result(avgpipe__ctx(ctx));
             per_rank[run.place[g]] += avgpipe__slot_bytes(desc, &plan, g) + ea;
         }
+        for (g = 0; g < run.S; g++) per_rank[g] += avgpipe__sync_bytes(&run, g);
         avgpipe_buffer_plan_free(ctx, &plan);
     }
     avgpipe_free(ctx, run.act);
     avgpipe_free(ctx, run.place);
+    avgpipe_free(ctx, run.ties);
+    avgpipe_free(ctx, run.excl_start);
+    avgpipe_free(ctx, run.excl);
     return res;
 }
 
-/* --- 18. Profiles: events, the profile writer and reader, traces ------------------------------ */
+/* --- 19. Profiles: events, the profile writer and reader, traces ------------------------------ */
 
 /* The local ranks' events of the last iteration, gathered into one array (run->mev). */
 static size_t avgpipe__gather_events(avgpipe_run *run) {
@@ -11326,7 +11987,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 }
 #endif
 
-/* --- 19. Cost model: fitting and prediction --------------------------------------------------- */
+/* --- 20. Cost model: fitting and prediction --------------------------------------------------- */
 
 AVGPIPE_API void avgpipe_tune_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
     if (!m) return;
@@ -11884,7 +12545,7 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
     return total > 0 ? worst / total : -1;
 }
 
-/* --- 20. Search and the stage partitioner ----------------------------------------------------- */
+/* --- 21. Search and the stage partitioner ----------------------------------------------------- */
 
 static int avgpipe__cmp_candidate(const void *x, const void *y) {
     const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;

@@ -84,8 +84,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_mpi.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 400 /* released together: 0.4.0 */
-#error "avgpipe_mpi.h is version 0.4.0: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 500 /* released together: 0.5.0 */
+#error "avgpipe_mpi.h is version 0.5.0: include the avgpipe.h of the same release"
 #endif
 
 #if defined(__cplusplus) /* the C API is all avgpipe uses: leave out MPI's deprecated C++ bindings */

@@ -200,8 +200,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_nccl.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 400 /* released together: 0.4.0 */
-#error "avgpipe_nccl.h is version 0.4.0: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 500 /* released together: 0.5.0 */
+#error "avgpipe_nccl.h is version 0.5.0: include the avgpipe.h of the same release"
 #endif
 
 #include <cuda_runtime_api.h>

@@ -22,5 +22,5 @@ if [ -f build-tsan/build.ninja ]; then
 else
     meson setup build-tsan -Db_sanitize=thread -Dbuildtype=debugoptimized >/dev/null
 fi
-meson compile -C build-tsan test_comm_tsan test_ea_tsan test_runtime_tsan test_streams_tsan test_opaque_tsan >/dev/null
+meson compile -C build-tsan test_comm_tsan test_ea_tsan test_runtime_tsan test_tie_run_tsan test_streams_tsan test_opaque_tsan >/dev/null
 meson test -C build-tsan --no-rebuild --print-errorlogs

@@ -1,7 +1,8 @@
 /* Tests of ties and step agreement in the schedule IR (avgpipe_sched_add_sync, TIE and AGREE ops):
    every generated kind takes them and the result validates (compute-only and lowered, both replays)
    and simulates; the text format carries them; the validator refuses misplaced ones with the op's
-   position; the simulator charges a tie's bytes only when it crosses ranks.
+   position; the simulator charges a tie's bytes only when it crosses ranks. (tests/test_tie_run.c runs
+   them.)
 
    Build and run from the repository root:
      gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tests/test_sync.c -o /tmp/test_sync \
@@ -210,20 +211,4 @@ Test(sync, a_tie_costs_its_transfer_only_across_ranks) {
     cr_assert_float_eq(tie_delay(AVGPIPE_SCHED_AFAB, 2), 11, 1e-9);
     /* ZB-V: stages 0 and 2S-1 share rank 0, so their tie moves nothing */
     cr_assert_float_eq(tie_delay(AVGPIPE_SCHED_ZBV, 2), 0, 1e-9);
-}
-
-Test(sync, the_runtime_refuses_sync_ops_it_cannot_run_yet) {
-    avgpipe_schedule s, t;
-    avgpipe_tie tie = {0, 1, 0, 0, 4};
-    avgpipe_sync_desc sy = {.ties = &tie, .nties = 1, .agree = 1};
-    avgpipe_run_desc d = {0};
-    avgpipe_run *run = NULL;
-    cr_assert(generate(AVGPIPE_SCHED_1F1B, 2, 2, 1, 1, 0, &s));
-    cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_OK);
-    d.schedule = &t;
-    cr_assert_eq(avgpipe_run_create(NULL, &d, &run), AVGPIPE_INVALID_ARG);
-    cr_assert(strstr(avgpipe_last_error(NULL), "rank 0 position 4 is a TIE op"), "%s", avgpipe_last_error(NULL));
-    cr_assert_null(run);
-    avgpipe_sched_free(NULL, &s);
-    avgpipe_sched_free(NULL, &t);
 }
