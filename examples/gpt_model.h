@@ -56,17 +56,31 @@
          over the whole batch (its token count): gradients summed over a batch's micro-batches are then the
          gradient of the mean loss per non-padding token. work: gpt_part_work_floats(part) floats of
          scratch, used only during the call (one per thread).
+     gpt_backward_input(part, params, stash, dout, din, work, batch_weight), later
+     gpt_backward_weight(part, grads, stash)   the same backward in two halves, for zero-bubble schedules
+         (ZB-H1, ZB-V): the input half writes din and keeps in the stash what the weight half needs (stashes
+         of gpt_part_stash_floats_iw(part) floats); the weight half adds the parameter gradients. I then W
+         adds exactly what gpt_backward adds (the same kernels on the same values, each tensor once per
+         micro-batch), so weight halves run in micro-batch order give gpt_backward's bits.
    Padding changes nothing: attention is causal and padding is on the right, so no real position reads a
    padded one, and every gradient flowing into a padded position is an exact zero.
 
    TRAINING STEP (what both trainers do)
    -------------------------------------
      grads = 0; for each micro-batch: forwards, backwards (per partition in micro-batch order 0..M-1);
-     gpt_tie_sum(first's wte range, last's wte range);
-     total = 0.0; for p = 0..S-1: total += gpt_sumsq(part p, grads p, part p.wte_copy)   (this left fold)
-     if any gpt_nonfinite(...) > 0: skip the step on every partition;
-     scale = gpt_clip_scale(total, clip); lr = gpt_lr(lr_max, step, warmup, steps);
-     gpt_adamw(part p, params p, grads p, m p, v p, t, lr, scale, &hp) for every p (t: 1-based update count).
+     the tie: a[k] = b[k] = a[k] + b[k] over the first's and the last's wte ranges (gpt_tie_sum; avgpipe's
+       TIE op computes the same);
+     the global norm as avgpipe's runtime computes it, with avgpipe.h's exact helpers: per partition p, from
+       0, avgpipe_grad_sumsq over its gradients in index order (the last partition's wte range left out: the
+       tied range counts once) gives (sumsq, non-finite count); avgpipe_agree_combine adds the S pairs in
+       partition order; a non-finite count > 0 skips the step on every partition; else
+     scale = avgpipe_clip_scale(total, clip) (clip / norm when the norm exceeds clip, else 1);
+     lr = gpt_lr(lr_max, step, warmup, steps);
+     gpt_adamw(part p, params p, grads p, m p, v p, t, lr, (float)scale, &hp) for every p (t: 1-based count of
+       the updates applied).
+   This header does not include avgpipe.h: gpt_sumsq, gpt_nonfinite and gpt_clip_scale are the same step for
+   a plain loop without it (gpt_sumsq is the same sum; gpt_clip_scale follows nanoGPT, clip / (norm + 1e-6)
+   as a float, so it differs from avgpipe_clip_scale in the last bits: the two trainers do not use it).
 
    DATA
    ----
@@ -93,13 +107,18 @@
    gpt_reference (20 steps, 2 partitions, OpenBLAS 0.3.21 Haswell kernel): gcc 12 -O2, -O3 -march=native
    -ffp-contract=fast, -Ofast and clang 14 -O2 gave cmp-identical parameters. (-Ofast also links
    flush-to-zero, which no pragma undoes; it changed nothing there, but it could with subnormals.)
+   Build with -fno-math-errno where you can (meson does for gpt and gpt_reference): gcc keeps sqrtf a libm
+   call that may set errno otherwise, and no optimize pragma lifts that, so AdamW's loop stays scalar (5.5
+   against 1.8 ns per parameter on AVX-512); sqrt is correctly rounded either way, so the bits are the same.
 
    FUNCTIONS
    ---------
      shapes      gpt_config_check, gpt_config_params, gpt_layer_tensors, gpt_part_layout, gpt_part_init,
                  gpt_part_tensors, gpt_partition, gpt_split_parse, gpt_parts_describe
-     buffers     gpt_part_stash_floats, gpt_part_work_floats, gpt_act_floats, gpt_micro_alloc/_free
-     compute     gpt_init, gpt_forward, gpt_backward
+     buffers     gpt_part_stash_floats(_iw), gpt_part_work_floats, gpt_act_floats, gpt_micro_alloc/_free
+     compute     gpt_init, gpt_forward, gpt_backward, gpt_forward_timed, gpt_backward_timed (each layer's time,
+                 for a tuner's per-layer costs), gpt_backward_input and gpt_backward_weight (the backward split
+                 for zero-bubble schedules; their stash: gpt_part_stash_floats_iw)
      step        gpt_tie_sum, gpt_sumsq, gpt_nonfinite, gpt_clip_scale, gpt_lr, gpt_adamw_defaults, gpt_adamw
      data        gpt_data_load/_free, gpt_data_batches_per_epoch, gpt_data_micro, gpt_data_batch_tokens,
                  gpt_data_padding, gpt_data_val_micros, gpt_data_val_micro
@@ -127,6 +146,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 
 #if defined(__GNUC__) || defined(__clang__)
 #define GPT_FN static __attribute__((unused)) /* a program need not call every function */
@@ -475,7 +495,16 @@ GPT_FN void gpt_init(const gpt_part *p, float *params, uint64_t seed) {
    (rows T each), att (rows H T T). The head's: x, ln, probs (rows T V), mean, rstd. */
 typedef struct gpt__smap {
     size_t tok, tgt, mask, layer[GPT_MAX_BLOCKS + 3], total;
+    size_t wsave[GPT_MAX_BLOCKS + 3], total_iw; /* after total: what gpt_backward_input keeps for the weights */
 } gpt__smap;
+
+/* The W region of a layer (gpt_backward_input's output, gpt_backward_weight's input), in units of N C floats:
+   the embedding keeps its output gradient (1); a block its output gradient, the MLP's hidden gradient (4), the
+   gradients of LN2's output (1), of the attention projection's output (1), of qkv (3) and of LN1's output (1);
+   the head the gradient of LNf's output (1; dlogits overwrite the probabilities in its stash region). */
+static size_t gpt__wsave_units(const gpt_config *c, int layer) {
+    return layer == 0 || layer == c->L + 1 ? 1 : 11;
+}
 
 static size_t gpt__block_stash(const gpt_config *c, size_t rows, size_t T) {
     size_t N = rows * T;
@@ -499,6 +528,8 @@ static void gpt__stash_map(const gpt_part *p, int rows, int T, gpt__smap *m) {
         at += l == p->cfg.L + 1 ? gpt__head_stash(&p->cfg, (size_t)rows, (size_t)T) : gpt__block_stash(&p->cfg, (size_t)rows, (size_t)T);
     }
     m->total = at;
+    for (l = p->lo; l < p->hi; l++) m->wsave[l - p->lo] = at, at += gpt__wsave_units(&p->cfg, l) * N * (size_t)p->cfg.C;
+    m->total_iw = at;
 }
 
 /* Floats of one stash of partition p (a micro-batch of B rows x Tmax; smaller ones use a prefix). */
@@ -506,6 +537,14 @@ GPT_FN size_t gpt_part_stash_floats(const gpt_part *p) {
     gpt__smap m;
     gpt__stash_map(p, p->cfg.B, p->cfg.Tmax, &m);
     return m.total;
+}
+
+/* Floats of one stash of partition p for the split backward (gpt_backward_input, then gpt_backward_weight):
+   gpt_part_stash_floats plus what the input half keeps for the weight half (about 70% more per block). */
+GPT_FN size_t gpt_part_stash_floats_iw(const gpt_part *p) {
+    gpt__smap m;
+    gpt__stash_map(p, p->cfg.B, p->cfg.Tmax, &m);
+    return m.total_iw;
 }
 
 /* Floats of partition p's backward scratch: two activation gradients plus the largest layer's own. */
@@ -530,11 +569,15 @@ static void gpt__linear_fwd(const float *x, const float *W, const float *b, floa
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, (int)N, out, in, 1.0f, x, in, W, in, 1.0f, y, out);
 }
 
-/* dx = dy W (written; skipped when dx is NULL), dW += dy^T x, db += column sums of dy (rows in order). */
-static void gpt__linear_bwd(const float *dy, const float *x, const float *W, float *dx, float *dW, float *db, size_t N, int in, int out) {
+/* A linear layer's backward to its input: dx = dy W (written). */
+static void gpt__linear_bwd_x(const float *dy, const float *W, float *dx, size_t N, int in, int out) {
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, in, out, 1.0f, dy, out, W, in, 0.0f, dx, in);
+}
+
+/* ... and to its weights: dW += dy^T x, db += column sums of dy (rows in order). */
+static void gpt__linear_bwd_w(const float *dy, const float *x, float *dW, float *db, size_t N, int in, int out) {
     size_t i;
     int j;
-    if (dx) cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, in, out, 1.0f, dy, out, W, in, 0.0f, dx, in);
     cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, out, in, (int)N, 1.0f, dy, out, x, in, 1.0f, dW, in);
     for (i = 0; i < N; i++) {
         const float *r = dy + i * (size_t)out;
@@ -559,9 +602,8 @@ static void gpt__ln_fwd(const float *x, const float *w, const float *b, float *y
     }
 }
 
-/* LayerNorm backward: dx += rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw += dy xhat, db += dy. */
-static void gpt__ln_bwd(const float *dy, const float *x, const float *mean, const float *rstd, const float *w, float *dx, float *dw, float *db,
-                        size_t N, int C) {
+/* LayerNorm backward to its input: dx += rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)). */
+static void gpt__ln_bwd_x(const float *dy, const float *x, const float *mean, const float *rstd, const float *w, float *dx, size_t N, int C) {
     size_t i;
     int c;
     for (i = 0; i < N; i++) {
@@ -575,9 +617,22 @@ static void gpt__ln_bwd(const float *dy, const float *x, const float *mean, cons
         a /= (float)C, bsum /= (float)C;
         for (c = 0; c < C; c++) {
             float xh = (xi[c] - m) * s, dh = dyi[c] * w[c];
+            dxi[c] = dxi[c] + s * (dh - a - xh * bsum);
+        }
+    }
+}
+
+/* ... and to its gain and bias: dw += dy xhat, db += dy (rows in order). */
+static void gpt__ln_bwd_w(const float *dy, const float *x, const float *mean, const float *rstd, float *dw, float *db, size_t N, int C) {
+    size_t i;
+    int c;
+    for (i = 0; i < N; i++) {
+        const float *dyi = dy + i * (size_t)C, *xi = x + i * (size_t)C;
+        float m = mean[i], s = rstd[i];
+        for (c = 0; c < C; c++) {
+            float xh = (xi[c] - m) * s;
             dw[c] += dyi[c] * xh;
             db[c] += dyi[c];
-            dx[i * (size_t)C + c] = dxi[c] + s * (dh - a - xh * bsum);
         }
     }
 }
@@ -729,26 +784,50 @@ static void gpt__block_fwd(const gpt_config *cf, const float *wp, float *s, int 
     for (i = 0; i < N * (size_t)C; i++) out[i] += a.x2[i];
 }
 
-/* Block backward: dout -> din (written), gradients added to gp. scratch: 9 N C + T T floats. */
+/* What a backward computes: everything (B), the input half (I: keeps in the stash's W region what the weight
+   half needs), or the weight half (W: from that region). I then W adds the same bits as B: the same kernels
+   on the same values, each gradient tensor accumulated once per micro-batch. */
+enum { GPT__BWD_B, GPT__BWD_I, GPT__BWD_W };
+
+/* Block backward: dout -> din (written), gradients added to gp. scratch: 9 N C + T T floats. sv: the block's W
+   region (I and W; 11 N C floats: dout, dH, dln2, dx2, dqkv, dln1). */
 static void gpt__block_bwd(const gpt_config *cf, const float *wp, float *gp, float *s, int rows, int T, const float *dout, float *din,
-                           float *scratch) {
+                           float *scratch, float *sv, int mode) {
     const int C = cf->C;
     size_t N = (size_t)rows * T, NC = N * (size_t)C;
     gpt__bw w = gpt__block_w((float *)wp, C), g = gpt__block_w(gp, C); /* w is only read */
     gpt__bs a = gpt__block_s(s, N, C);
-    float *dx2 = scratch, *dA = scratch + NC, *dqkv = scratch + 2 * NC, *dH = scratch + 5 * NC, *dP = scratch + 9 * NC;
+    float *dx2 = scratch, *dA = scratch + NC, *dqkv = scratch + 2 * NC, *dH = scratch + 5 * NC, *dP = scratch + 9 * NC, *dln2 = dA, *dln1 = dA;
+    if (mode != GPT__BWD_B) dH = sv + NC, dln2 = sv + 5 * NC, dx2 = sv + 6 * NC, dqkv = sv + 7 * NC, dln1 = sv + 10 * NC;
+    if (mode == GPT__BWD_W) {
+        const float *dy = sv;
+        gpt__linear_bwd_w(dy, a.g, g.fcpw, g.fcpb, N, 4 * C, C);
+        gpt__linear_bwd_w(dH, a.ln2, g.fcw, g.fcb, N, C, 4 * C);
+        gpt__ln_bwd_w(dln2, a.x2, a.mean2, a.rstd2, g.ln2w, g.ln2b, N, C);
+        gpt__linear_bwd_w(dx2, a.attout, g.projw, g.projb, N, C, C);
+        gpt__linear_bwd_w(dqkv, a.ln1, g.qkvw, g.qkvb, N, C, 3 * C);
+        gpt__ln_bwd_w(dln1, a.x, a.mean1, a.rstd1, g.ln1w, g.ln1b, N, C);
+        return;
+    }
+    if (mode == GPT__BWD_I) memcpy(sv, dout, sizeof(float) * NC);
     /* out = x2 + fcproj(gelu(fc(ln2(x2)))) */
-    gpt__linear_bwd(dout, a.g, w.fcpw, dH, g.fcpw, g.fcpb, N, 4 * C, C);
+    gpt__linear_bwd_x(dout, w.fcpw, dH, N, 4 * C, C);
+    if (mode == GPT__BWD_B) gpt__linear_bwd_w(dout, a.g, g.fcpw, g.fcpb, N, 4 * C, C);
     gpt__gelu_bwd(a.h, dH, N * 4 * (size_t)C);
-    gpt__linear_bwd(dH, a.ln2, w.fcw, dA, g.fcw, g.fcb, N, C, 4 * C);
+    gpt__linear_bwd_x(dH, w.fcw, dln2, N, C, 4 * C);
+    if (mode == GPT__BWD_B) gpt__linear_bwd_w(dH, a.ln2, g.fcw, g.fcb, N, C, 4 * C);
     memcpy(dx2, dout, sizeof(float) * NC);
-    gpt__ln_bwd(dA, a.x2, a.mean2, a.rstd2, w.ln2w, dx2, g.ln2w, g.ln2b, N, C);
+    gpt__ln_bwd_x(dln2, a.x2, a.mean2, a.rstd2, w.ln2w, dx2, N, C);
+    if (mode == GPT__BWD_B) gpt__ln_bwd_w(dln2, a.x2, a.mean2, a.rstd2, g.ln2w, g.ln2b, N, C);
     /* x2 = x + proj(attn(ln1(x))) */
-    gpt__linear_bwd(dx2, a.attout, w.projw, dA, g.projw, g.projb, N, C, C);
+    gpt__linear_bwd_x(dx2, w.projw, dA, N, C, C);
+    if (mode == GPT__BWD_B) gpt__linear_bwd_w(dx2, a.attout, g.projw, g.projb, N, C, C);
     gpt__attn_bwd(dA, a.qkv, a.att, dqkv, dP, rows, T, C, cf->H);
-    gpt__linear_bwd(dqkv, a.ln1, w.qkvw, dA, g.qkvw, g.qkvb, N, C, 3 * C);
+    gpt__linear_bwd_x(dqkv, w.qkvw, dln1, N, C, 3 * C);
+    if (mode == GPT__BWD_B) gpt__linear_bwd_w(dqkv, a.ln1, g.qkvw, g.qkvb, N, C, 3 * C);
     memcpy(din, dx2, sizeof(float) * NC);
-    gpt__ln_bwd(dA, a.x, a.mean1, a.rstd1, w.ln1w, din, g.ln1w, g.ln1b, N, C);
+    gpt__ln_bwd_x(dln1, a.x, a.mean1, a.rstd1, w.ln1w, din, N, C);
+    if (mode == GPT__BWD_B) gpt__ln_bwd_w(dln1, a.x, a.mean1, a.rstd1, g.ln1w, g.ln1b, N, C);
 }
 
 /* Head forward: LNf, logits = ln wte^T, softmax kept in probs; returns sum of mask * -log p(target). */
@@ -774,34 +853,47 @@ static double gpt__head_fwd(const gpt_config *cf, const float *wp, const float *
 }
 
 /* Head backward: dlogits = (p - onehot) mask / batch_weight; dln = dlogits wte; dwte += dlogits^T ln;
-   dx (written) from LNf's backward. scratch: N V + N C floats. */
-static void gpt__head_bwd(const gpt_config *cf, const float *wp, const float *wte, float *gp, float *gwte, const float *s, int rows, int T,
-                          const float *tgt, const float *mask, float scale, float *dx, float *scratch) {
+   dx (written) from LNf's backward. scratch: N V + N C floats. I writes dlogits over the probabilities in s
+   (the backward is their last reader) and dln to sv (N C floats); W reads both. */
+static void gpt__head_bwd(const gpt_config *cf, const float *wp, const float *wte, float *gp, float *gwte, float *s, int rows, int T,
+                          const float *tgt, const float *mask, float scale, float *dx, float *scratch, float *sv, int mode) {
     const int C = cf->C, V = GPT_VOCAB;
     size_t N = (size_t)rows * T, NC = N * (size_t)C, i;
-    const float *x = s, *ln = s + NC, *probs = s + 2 * NC, *mean = probs + N * V, *rstd = mean + N;
-    float *dl = scratch, *dln = scratch + N * V;
+    float *x = s, *ln = s + NC, *probs = s + 2 * NC, *mean = probs + N * V, *rstd = mean + N;
+    float *dl = mode == GPT__BWD_B ? scratch : probs, *dln = mode == GPT__BWD_B ? scratch + N * V : sv;
     int v;
-    for (i = 0; i < N; i++) {
-        const float *p = probs + i * V;
-        float *d = dl + i * V, wgt = mask[i] * scale;
-        int y = (int)tgt[i];
-        for (v = 0; v < V; v++) d[v] = p[v] * wgt;
-        d[y] = (p[y] - 1.0f) * wgt;
+    if (mode != GPT__BWD_W) {
+        for (i = 0; i < N; i++) {
+            const float *p = probs + i * V;
+            float *d = dl + i * V, wgt = mask[i] * scale, py;
+            int y = (int)tgt[i];
+            py = p[y];
+            for (v = 0; v < V; v++) d[v] = p[v] * wgt;
+            d[y] = (py - 1.0f) * wgt;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, C, V, 1.0f, dl, V, wte, C, 0.0f, dln, C);
     }
-    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)N, C, V, 1.0f, dl, V, wte, C, 0.0f, dln, C);
-    cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, (int)N, 1.0f, dl, V, ln, C, 1.0f, gwte, C);
-    memset(dx, 0, sizeof(float) * NC);
-    gpt__ln_bwd(dln, x, mean, rstd, wp, dx, gp, gp + C, N, C);
+    if (mode != GPT__BWD_I) cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, V, C, (int)N, 1.0f, dl, V, ln, C, 1.0f, gwte, C);
+    if (mode != GPT__BWD_W) {
+        memset(dx, 0, sizeof(float) * NC);
+        gpt__ln_bwd_x(dln, x, mean, rstd, wp, dx, N, C);
+    }
+    if (mode != GPT__BWD_I) gpt__ln_bwd_w(dln, x, mean, rstd, gp, gp + C, N, C);
 }
 
 /* ---- Partition forward and backward ---------------------------------------------------------------------- */
 
-/* Forward of partition p on micro-batch mb (see the header comment). in: rows x T x C (NULL on the first
-   partition); out: rows x T x C (NULL on the last); stash: gpt_part_stash_floats(p) floats; *loss (head
-   only; may be NULL) gets the micro-batch's sum of mask * -log p(target), in double. Returns 0, or -1 when
-   mb's rows or T is out of range or a needed pointer is NULL. */
-GPT_FN int gpt_forward(const gpt_part *p, const float *params, const gpt_micro *mb, const float *in, float *out, float *stash, double *loss) {
+/* Seconds on a monotonic clock (the per-layer times of gpt_forward_timed and gpt_backward_timed). */
+static double gpt__now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* gpt_forward, and with sec non-NULL each layer's wall time: sec[l - p->lo] = seconds layer l took (the
+   copies into the stash before the first layer are in no layer's time). The same bits as gpt_forward. */
+GPT_FN int gpt_forward_timed(const gpt_part *p, const float *params, const gpt_micro *mb, const float *in, float *out, float *stash, double *loss,
+                             double *sec) {
     const gpt_config *cf = &p->cfg;
     gpt__smap m;
     size_t N, NC, i;
@@ -821,6 +913,7 @@ GPT_FN int gpt_forward(const gpt_part *p, const float *params, const gpt_micro *
     for (l = p->lo; l < p->hi; l++) {
         float *dst = l + 1 < p->hi ? stash + m.layer[l + 1 - p->lo] : out, *s = stash + m.layer[l - p->lo];
         const float *w = params + p->layer_off[l - p->lo];
+        double t0 = sec ? gpt__now() : 0;
         if (l == 0) {
             const float *wte = w, *wpe = w + (size_t)GPT_VOCAB * cf->C;
             int c;
@@ -834,8 +927,70 @@ GPT_FN int gpt_forward(const gpt_part *p, const float *params, const gpt_micro *
         } else {
             gpt__block_fwd(cf, w, s, mb->rows, mb->T, dst);
         }
+        if (sec) sec[l - p->lo] = gpt__now() - t0;
     }
     return 0;
+}
+
+/* Forward of partition p on micro-batch mb (see the header comment). in: rows x T x C (NULL on the first
+   partition); out: rows x T x C (NULL on the last); stash: gpt_part_stash_floats(p) floats; *loss (head
+   only; may be NULL) gets the micro-batch's sum of mask * -log p(target), in double. Returns 0, or -1 when
+   mb's rows or T is out of range or a needed pointer is NULL. */
+GPT_FN int gpt_forward(const gpt_part *p, const float *params, const gpt_micro *mb, const float *in, float *out, float *stash, double *loss) {
+    return gpt_forward_timed(p, params, mb, in, out, stash, loss, NULL);
+}
+
+/* The backward of partition p in `mode` (GPT__BWD_B, _I, _W; see gpt_backward and gpt_backward_input). */
+static int gpt__backward(const gpt_part *p, const float *params, float *grads, float *stash, const float *dout, float *din, float *work,
+                         double batch_weight, double *sec, int mode) {
+    const gpt_config *cf = &p->cfg;
+    gpt__smap m;
+    int rows, T, l;
+    size_t N, NC;
+    const float *cur = dout;
+    float *g0 = work, *g1, *scratch, scale = 0;
+    if (!p || !stash || (mode != GPT__BWD_W && (!params || !work || !(batch_weight > 0))) || (mode != GPT__BWD_I && !grads)) return -1;
+    if (mode != GPT__BWD_W) scale = (float)(1.0 / batch_weight);
+    rows = (int)stash[0], T = (int)stash[1];
+    if (stash[2] != (float)p->lo || stash[3] != (float)p->hi || rows < 1 || rows > cf->B || T < 1 || T > cf->Tmax) return -1;
+    if (mode != GPT__BWD_W && ((!p->has_head && !dout) || (!p->has_embed && !din))) return -1;
+    N = (size_t)rows * T, NC = N * (size_t)cf->C;
+    g1 = work ? work + NC : NULL, scratch = work ? work + 2 * NC : NULL;
+    gpt__stash_map(p, rows, T, &m);
+    for (l = p->hi - 1; l >= p->lo; l--) {
+        const float *w = params ? params + p->layer_off[l - p->lo] : NULL;
+        float *gw = grads ? grads + p->layer_off[l - p->lo] : NULL, *s = stash + m.layer[l - p->lo], *sv = stash + m.wsave[l - p->lo];
+        float *dst = l == p->lo ? din : (cur == g0 ? g1 : g0);
+        double t0 = sec ? gpt__now() : 0;
+        if (l == 0) {
+            if (mode == GPT__BWD_I) memcpy(sv, cur, sizeof(float) * NC);
+            else {
+                const float *d0 = mode == GPT__BWD_W ? sv : cur;
+                float *gwte = gw, *gwpe = gw + (size_t)GPT_VOCAB * cf->C;
+                size_t i;
+                int c;
+                for (i = 0; i < N; i++) {
+                    const float *d = d0 + i * cf->C;
+                    float *e = gwte + (size_t)stash[m.tok + i] * cf->C, *q = gwpe + (i % (size_t)T) * cf->C;
+                    for (c = 0; c < cf->C; c++) e[c] += d[c], q[c] += d[c];
+                }
+            }
+        } else if (l == cf->L + 1) {
+            gpt__head_bwd(cf, w, params ? params + p->wte_off : NULL, gw, grads ? grads + p->wte_off : NULL, s, rows, T, stash + m.tgt,
+                          stash + m.mask, scale, dst, scratch, sv, mode);
+        } else {
+            gpt__block_bwd(cf, w, gw, s, rows, T, cur, dst, scratch, sv, mode);
+        }
+        if (sec) sec[l - p->lo] = gpt__now() - t0;
+        cur = dst;
+    }
+    return 0;
+}
+
+/* gpt_backward, and with sec non-NULL each layer's wall time in sec[l - p->lo]. The same bits. */
+GPT_FN int gpt_backward_timed(const gpt_part *p, const float *params, float *grads, const float *stash, const float *dout, float *din,
+                              float *work, double batch_weight, double *sec) {
+    return gpt__backward(p, params, grads, (float *)stash, dout, din, work, batch_weight, sec, GPT__BWD_B); /* B only reads the stash */
 }
 
 /* Backward of partition p for the micro-batch its `stash` holds (see the header comment). dout: rows x T x C
@@ -844,41 +999,22 @@ GPT_FN int gpt_forward(const gpt_part *p, const float *params, const gpt_micro *
    stash was not written by a forward of this partition or a needed pointer is NULL. */
 GPT_FN int gpt_backward(const gpt_part *p, const float *params, float *grads, const float *stash, const float *dout, float *din, float *work,
                         double batch_weight) {
-    const gpt_config *cf = &p->cfg;
-    gpt__smap m;
-    int rows, T, l;
-    size_t N, NC;
-    const float *cur = dout;
-    float *g0 = work, *g1, *scratch, scale;
-    if (!p || !params || !grads || !stash || !work || !(batch_weight > 0)) return -1;
-    scale = (float)(1.0 / batch_weight);
-    rows = (int)stash[0], T = (int)stash[1];
-    if (stash[2] != (float)p->lo || stash[3] != (float)p->hi || rows < 1 || rows > cf->B || T < 1 || T > cf->Tmax) return -1;
-    if ((!p->has_head && !dout) || (!p->has_embed && !din)) return -1;
-    N = (size_t)rows * T, NC = N * (size_t)cf->C;
-    g1 = work + NC, scratch = work + 2 * NC;
-    gpt__stash_map(p, rows, T, &m);
-    for (l = p->hi - 1; l >= p->lo; l--) {
-        const float *w = params + p->layer_off[l - p->lo];
-        float *gw = grads + p->layer_off[l - p->lo], *s = (float *)stash + m.layer[l - p->lo]; /* only read */
-        float *dst = l == p->lo ? din : (cur == g0 ? g1 : g0);
-        if (l == 0) {
-            float *gwte = gw, *gwpe = gw + (size_t)GPT_VOCAB * cf->C;
-            size_t i;
-            int c;
-            for (i = 0; i < N; i++) {
-                const float *d = cur + i * cf->C;
-                float *e = gwte + (size_t)stash[m.tok + i] * cf->C, *q = gwpe + (i % (size_t)T) * cf->C;
-                for (c = 0; c < cf->C; c++) e[c] += d[c], q[c] += d[c];
-            }
-        } else if (l == cf->L + 1) {
-            gpt__head_bwd(cf, w, params + p->wte_off, gw, grads + p->wte_off, s, rows, T, stash + m.tgt, stash + m.mask, scale, dst, scratch);
-        } else {
-            gpt__block_bwd(cf, w, gw, s, rows, T, cur, dst, scratch);
-        }
-        cur = dst;
-    }
-    return 0;
+    return gpt__backward(p, params, grads, (float *)stash, dout, din, work, batch_weight, NULL, GPT__BWD_B);
+}
+
+/* The backward split in two, for zero-bubble schedules (ZB-H1, ZB-V): gpt_backward_input writes din (as
+   gpt_backward) and keeps in the stash what the weights need, touching no gradient; gpt_backward_weight,
+   later, adds the parameter gradients from the stash alone. The stash must hold gpt_part_stash_floats_iw(p)
+   floats (the forward fills the same prefix) and stays in use until the weight half ran; the input half
+   may overwrite parts of it that only the backward reads. Together they add exactly the bits gpt_backward
+   adds, in each tensor once per micro-batch, so weight halves run in micro-batch order accumulate what
+   gpt_backward's do. Returns 0, or -1 as gpt_backward. */
+GPT_FN int gpt_backward_input(const gpt_part *p, const float *params, float *stash, const float *dout, float *din, float *work, double batch_weight) {
+    return gpt__backward(p, params, NULL, stash, dout, din, work, batch_weight, NULL, GPT__BWD_I);
+}
+
+GPT_FN int gpt_backward_weight(const gpt_part *p, float *grads, float *stash) {
+    return gpt__backward(p, NULL, grads, stash, NULL, NULL, NULL, 1.0, NULL, GPT__BWD_W);
 }
 
 /* ---- Gradient norm, clipping, the tie, AdamW, the schedule ----------------------------------------------- */
