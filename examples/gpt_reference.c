@@ -1,16 +1,21 @@
 /* gpt_reference.c — the non-pipelined baseline of the GPT example: trains examples/gpt_model.h's byte-level
    GPT on the fortunes corpus in one plain loop, with the model held as the same S partitions the pipeline
    uses, so that a pipelined run of one pipeline (examples/gpt.c) can be compared with it bit for bit
-   (`cmp` of the --save files). No avgpipe.
+   (`cmp` of the --save files). avgpipe.h is included only for its three exact arithmetic helpers of the
+   step agreement (avgpipe_grad_sumsq, avgpipe_agree_combine, avgpipe_clip_scale: the global norm and the
+   clip scale exactly as avgpipe's runtime computes them); no runtime, no threads of avgpipe's.
 
-   One step (batch `step`, M micro-batches of B rows, gpt_data_micro's order):
+   One step (batch `step` of --batch windows: M micro-batches of B = batch / M rows, gpt_data_micro's order):
      for u = 0 .. M-1: forward partitions 0 .. S-1, then backward S-1 .. 0 (gradients added, so every
        partition accumulates its micro-batches in the order 0 .. M-1, as in the pipeline);
      the tie: grad_first_wte[k] = grad_last_wte[k] = grad_first_wte[k] + grad_last_wte[k];
-     total = 0.0; for p = 0 .. S-1: total += gpt_sumsq(partition p) (the last one without its wte range);
+     per partition p, from 0: avgpipe_grad_sumsq over its gradients in index order (the last one without
+       its wte range), the S (sum of squares, non-finite count) pairs added by avgpipe_agree_combine in
+       partition order: what the runtime's step agreement computes;
      a non-finite gradient anywhere skips the step on every partition (counted);
-     else AdamW on every partition with the clip scale min(1, clip / (sqrt(total) + 1e-6)) and the
-     learning rate of gpt_lr (linear warm-up, cosine to 10%); Adam's bias correction counts applied steps.
+     else AdamW on every partition with the clip scale avgpipe_clip_scale(total, clip) (clip / norm above
+     clip, else 1) and the learning rate of gpt_lr (linear warm-up, cosine to 10%); Adam's bias correction
+     counts applied steps.
 
    --threads T: what a user without a pipeline library would do on T cores: T threads over the
    micro-batches of a step (thread k runs micro-batches k, k + T, ... with its own stashes and gradient
@@ -18,18 +23,26 @@
    (the GEMMs of this model are small: M = B x T rows of at most 4C; threading inside them scales worse).
    T = 1 is the bit-for-bit baseline; T > 1 sums the gradients in another order (not bit-identical).
 
-   Figures (2 vCPUs, AMD EPYC, OpenBLAS 0.3.21 Haswell kernel, gcc 12 -O3, quiet machine):
-     default shape (4 layers, 128 channels, 4 heads, context 64, B 8; M 4): 13.0k tokens/s with --threads 1,
-     22.6k with --threads 2 (llm.c's CPU trainer: 5,600 on 2 cores). Tokens are non-padding positions.
-     Learning (lr 3e-3, B 8, M 2: 16 windows a step learned more per token than 32 and as much as 8):
-       defaults, --threads 2: 3,600 steps, 3.1M tokens in 146 s: validation 2.540 bits/byte;
-       --channels 96 --steps 5600 --threads 2: 32k tokens/s, 4.8M tokens in 151 s: 2.495 bits/byte
-       (the fastest learner per second measured; 3 layers of 128 did as well per FLOP as 96 channels).
-     lr 6e-3 and 1e-2 stall near 2.7 nats; 2e-3 is slower than 3e-3.
+   Figures (2 vCPUs, Intel Xeon with AVX-512, OpenBLAS 0.3.21 SkylakeX kernel, gcc 12 -O2 -fno-math-errno):
+     default shape (4 layers, 128 channels, 4 heads, context 64; batch 16 = M 2 x 8 windows): 8.6-9.3k
+     tokens/s with --threads 1 (the same at M 1, 4 and 8), 12.6-13.5k with --threads 2 (1.45x: the two
+     micro-batches of a step differ in length, and the gradient sum and AdamW run on one thread); llm.c's
+     CPU trainer: 5,600 on 2 cores (quoted). Tokens are non-padding positions.
+     Learning, one thread's bits (measured with gpt --pipes 1, which gives them): 2,400 steps (2.07M tokens)
+     2.628 bits/byte, 3,600 steps (3.1M) 2.546; --channels 96, 3,600 steps: 2.607; lr 4e-3, 2,400 steps:
+     2.648.
+   Earlier, on 2 vCPUs of an AMD EPYC (OpenBLAS Haswell kernel, gcc -O3, the clip scale then nanoGPT's
+     clip / (norm + 1e-6)): 13.0k tokens/s with --threads 1, 22.6k with --threads 2 (M 4); 3,600 steps in
+     146 s with --threads 2: 2.540 bits/byte; --channels 96 --steps 5600: 2.495 in 151 s; 16 windows a step
+     learned more per token than 32 and as much as 8; lr 6e-3 and 1e-2 stall near 2.7 nats, 2e-3 is slower.
 
-   Build: gcc -std=c11 -O3 -Wall -Wextra -I. examples/gpt_reference.c -o /tmp/gpt_reference -lopenblas -lm -pthread
+   Build: meson (build/gpt_reference), or
+          gcc -std=c11 -O2 -fno-math-errno -I. examples/gpt_reference.c -o /tmp/gpt_reference -lopenblas -lm -pthread
    Run:   /tmp/gpt_reference [--threads 2] [--channels 96 --steps 5600] [--save FILE] ...   (--help lists all) */
 #define _POSIX_C_SOURCE 200809L
+#define AVGPIPE_STATIC /* a private copy: only the step agreement's arithmetic is used */
+#define AVGPIPE_IMPLEMENTATION
+#include "avgpipe.h"
 #include "examples/gpt_model.h"
 #define BLAS_KERNEL_IMPLEMENTATION
 #include "examples/blas_kernel.h"
@@ -60,10 +73,10 @@ static const char *usage =
     "  --layers L       transformer blocks (default 4)\n"
     "  --channels C     embedding width (default 128)\n"
     "  --heads H        attention heads (default 4)\n"
-    "  --ctx T          context: the longest micro-batch (default 64)\n"
-    "  --batch B        rows per micro-batch (default 8)\n"
-    "  --micro M        micro-batches per step (default 2)\n"
-    "  --steps N        optimizer steps (default 3600: about 2.5 minutes with --threads 2 on 2 cores)\n"
+    "  --seq T          context: the longest window, and the rows of wpe (default 64)\n"
+    "  --batch B        windows per step, a multiple of --micro (default 16)\n"
+    "  --micro M        micro-batches per step, of B / M windows each (default 2)\n"
+    "  --steps N        optimizer steps (default 2000, as gpt: about 2.5 minutes with --threads 2 on 2 cores)\n"
     "  --lr LR          peak learning rate (default 3e-3)\n"
     "  --warmup W       linear warm-up steps (default 100), then cosine decay to lr / 10\n"
     "  --wd WD          AdamW weight decay of the 2-D tensors (default 0.1)\n"
@@ -109,16 +122,16 @@ static double parse_double(const char *flag, const char *s, double lo, double hi
 }
 
 static void parse_options(int argc, char **argv, options *o) {
-    static const char *const flags[] = {"--layers", "--channels", "--heads", "--ctx", "--batch", "--micro", "--steps", "--lr",
+    static const char *const flags[] = {"--layers", "--channels", "--heads", "--seq", "--batch", "--micro", "--steps", "--lr",
                                         "--warmup", "--wd", "--clip", "--seed", "--stages", "--split", "--threads", "--data",
                                         "--save", "--log-every", "--eval-every", "--sample-len", "--temperature"};
     const char *split = NULL;
     char err[256];
-    int i, stages_set = 0;
+    int i, stages_set = 0, batch = 16;
     size_t k;
     memset(o, 0, sizeof *o);
     o->cfg.L = 4, o->cfg.C = 128, o->cfg.H = 4, o->cfg.Tmax = 64, o->cfg.B = 8;
-    o->micro = 2, o->stages = 2, o->threads = 1, o->steps = 3600, o->warmup = 100, o->lr = 3e-3, o->clip = 1.0, o->wd = 0.1;
+    o->micro = 2, o->stages = 2, o->threads = 1, o->steps = 2000, o->warmup = 100, o->lr = 3e-3, o->clip = 1.0, o->wd = 0.1;
     o->seed = 1, o->log_every = 200, o->eval_every = 1000, o->eval_micro = 60, o->sample_len = 200, o->temperature = 0.8;
     o->data = "/usr/share/games/fortunes";
     for (i = 1; i < argc; i++) {
@@ -132,8 +145,8 @@ static void parse_options(int argc, char **argv, options *o) {
         if (!strcmp(f, "--layers")) o->cfg.L = (int)parse_long(f, v, 0, GPT_MAX_BLOCKS);
         else if (!strcmp(f, "--channels")) o->cfg.C = (int)parse_long(f, v, 1, 16384);
         else if (!strcmp(f, "--heads")) o->cfg.H = (int)parse_long(f, v, 1, 16384);
-        else if (!strcmp(f, "--ctx")) o->cfg.Tmax = (int)parse_long(f, v, 1, 4096);
-        else if (!strcmp(f, "--batch")) o->cfg.B = (int)parse_long(f, v, 1, 65536);
+        else if (!strcmp(f, "--seq")) o->cfg.Tmax = (int)parse_long(f, v, 1, 4096);
+        else if (!strcmp(f, "--batch")) batch = (int)parse_long(f, v, 1, 1 << 20);
         else if (!strcmp(f, "--micro")) o->micro = (int)parse_long(f, v, 1, 1 << 16);
         else if (!strcmp(f, "--steps")) o->steps = parse_long(f, v, 1, 100000000L);
         else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
@@ -151,6 +164,8 @@ static void parse_options(int argc, char **argv, options *o) {
         else if (!strcmp(f, "--sample-len")) o->sample_len = (int)parse_long(f, v, 0, 1 << 20);
         else if (!strcmp(f, "--temperature")) o->temperature = parse_double(f, v, 0, 100);
     }
+    if (batch % o->micro) fprintf(stderr, PROG ": --batch %d is not a multiple of --micro %d\n", batch, o->micro), exit(2);
+    o->cfg.B = batch / o->micro;
     if (gpt_config_check(&o->cfg, err, sizeof err)) fprintf(stderr, PROG ": %s\n", err), exit(2);
     if (split) {
         if (gpt_split_parse(split, o->split, GPT_MAX_PARTS, &o->nsplit, err, sizeof err)) fprintf(stderr, PROG ": --split: %s\n", err), exit(2);
@@ -264,25 +279,30 @@ static double compute_grads(trainer *tr, long step, double weight) {
     return loss / weight;
 }
 
-/* The tie, the norm's left fold, the non-finite check, clipping and AdamW. Returns 1 when the step was
-   skipped; *norm gets the global gradient norm. */
+/* The tie, the global norm (avgpipe's arithmetic), the non-finite check, clipping and AdamW. Returns 1 when
+   the step was skipped; *norm gets the global gradient norm. */
 static int apply_step(trainer *tr, long step, long *updates, double *norm) {
     float **g = tr->w[0].grad;
     gpt_adamw_hp hp = gpt_adamw_defaults();
-    double total = 0.0;
-    size_t bad = 0;
-    float scale, lr;
+    double parts[2 * GPT_MAX_PARTS], total[2], scale;
+    float lr;
     int s, S = tr->S;
     hp.weight_decay = (float)tr->o.wd;
     if (S > 1) gpt_tie_sum(g[0] + tr->part[0].wte_off, g[S - 1] + tr->part[S - 1].wte_off, tr->part[0].wte_len);
-    for (s = 0; s < S; s++) total += gpt_sumsq(&tr->part[s], g[s], tr->part[s].wte_copy);
-    for (s = 0; s < S; s++) bad += gpt_nonfinite(g[s], tr->part[s].nparams);
-    *norm = sqrt(total);
-    if (bad) return 1;
-    scale = gpt_clip_scale(total, tr->o.clip);
+    for (s = 0; s < S; s++) { /* the tied range counts once: on partition 0, not on the last one's copy */
+        const gpt_part *p = &tr->part[s];
+        size_t skip = p->wte_copy ? p->wte_off : p->nparams, next = p->wte_copy ? p->wte_off + p->wte_len : p->nparams;
+        parts[2 * s] = parts[2 * s + 1] = 0;
+        avgpipe_grad_sumsq(g[s], skip, &parts[2 * s], &parts[2 * s + 1]);
+        avgpipe_grad_sumsq(g[s] + next, p->nparams - next, &parts[2 * s], &parts[2 * s + 1]);
+    }
+    avgpipe_agree_combine(parts, S, 2, total);
+    *norm = sqrt(total[0]);
+    if (total[1] > 0) return 1;
+    scale = avgpipe_clip_scale(total[0], tr->o.clip);
     lr = (float)gpt_lr(tr->o.lr, step, tr->o.warmup, tr->o.steps);
     ++*updates;
-    for (s = 0; s < S; s++) gpt_adamw(&tr->part[s], tr->param[s], g[s], tr->m[s], tr->v[s], *updates, lr, scale, &hp);
+    for (s = 0; s < S; s++) gpt_adamw(&tr->part[s], tr->param[s], g[s], tr->m[s], tr->v[s], *updates, lr, (float)scale, &hp);
     return 0;
 }
 
