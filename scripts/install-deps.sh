@@ -3,7 +3,7 @@
 # missing ones; time: GNU time, which bench/bench_lib.sh reads each run's own CPU time from).
 # --peer: also PyTorch (python3-torch, about 1 GB), which only bench/bench_peer.sh needs.
 set -eu
-PKGS="build-essential meson ninja-build pkg-config libcriterion-dev clang libopenblas-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin libhwloc-dev time"
+PKGS="build-essential meson ninja-build pkg-config libcriterion-dev clang libopenblas-dev zlib1g-dev dataset-fashion-mnist libopenmpi-dev openmpi-bin libhwloc-dev time fortunes"
 for a in "$@"; do
     case "$a" in
         --peer) PKGS="$PKGS python3-torch" ;;
