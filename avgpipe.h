@@ -11250,8 +11250,13 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
         if (w->orphan) pthread_detach(w->thread), orphans++;
         else if (w->started) pthread_join(w->thread, NULL);
         if (w->avg_started) pthread_join(w->avg_thread, NULL);
-        if (w->has_group) avgpipe_comm_destroy(&w->group);
-        if (w->has_sync) avgpipe_comm_destroy(&w->sync);
+    }
+    /* Only once every thread is joined: a failing thread aborts every worker's communicators
+       (avgpipe__run_abort_comms), so none may be gone while another thread can still fail. */
+    for (k = 0; run->w && k < run->nlocal; k++) {
+        avgpipe__worker *w = &run->w[k];
+        if (w->has_group) avgpipe_comm_destroy(&w->group), w->has_group = 0;
+        if (w->has_sync) avgpipe_comm_destroy(&w->sync), w->has_sync = 0;
     }
     if (run->st && run->comm.isend) avgpipe__run_cancel_pending(run);
     if (!orphans) {
