@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.5.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.6.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -137,9 +137,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 5
+#define AVGPIPE_VERSION_MINOR 6
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.5.0"
+#define AVGPIPE_VERSION_STRING "0.6.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.5.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.6.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -1176,10 +1176,13 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
    Matching. Messages are matched per channel (sender, receiver) in posting order, whatever their tags,
    as NCCL does: the k-th send from a to b meets the k-th receive b posted from a. The tag is a check,
    not a selector: every message carries the sender's tag, and a receive whose message carries another
-   tag (a message was lost, duplicated or reordered on the way) or another size fails with
-   AVGPIPE_MISMATCH, its status saying what arrived; the data is not delivered. The send still
-   completes (the sender cannot know). The runtime tags each message with the op it belongs to, so a
-   lost message is reported at the receive where it happened, naming both ops. Tags are 31-bit.
+   tag (a message was lost, duplicated or reordered on the way) or more bytes than the receive's
+   `bytes` (its capacity) fails with AVGPIPE_MISMATCH, its status saying what arrived; the data is not
+   delivered. A message of at most `bytes` is delivered, status.bytes saying how many (since 0.6: the
+   runtime's variable micro-batch shapes; a backend that can only match exact sizes sets exact_bytes).
+   The send still completes (the sender cannot know). The runtime tags each message with the op it
+   belongs to, so a lost message is reported at the receive where it happened, naming both ops. Tags
+   are 31-bit.
 
    Waiting. Every wait takes a timeout; AVGPIPE_TIMEOUT leaves the request pending (wait again, or
    cancel it). abort() makes every pending and later call of every rank return AVGPIPE_ABORTED (an MPI
@@ -1211,8 +1214,8 @@ typedef struct avgpipe_comm avgpipe_comm;
 struct avgpipe_comm {
     const char *name;
     int size; /* ranks */
-    /* Post a send of `bytes` from buf to `peer` / a receive of `bytes` into buf from `peer`, carrying
-       (expecting) `tag`. buf may be NULL when bytes is 0. */
+    /* Post a send of `bytes` from buf to `peer` / a receive of at most `bytes` into buf from `peer`,
+       carrying (expecting) `tag`. buf may be NULL when bytes is 0. */
     avgpipe_result (*isend)(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req);
     avgpipe_result (*irecv)(void *user, int self, int peer, void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req);
     /* *done = 1 and the request is released when it finished (or failed: the result says); status (may
@@ -1264,6 +1267,11 @@ struct avgpipe_comm {
     const char *(*last_error)(void *user, int self);
     void (*destroy)(void *user);
     void *user;
+    /* 1: a receive must be posted with the sender's exact size (NCCL: a larger receive waits for bytes
+       that never come). The runtime then moves a smaller micro-batch at its boundary's maximum and its
+       size in a message of its own. 0 (the built-in in-process and MPI backends): receives take any
+       message up to their capacity. */
+    int exact_bytes;
 };
 
 /* The embedded default: `ranks` threads of one process, a FIFO mailbox per (src, dst) channel. Sends
@@ -1368,6 +1376,18 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
    `slot` (0 .. slots(g)-1) from its first op there until its backward (W) finished: key what you
    stash for the backward by (stage, slot) (and replica, when one process runs several groups).
 
+   Variable micro-batch shapes (sequences of different lengths). act_bytes[g] is the boundary's
+   maximum: the buffers are planned for it. With desc.variable_bytes = 1 a forward may write fewer
+   bytes: it sets op->output_bytes (preset to act_bytes[g]) to what it wrote, and a backward sets
+   op->grad_input_bytes (preset to op->input_bytes, the shape of the input) likewise. The size
+   travels with the message (and to a neighbouring stage on the same rank without one); the consumer
+   reads op->input_bytes (F, B, I, W) and op->grad_output_bytes (B, I, W; W sees its I's). Only the
+   bytes set move. A size over the boundary's maximum fails the run naming the op; without
+   variable_bytes a size other than the maximum does too (and every message must arrive at exactly
+   the maximum, the strict check of 0.5). Over device-ordered transfers (NCCL, whose receives need
+   the exact size) the payload moves at the maximum and the size follows it as an 8-byte host
+   message, which the consumer waits for on the host before its callback (it shapes the kernels).
+
    Parameters. params are the user's memory, used in place: STEP's callback updates them, AVG pulls
    them toward the reference in place (between the user's STEP and the pipeline's next forward; the
    user never sees a half-averaged model inside a callback of that pipeline). The reference of each
@@ -1452,6 +1472,12 @@ typedef struct avgpipe_op_ctx {
     avgpipe_device_stream stream;        /* enqueue the op's device work here and return (the pipeline's
                                             compute stream on this rank; NULL on the CPU device) */
     void *user;
+    /* Sizes of this micro-batch's boundary data (see "Variable micro-batch shapes"): */
+    size_t input_bytes;                  /* bytes in input as its producer set them (0 on stage 0) */
+    size_t output_bytes;                 /* F: preset to act_bytes[stage]; set it to the bytes written
+                                            (desc.variable_bytes); 0 on the last stage */
+    size_t grad_output_bytes;            /* B, I, W: bytes in grad_output (0 on the last stage) */
+    size_t grad_input_bytes;             /* B, I: preset to input_bytes; set it to the bytes written */
 } avgpipe_op_ctx;
 
 /* What a step receives with step agreement, and what a contribution is asked for. */
@@ -1594,6 +1620,10 @@ typedef struct avgpipe_run_desc {
     const avgpipe_tie *ties;
     int nties;
     avgpipe_agree_desc agree;
+    /* 1: micro-batches may be smaller than act_bytes (op->output_bytes, op->grad_input_bytes; see
+       "Variable micro-batch shapes"); a receive then accepts any size up to the maximum. 0: every
+       message is exactly act_bytes and a callback that changes a size fails the run. */
+    int variable_bytes;
 } avgpipe_run_desc;
 
 #define AVGPIPE_THREAD_WORKER 0
@@ -7751,7 +7781,7 @@ static avgpipe_result avgpipe__lmatch_on(avgpipe__local *L, struct avgpipe_comm_
 static void avgpipe__lmatch(avgpipe__local *L, struct avgpipe_comm_request_s *s, struct avgpipe_comm_request_s *r) {
     r->st.tag = s->tag;
     r->st.bytes = s->bytes;
-    if (s->tag != r->tag || s->bytes != r->bytes) { /* a lost, duplicated or reordered message: the receive says so */
+    if (s->tag != r->tag || s->bytes > r->bytes) { /* a lost, duplicated or reordered message: the receive says so */
         r->res = AVGPIPE_MISMATCH;
         snprintf(L->err[r->dst], sizeof L->err[r->dst], "a receive from rank %d of %zu bytes with tag %u met a message of %zu bytes with tag %u",
                  s->src, r->bytes, (unsigned)r->tag, s->bytes, (unsigned)s->tag);
@@ -8492,6 +8522,13 @@ typedef struct avgpipe__slot {
     /* Device events: after the last compute op that touched the slot's buffers (its reuse waits for
        it; a send of its data is ordered after it), and the device-ordered transfers' completions. */
     avgpipe_device_event ev_last, ev_recv_f, ev_recv_b, ev_send[2];
+    /* The micro-batch's sizes (desc.variable_bytes): in in_act / grad_out as received or handed over
+       by a neighbour on this rank, in out_act / grad_in as the producer set them. */
+    size_t in_bytes, out_bytes, gout_bytes, gin_bytes;
+    /* Sizes as messages of their own (run->sized): sends still reading zout, receives into zin_*. */
+    avgpipe_comm_request zsend[2], zrecv_f, zrecv_b;
+    int zsend_peer[2], nzsend;
+    uint64_t zout[2], zin_f, zin_b;
 } avgpipe__slot;
 
 /* A stage partition of one replica group; only those of local ranks get buffers and averaging. */
@@ -8524,6 +8561,11 @@ typedef struct avgpipe__worker {
     avgpipe_context ctx, avg_ctx;
     avgpipe_comm group; /* replicas: this stage-rank's D ranks (comm.split) */
     int has_group;
+    /* run->sized: the micro-batches' sizes travel on a communicator of their own (comm.split over the
+       replica group's S ranks, this worker srank there), so a backend that orders its device-ordered
+       and its host messages apart (NCCL's streams) keeps each kind in order */
+    avgpipe_comm zcomm;
+    int has_zcomm;
     /* ties and step agreement: their communicator (comm.split over the replica group's S ranks, in
        which this worker is srank), the receive buffer of a tie's range, the agreement's tables (by rank
        order, by partition order: [G * wagree] each), its result per pipeline and the round it is of,
@@ -8575,6 +8617,8 @@ struct avgpipe_run {
     avgpipe_device dev;
     int own_dev;
     int ordered;          /* transfers through comm.isend_on / irecv_on (a device was given and the comm has them) */
+    int varb, sized;      /* desc.variable_bytes; and the sizes travel as messages of their own (ordered or
+                             comm.exact_bytes: the payload moves at the boundary's maximum) */
     avgpipe_tie *ties;    /* a copy of desc.ties */
     int nties;
     int agreeing, builtin, wagree; /* an agreement; its built-in slots (sumsq, non-finite count) first; doubles per partition */
@@ -8638,6 +8682,8 @@ static void avgpipe__run_abort_comms(avgpipe_run *run, avgpipe_result res, const
         if (run->w[k].has_group) run->w[k].group.abort(run->w[k].group.user, res, msg);
     for (k = 0; k < run->nlocal; k++)
         if (run->w[k].has_sync) run->w[k].sync.abort(run->w[k].sync.user, res, msg);
+    for (k = 0; k < run->nlocal; k++)
+        if (run->w[k].has_zcomm) run->w[k].zcomm.abort(run->w[k].zcomm.user, res, msg);
 }
 
 /* First failure wins: it is recorded, every waiter wakes, the comm backend aborts the other ranks. */
@@ -8667,11 +8713,20 @@ static uint32_t avgpipe__data_tag(const avgpipe_run *run, int dir, int pipe, int
     return (uint32_t)(v % (AVGPIPE__TAG_CTL - 1)) + 1;
 }
 
+/* The tag of the 8-byte message that carries the size of data_tag's message (run->sized). */
+#define AVGPIPE__TAG_SIZE (3u << 29)
+static uint32_t avgpipe__size_tag(uint32_t data_tag) { return AVGPIPE__TAG_SIZE | (data_tag & (AVGPIPE__TAG_SIZE / 3u - 1u)); }
+
 /* The op a data tag names, as text ("0:2SEND_F5"), when the tags of this shape are unambiguous. */
 static void avgpipe__tag_text(const avgpipe_run *run, uint32_t tag, char *out, size_t cap) {
     uint64_t v = (uint64_t)tag - 1, range = (uint64_t)run->U * run->N * run->G * 4;
     avgpipe_op op;
     int dir;
+    if ((tag & AVGPIPE__TAG_SIZE) == AVGPIPE__TAG_SIZE && range < AVGPIPE__TAG_SIZE / 3u) { /* a size message: of which data message */
+        size_t n = (size_t)snprintf(out, cap, "the size of ");
+        if (n < cap) avgpipe__tag_text(run, tag & (AVGPIPE__TAG_SIZE / 3u - 1u), out + n, cap - n);
+        return;
+    }
     if (tag == 0 || tag >= AVGPIPE__TAG_CTL || range >= AVGPIPE__TAG_CTL - 1) {
         snprintf(out, cap, "%s message (tag %u)", tag >= AVGPIPE__TAG_CTL ? "a control" : "an unknown", (unsigned)tag);
         return;
@@ -9137,22 +9192,24 @@ static int avgpipe__watchdog(avgpipe_run *run, double limit) {
 /* Wait for *req (a request of op, with `peer`); *req becomes NULL once the backend released it (on
    AVGPIPE_TIMEOUT and AVGPIPE_ABORTED it stays pending: the run cancels it when it stops). `expect`:
    for a receive, the tag it expects (for the message on a mismatch), else 0. */
-static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_request *req, const avgpipe_op *op, int peer, uint32_t expect,
-                                         const char *what) {
+/* Wait for *req on comm c (as rank `self` there; peer is global, for the messages). */
+static avgpipe_result avgpipe__comm_wait_in(avgpipe__worker *w, const avgpipe_comm *c, int self, avgpipe_comm_request *req, const avgpipe_op *op,
+                                            int peer, uint32_t expect, const char *what, size_t *bytes) {
     avgpipe_run *run = w->run;
     avgpipe_comm_status st;
     avgpipe_result res;
     char txt[64], want[96], got[96];
     memset(&st, 0, sizeof st);
-    res = run->comm.wait(run->comm.user, w->rank, *req, run->d.timeout_s, &st);
+    res = c->wait(c->user, self, *req, run->d.timeout_s, &st);
     if (res != AVGPIPE_TIMEOUT && res != AVGPIPE_ABORTED) *req = NULL;
+    if (bytes) *bytes = st.bytes;
     if (!res) return AVGPIPE_OK;
     if (res == AVGPIPE_ABORTED && avgpipe__run_aborted(run)) return res; /* this process's own failure says why */
     avgpipe_op_format(op, 1, txt, sizeof txt);
     if (res == AVGPIPE_TIMEOUT && avgpipe__watchdog(run, 0.5 * run->d.timeout_s)) return res; /* a local callback is the cause */
     if (res == AVGPIPE_ABORTED) /* another process stopped: say what this rank was waiting for, and why it stopped */
         return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d: stopped: %s", w->rank, txt, what, peer,
-                                 run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "aborted");
+                                 c->last_error ? c->last_error(c->user, self) : "aborted");
     if (res == AVGPIPE_MISMATCH && expect) {
         avgpipe__tag_text(run, expect, want, sizeof want);
         avgpipe__tag_text(run, st.tag, got, sizeof got);
@@ -9163,7 +9220,11 @@ static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_reques
     return avgpipe__run_fail(run, res, "rank %d, op %s: %s rank %d %s (%s)", w->rank, txt, what, peer,
                              res == AVGPIPE_TIMEOUT ? "timed out" : "failed",
                              res == AVGPIPE_TIMEOUT ? "no data within the timeout: is that process alive?"
-                                                    : (run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : ""));
+                                                    : (c->last_error ? c->last_error(c->user, self) : ""));
+}
+static avgpipe_result avgpipe__comm_wait(avgpipe__worker *w, avgpipe_comm_request *req, const avgpipe_op *op, int peer, uint32_t expect,
+                                         const char *what, size_t *bytes) {
+    return avgpipe__comm_wait_in(w, &w->run->comm, w->rank, req, op, peer, expect, what, bytes);
 }
 
 /* Wait for the sends that still read slot sl's buffers. */
@@ -9249,10 +9310,16 @@ static avgpipe_result avgpipe__dev_record(avgpipe__worker *w, avgpipe_device_eve
 static avgpipe_result avgpipe__slot_sends(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, const char *what) {
     int j;
     for (j = 0; j < sl->nsend; j++) {
-        avgpipe_result res = sl->send[j] ? avgpipe__comm_wait(w, &sl->send[j], op, sl->send_peer[j], 0, what) : AVGPIPE_OK;
+        avgpipe_result res = sl->send[j] ? avgpipe__comm_wait(w, &sl->send[j], op, sl->send_peer[j], 0, what, NULL) : AVGPIPE_OK;
         if (res) return res;
     }
     sl->nsend = 0;
+    for (j = 0; j < sl->nzsend; j++) {
+        avgpipe_result res = sl->zsend[j] ? avgpipe__comm_wait_in(w, &w->zcomm, w->srank, &sl->zsend[j], op, sl->zsend_peer[j], 0, what, NULL)
+                                          : AVGPIPE_OK;
+        if (res) return res;
+    }
+    sl->nzsend = 0;
     return AVGPIPE_OK;
 }
 
@@ -9260,8 +9327,8 @@ static avgpipe_result avgpipe__slot_sends(avgpipe__worker *w, avgpipe__slot *sl,
    on the device; the requests still belong to the backend until test/wait says so). */
 static avgpipe_result avgpipe__slot_receives(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op) {
     avgpipe_result res = AVGPIPE_OK;
-    if (sl->ordered_f && sl->recv_f) res = avgpipe__comm_wait(w, &sl->recv_f, op, sl->peer_f, 0, "an earlier receive from");
-    if (!res && sl->ordered_b && sl->recv_b) res = avgpipe__comm_wait(w, &sl->recv_b, op, sl->peer_b, 0, "an earlier receive from");
+    if (sl->ordered_f && sl->recv_f) res = avgpipe__comm_wait(w, &sl->recv_f, op, sl->peer_f, 0, "an earlier receive from", NULL);
+    if (!res && sl->ordered_b && sl->recv_b) res = avgpipe__comm_wait(w, &sl->recv_b, op, sl->peer_b, 0, "an earlier receive from", NULL);
     if (!res) sl->ordered_f = sl->ordered_b = 0;
     return res;
 }
@@ -9284,8 +9351,10 @@ static avgpipe_result avgpipe__slot_get(avgpipe__worker *w, int g, const avgpipe
         if (!res) res = avgpipe__slot_receives(w, sl, op);       /* and its device-ordered receives are still to finish */
         if (!res && AVGPIPE__WAITS(AVGPIPE__WAIT_SLOT_REUSE)) res = avgpipe__dev_wait(w, sl->ev_last, op, "the slot's previous micro-batch");
         if (res) return res;
-        sl->recv_f = sl->recv_b = NULL;
+        sl->recv_f = sl->recv_b = sl->zrecv_f = sl->zrecv_b = NULL;
         sl->ordered_f = sl->ordered_b = 0;
+        sl->in_bytes = sl->gin_bytes = g > 0 ? run->act[g - 1] : 0;
+        sl->out_bytes = sl->gout_bytes = run->act[g];
     }
     *out = &st->slot[*k];
     return AVGPIPE_OK;
@@ -9391,24 +9460,48 @@ static avgpipe_result avgpipe__comm_issued(avgpipe__worker *w, avgpipe_comm_requ
                              run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
 }
 
+/* The size a received message (or its size message) says its micro-batch has, checked against the
+   boundary's maximum (and, without variable_bytes, required to be it), into *into. */
+static avgpipe_result avgpipe__recv_size(avgpipe__worker *w, const avgpipe_op *op, int fwd, uint64_t got, size_t *into) {
+    avgpipe_run *run = w->run;
+    size_t max = run->act[fwd ? op->stage - 1 : op->stage];
+    char txt[64];
+    if (got > max || (!run->varb && got != max)) {
+        avgpipe_op_format(op, 1, txt, sizeof txt);
+        return avgpipe__run_fail(run, AVGPIPE_MISMATCH, "rank %d, op %s: the %s it received has %llu bytes; act_bytes[%d] is %zu (%s)", w->rank,
+                                 txt, fwd ? "activation" : "gradient", (unsigned long long)got, fwd ? op->stage - 1 : op->stage, max,
+                                 got > max ? "the boundary's maximum" : "without desc.variable_bytes every message has exactly that size");
+    }
+    *into = (size_t)got;
+    return AVGPIPE_OK;
+}
+
 static avgpipe_result avgpipe__recv_wait(avgpipe__worker *w, avgpipe__slot *sl, const avgpipe_op *op, int fwd) {
     avgpipe_run *run = w->run;
     int g = op->stage, from = fwd ? g - 1 : g + 1, peer;
-    avgpipe_comm_request *req = fwd ? &sl->recv_f : &sl->recv_b;
+    avgpipe_comm_request *req = fwd ? &sl->recv_f : &sl->recv_b, *zreq = fwd ? &sl->zrecv_f : &sl->zrecv_b;
+    uint32_t tag = avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, from, op->micro);
+    size_t *into = fwd ? &sl->in_bytes : &sl->gout_bytes, got = 0;
     double t = avgpipe__now();
     avgpipe_result res;
     if (!*req) return AVGPIPE_OK; /* nothing posted: the first stage's input, or a neighbour on this rank */
     peer = w->replica * run->S + avgpipe__run_rank(run, from);
+    if (*zreq) { /* the size first: the host shapes the consumer by it (sent after the data, already on its way) */
+        res = avgpipe__comm_wait_in(w, &w->zcomm, w->srank, zreq, op, peer, avgpipe__size_tag(tag),
+                                    fwd ? "receiving the activation's size from" : "receiving the gradient's size from", NULL);
+        if (!res) res = avgpipe__recv_size(w, op, fwd, fwd ? sl->zin_f : sl->zin_b, into);
+        if (res) return res;
+    }
     if (fwd ? sl->ordered_f : sl->ordered_b) { /* the device orders the consumer after the transfer; no host wait */
         if (!AVGPIPE__WAITS(AVGPIPE__WAIT_RECV_BEFORE_OP)) return AVGPIPE_OK;
         if (run->comm.wait_issued && (res = avgpipe__comm_issued(w, *req, op, peer)) != AVGPIPE_OK) return res;
         return avgpipe__dev_order(w, w->cs[op->pipe], fwd ? sl->ev_recv_f : sl->ev_recv_b, op, "ordering the op after its receive");
     }
-    res = avgpipe__comm_wait(w, req, op, peer, avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, from, op->micro),
-                             fwd ? "receiving the activation from" : "receiving the gradient from");
+    res = avgpipe__comm_wait(w, req, op, peer, tag, fwd ? "receiving the activation from" : "receiving the gradient from", &got);
+    if (!res && !run->sized) res = avgpipe__recv_size(w, op, fwd, got, into); /* else the payload moved at the maximum */
     if (res) return res;
     *req = NULL;
-    if (!avgpipe__record(w, op, 2, peer, fwd ? sl->flow_f : sl->flow_b, t, avgpipe__now(), (double)run->act[fwd ? g - 1 : g]))
+    if (!avgpipe__record(w, op, 2, peer, fwd ? sl->flow_f : sl->flow_b, t, avgpipe__now(), (double)*into))
         return avgpipe__profile_oom(w);
     return AVGPIPE_OK;
 }
@@ -9427,6 +9520,8 @@ static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe
     if (k == AVGPIPE_OP_F) {
         if ((res = avgpipe__recv_wait(w, sl, op, 1)) != AVGPIPE_OK) return res;
         if (oc->round > 0 && (res = avgpipe__wait_avg(w, g, op->pipe, oc->round, op)) != AVGPIPE_OK) return res;
+        oc->input_bytes = g > 0 ? sl->in_bytes : 0;
+        oc->output_bytes = run->act[g];
         if (g + 1 < run->G) {
             if (avgpipe__run_rank(run, g + 1) == s) {
                 if ((res = avgpipe__slot_get(w, g + 1, op, &nb)) != AVGPIPE_OK) return res;
@@ -9439,6 +9534,9 @@ static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe
     }
     if (avgpipe__is_backward(k) && (res = avgpipe__recv_wait(w, sl, op, 0)) != AVGPIPE_OK) return res;
     oc->grad_output = g + 1 < run->G ? sl->grad_out : NULL;
+    oc->input_bytes = g > 0 ? sl->in_bytes : 0;
+    oc->grad_output_bytes = g + 1 < run->G ? sl->gout_bytes : 0;
+    oc->grad_input_bytes = g > 0 && k != AVGPIPE_OP_W ? oc->input_bytes : 0;
     if (g > 0 && k != AVGPIPE_OP_W) {
         if (avgpipe__run_rank(run, g - 1) == s) {
             if ((res = avgpipe__slot_get(w, g - 1, op, &nb)) != AVGPIPE_OK) return res;
@@ -9455,12 +9553,25 @@ static avgpipe_result avgpipe__compute_prepare(avgpipe__worker *w, const avgpipe
 static avgpipe_result avgpipe__compute_finish(avgpipe__worker *w, const avgpipe_op *op, const avgpipe_op_ctx *oc, double t, double e) {
     avgpipe_run *run = w->run;
     int g = op->stage, nbg = op->kind == AVGPIPE_OP_F ? g + 1 : op->kind == AVGPIPE_OP_W ? -1 : g - 1;
-    avgpipe_result res = avgpipe__dev_record(w, avgpipe__run_stage(run, w->replica, g)->slot[*avgpipe__slot_key(run, w->replica, g, op->pipe, op->micro)].ev_last,
-                                             oc->stream, op);
-    if (!res && nbg >= 0 && nbg < run->G && avgpipe__run_rank(run, nbg) == w->srank)
-        res = avgpipe__dev_record(w, avgpipe__run_stage(run, w->replica, nbg)->slot[*avgpipe__slot_key(run, w->replica, nbg, op->pipe, op->micro)].ev_last,
-                                  oc->stream, op);
+    int local = nbg >= 0 && nbg < run->G && avgpipe__run_rank(run, nbg) == w->srank;
+    avgpipe__slot *sl = &avgpipe__run_stage(run, w->replica, g)->slot[*avgpipe__slot_key(run, w->replica, g, op->pipe, op->micro)];
+    avgpipe__slot *nb = local ? &avgpipe__run_stage(run, w->replica, nbg)->slot[*avgpipe__slot_key(run, w->replica, nbg, op->pipe, op->micro)] : NULL;
+    avgpipe_result res = avgpipe__dev_record(w, sl->ev_last, oc->stream, op);
+    if (!res && nb) res = avgpipe__dev_record(w, nb->ev_last, oc->stream, op);
     if (res) return res;
+    if (nbg >= 0 && nbg < run->G) { /* the size the op set for what it produced: checked, then where its consumer reads it */
+        int fwd = op->kind == AVGPIPE_OP_F, b = fwd ? g : g - 1;
+        size_t n = fwd ? oc->output_bytes : oc->grad_input_bytes;
+        if (n > run->act[b] || (!run->varb && n != run->act[b])) {
+            char txt[64];
+            avgpipe_op_format(op, 1, txt, sizeof txt);
+            return avgpipe__run_fail(run, AVGPIPE_INVALID_ARG, "rank %d, op %s: %s = %zu %s act_bytes[%d] = %zu%s", w->rank, txt,
+                                     fwd ? "output_bytes" : "grad_input_bytes", n, n > run->act[b] ? "is over" : "differs from", b, run->act[b],
+                                     n > run->act[b] ? ", the boundary's maximum" : " (set desc.variable_bytes for smaller micro-batches)");
+        }
+        if (fwd) *(nb ? &nb->in_bytes : &sl->out_bytes) = n;
+        else *(nb ? &nb->gout_bytes : &sl->gin_bytes) = n;
+    }
     if (op->kind == AVGPIPE_OP_F && op->stage == run->G - 1) {
         w->loss += oc->loss;
         w->nloss++;
@@ -9535,7 +9646,7 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
     int g = op->stage, k = op->kind, fwd = k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_RECV_F;
     int send = k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B;
     int other = fwd == send ? g + 1 : g - 1, peer = w->replica * run->S + avgpipe__run_rank(run, other);
-    size_t bytes = run->act[fwd ? (send ? g : g - 1) : (send ? g - 1 : g)];
+    size_t bytes = run->act[fwd ? (send ? g : g - 1) : (send ? g - 1 : g)], moved;
     uint32_t tag = avgpipe__data_tag(run, fwd ? 0 : 1, op->pipe, send ? g : other, op->micro);
     avgpipe__slot *sl;
     avgpipe_comm_request req = NULL;
@@ -9544,6 +9655,9 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
     char txt[64];
     int flow;
     if (res) return res;
+    moved = bytes;
+    if (send && !run->sized) moved = bytes = fwd ? sl->out_bytes : sl->gin_bytes; /* the size travels with the message */
+    else if (send) moved = fwd ? sl->out_bytes : sl->gin_bytes;                   /* in a message after it */
     if (send) {
         void *buf = fwd ? sl->out_act : sl->grad_in;
         flow = (w->rank * run->P + peer) * 1048576 + (w->seq[peer]++ & 1048575);
@@ -9558,6 +9672,13 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
             sl->send_peer[sl->nsend] = peer;
             sl->send[sl->nsend++] = req;
         }
+        if (!res && run->sized) { /* the micro-batch's size, after its data on the same channel */
+            int j = sl->nzsend;
+            sl->zout[j] = (uint64_t)moved;
+            req = NULL;
+            res = w->zcomm.isend(w->zcomm.user, w->srank, peer - w->replica * run->S, &sl->zout[j], sizeof(uint64_t), avgpipe__size_tag(tag), &req);
+            if (!res) sl->zsend_peer[j] = peer, sl->zsend[sl->nzsend++] = req;
+        }
     } else {
         void *buf = fwd ? sl->in_act : sl->grad_out;
         flow = (peer * run->P + w->rank) * 1048576 + (w->rseq[peer]++ & 1048575);
@@ -9569,13 +9690,19 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
             if (fwd) sl->recv_f = req, sl->flow_f = flow, sl->peer_f = peer, sl->ordered_f = run->ordered;
             else sl->recv_b = req, sl->flow_b = flow, sl->peer_b = peer, sl->ordered_b = run->ordered;
         }
+        if (!res && run->sized) {
+            req = NULL;
+            res = w->zcomm.irecv(w->zcomm.user, w->srank, peer - w->replica * run->S, fwd ? &sl->zin_f : &sl->zin_b, sizeof(uint64_t),
+                                 avgpipe__size_tag(tag), &req);
+            if (!res) *(fwd ? &sl->zrecv_f : &sl->zrecv_b) = req;
+        }
     }
     if (res && res != AVGPIPE_ABORTED) {
         avgpipe_op_format(op, 1, txt, sizeof txt);
         return avgpipe__run_fail(run, res, "rank %d, op %s: posting the %s with rank %d failed: %s", w->rank, txt, send ? "send" : "receive",
                                  peer, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
     }
-    if (!res && send && !avgpipe__record(w, op, 1, peer, flow, t, avgpipe__now(), (double)bytes)) return avgpipe__profile_oom(w);
+    if (!res && send && !avgpipe__record(w, op, 1, peer, flow, t, avgpipe__now(), (double)moved)) return avgpipe__profile_oom(w);
     return res;
 }
 
@@ -10093,13 +10220,16 @@ static void avgpipe__run_cancel_pending(avgpipe_run *run) {
             avgpipe__stage *st = avgpipe__run_stage(run, w->replica, g);
             for (q = 0; st->slot && q < st->nslots; q++) {
                 avgpipe__slot *sl = &st->slot[q];
-                avgpipe_comm_request *reqs[4];
+                avgpipe_comm_request *reqs[8];
                 reqs[0] = &sl->recv_f, reqs[1] = &sl->recv_b, reqs[2] = &sl->send[0], reqs[3] = &sl->send[1];
-                for (j = 0; j < 4; j++) {
-                    if (*reqs[j] && run->comm.cancel && (j < 2 || j - 2 < sl->nsend)) run->comm.cancel(run->comm.user, w->rank, *reqs[j]);
+                reqs[4] = &sl->zrecv_f, reqs[5] = &sl->zrecv_b, reqs[6] = &sl->zsend[0], reqs[7] = &sl->zsend[1];
+                for (j = 0; j < 8; j++) {
+                    int live = j < 2 || (j >= 4 && j < 6) || (j < 4 ? j - 2 < sl->nsend : j - 6 < sl->nzsend);
+                    const avgpipe_comm *c = j < 4 ? &run->comm : &w->zcomm;
+                    if (*reqs[j] && c->cancel && live) c->cancel(c->user, j < 4 ? w->rank : w->srank, *reqs[j]);
                     *reqs[j] = NULL;
                 }
-                sl->nsend = 0;
+                sl->nsend = sl->nzsend = 0;
             }
         }
     }
@@ -10188,13 +10318,13 @@ static avgpipe_result avgpipe__ctl_allgather(avgpipe_run *run, const unsigned ch
 
 /* The agreement check: a fingerprint of the description and the lowered schedule, compared field by
    field between every rank and rank 0 (every process finds the same first difference). */
-#define AVGPIPE__FP_FIELDS 27
+#define AVGPIPE__FP_FIELDS 28
 static const char *const avgpipe__fp_names[AVGPIPE__FP_FIELDS] = {
     "protocol", "comm.size", "replicas", "average_every", "schedule (given or generated)", "sched.kind", "sched.stages",
     "sched.chunks", "sched.micro", "sched.pipes", "sched.rounds", "sched.advance (K)", "sched.continuous", "adaptive", "window",
     "mem_limit", "averaging.mode", "averaging.alpha", "averaging.momentum", "deterministic", "act_bytes (the boundary sizes)", "param_count (the stage sizes)",
     "the lowered schedule (its ops)", "stage partitions (G)", "placement (the rank of each stage)", "ties (stages, offsets, counts)",
-    "agree (width, clip_norm, skip_nonfinite)"};
+    "agree (width, clip_norm, skip_nonfinite)", "variable_bytes"};
 
 static uint64_t avgpipe__fnv(uint64_t h, const void *p, size_t n) {
     const unsigned char *b = (const unsigned char *)p;
@@ -10249,6 +10379,7 @@ static void avgpipe__fingerprint(const avgpipe_run *run, int64_t *f) {
     f[i++] = run->agreeing ? (int64_t)avgpipe__fnv(avgpipe__fnv((uint64_t)run->d.agree.width * 2 + (uint64_t)run->d.agree.skip_nonfinite, &run->d.agree.clip_norm,
                                                                 sizeof(double)), "agree", 5)
                            : 0;
+    f[i++] = run->d.variable_bytes;
 }
 
 static avgpipe_result avgpipe__run_agree(avgpipe_run *run) {
@@ -10430,7 +10561,7 @@ enum { AVGPIPE__CK_RUN = 1, AVGPIPE__CK_STAGE = 2, AVGPIPE__CK_USER = 3 };
 static int avgpipe__ckpt_field(const avgpipe_run *run, int i) {
     if (i == 11) return !run->d.adaptive;
     if (i == 22) return run->d.schedule != NULL;
-    return i != 14 && i != 15 && i != 19;
+    return i != 14 && i != 15 && i != 19 && i != 27; /* window, mem_limit, deterministic, variable_bytes: a resume may change them */
 }
 
 static void avgpipe__put_u32(unsigned char *p, uint32_t v) { memcpy(p, &v, 4); }
@@ -10935,6 +11066,8 @@ static avgpipe_result avgpipe__run_check(avgpipe_context *ctx, avgpipe_run *run)
                                                        "copies apart for good; use agree.skip_nonfinite (a non-finite gradient then never reaches the parameters)");
     if (d->reseed_nonfinite != 0 && d->reseed_nonfinite != 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "reseed_nonfinite: %d (0 or 1)", d->reseed_nonfinite);
+    if (d->variable_bytes != 0 && d->variable_bytes != 1)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "variable_bytes: %d (0 or 1)", d->variable_bytes);
     if ((run->nties || run->builtin) && !d->grads)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "grads: required with %s (the gradient buffers, indexed as params)",
                              run->nties ? "ties" : d->agree.clip_norm > 0 ? "agree.clip_norm" : "agree.skip_nonfinite");
@@ -11016,6 +11149,30 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
                                 run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
         else
             w->has_group = 1;
+    }
+    avgpipe_free(ctx, members);
+    return res;
+}
+
+/* Variable sizes as messages of their own (run->sized): each local worker's communicator for them. */
+static avgpipe_result avgpipe__run_sizes(avgpipe_context *ctx, avgpipe_run *run) {
+    int k, q, *members;
+    avgpipe_result res = AVGPIPE_OK;
+    if (!run->sized || run->S == 1) return AVGPIPE_OK;
+    if (!run->comm.split)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "variable_bytes over comm '%s' (%s): the sizes travel on a communicator of their own, which needs its "
+                             "split entry", run->comm.name ? run->comm.name : "?", run->ordered ? "device-ordered transfers" : "exact_bytes");
+    members = (int *)avgpipe_alloc(ctx, (size_t)run->S * sizeof(int));
+    if (!members) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+    for (k = 0; k < run->nlocal && !res; k++) {
+        avgpipe__worker *w = &run->w[k];
+        for (q = 0; q < run->S; q++) members[q] = w->replica * run->S + q;
+        res = run->comm.split(run->comm.user, w->rank, members, run->S, &w->zcomm);
+        if (res)
+            res = avgpipe__fail(ctx, res, "comm '%s': rank %d cannot form the communicator of the micro-batches' sizes: %s", run->comm.name ? run->comm.name : "?",
+                                w->rank, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+        else
+            w->has_zcomm = 1;
     }
     avgpipe_free(ctx, members);
     return res;
@@ -11216,12 +11373,15 @@ AVGPIPE_API avgpipe_result avgpipe_run_create(avgpipe_context *ctx, const avgpip
     if (!res) res = avgpipe__run_comm(ctx, run);
     if (!res) {
         run->ordered = run->d.device && run->comm.isend_on && run->comm.irecv_on;
+        run->varb = run->d.variable_bytes;
+        run->sized = run->varb && (run->ordered || run->comm.exact_bytes);
         run->timed = run->d.profile && run->dev.event_elapsed != NULL;
     }
     if (!res) res = avgpipe__run_prepare(run);
     if (!res) res = avgpipe__run_agree(run);
     if (!res) res = avgpipe__run_groups(ctx, run);
     if (!res) res = avgpipe__run_sync(ctx, run);
+    if (!res) res = avgpipe__run_sizes(ctx, run);
     if (!res) res = avgpipe__run_start(run);
     if (res) {
         char msg[AVGPIPE_ERROR_MAX];
@@ -11257,6 +11417,7 @@ AVGPIPE_API void avgpipe_run_destroy(avgpipe_run *run) {
         avgpipe__worker *w = &run->w[k];
         if (w->has_group) avgpipe_comm_destroy(&w->group), w->has_group = 0;
         if (w->has_sync) avgpipe_comm_destroy(&w->sync), w->has_sync = 0;
+        if (w->has_zcomm) avgpipe_comm_destroy(&w->zcomm), w->has_zcomm = 0;
     }
     if (run->st && run->comm.isend) avgpipe__run_cancel_pending(run);
     if (!orphans) {

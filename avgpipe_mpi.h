@@ -30,9 +30,11 @@
    - One rank per process: `self` in every call is this process's rank in the communicator.
    - Point to point: MPI_Isend / MPI_Irecv on a private duplicate of the communicator, so nothing else
      the program sends can interleave. A receive takes whatever message comes next from its peer
-     (MPI_ANY_TAG: MPI keeps the order of messages between two processes), then checks its tag and size
-     against what it expects; a difference fails it with AVGPIPE_MISMATCH (status says what arrived).
-     MPI has written the message into the buffer by then (up to its size). Messages of more than
+     (MPI_ANY_TAG: MPI keeps the order of messages between two processes), then checks its tag against
+     what it expects and its size against the receive's capacity: another tag or more bytes (MPI's
+     truncation) fail it with AVGPIPE_MISMATCH (status says what arrived); a smaller message is
+     delivered, status.bytes its size (MPI_Get_count). MPI has written the message into the buffer by
+     then (up to the capacity). Messages of more than
      INT_MAX bytes are refused (AVGPIPE_INVALID_ARG). Tags need MPI_TAG_UB >= 2^31 - 1 (Open MPI and
      MPICH's default device give it); with a smaller bound tags are folded modulo MPI_TAG_UB + 1.
    - Waits never call MPI_Wait: they poll MPI_Test, spinning for desc.spin_us, then sleeping with a
@@ -84,8 +86,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_mpi.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 500 /* released together: 0.5.0 */
-#error "avgpipe_mpi.h is version 0.5.0: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 600 /* released together: 0.6.0 */
+#error "avgpipe_mpi.h is version 0.6.0: include the avgpipe.h of the same release"
 #endif
 
 #if defined(__cplusplus) /* the C API is all avgpipe uses: leave out MPI's deprecated C++ bindings */
@@ -294,7 +296,7 @@ static avgpipe_result avgpipe__mpi_finish(avgpipe__mpi *m, avgpipe__mpi_req *r, 
         uint32_t tag = (uint32_t)st->MPI_TAG, want = (uint32_t)((long)r->tag % m->tag_mod);
         if (MPI_Get_count(st, MPI_BYTE, &count) != MPI_SUCCESS || count == MPI_UNDEFINED) count = -1;
         if (status) status->tag = tag, status->bytes = count >= 0 ? (size_t)count : 0;
-        if (tag != want || (rc == MPI_SUCCESS && (size_t)count != r->bytes) || (rc != MPI_SUCCESS && st->MPI_ERROR == MPI_ERR_TRUNCATE)) {
+        if (tag != want || (rc == MPI_SUCCESS && (count < 0 || (size_t)count > r->bytes)) || (rc != MPI_SUCCESS && st->MPI_ERROR == MPI_ERR_TRUNCATE)) {
             pthread_mutex_lock(&m->mu);
             snprintf(m->err, sizeof m->err, "rank %d: a receive from rank %d of %zu bytes with tag %u met a message of %s%d bytes with tag %u",
                      m->rank, r->peer, r->bytes, (unsigned)want, count < 0 ? "more than " : "", count < 0 ? (int)r->bytes : count,

@@ -104,7 +104,9 @@
      ever match a later receive; (4) a wire check would cost an extra transfer per message plus a copy
      back to the host, and could only report after the data had landed (consumers on the device may have
      used it already). A receive posted with a size other than the sender's is an error NCCL does not
-     detect either: the transfer hangs (then times out) or leaves the buffer partly written.
+     detect either: the transfer hangs (then times out) or leaves the buffer partly written. So the
+     table sets exact_bytes: with desc.variable_bytes the runtime moves every activation and gradient
+     at its boundary's maximum and sends the micro-batch's size after it as an 8-byte host message.
    - Plain isend/irecv take device memory (used in place) or host memory (staged: a send is copied to a
      device buffer before isend returns, so the host buffer may be reused at once; a receive lands in a
      device buffer and is copied into the host buffer by the test/wait that reports it finished). They order
@@ -200,8 +202,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_nccl.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 500 /* released together: 0.5.0 */
-#error "avgpipe_nccl.h is version 0.5.0: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 600 /* released together: 0.6.0 */
+#error "avgpipe_nccl.h is version 0.6.0: include the avgpipe.h of the same release"
 #endif
 
 #include <cuda_runtime_api.h>
@@ -1586,6 +1588,7 @@ static void avgpipe__nccl_table(avgpipe__nccl *m, avgpipe_comm *out) {
     out->last_error = avgpipe__nccl_last_error;
     out->destroy = avgpipe__nccl_destroy;
     out->user = m;
+    out->exact_bytes = 1; /* NCCL receives need the sender's size */
 }
 
 /* After the collective communicator exists: the up and down ones, the connections, a barrier. */

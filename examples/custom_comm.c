@@ -7,8 +7,9 @@
      - one pipe per ordered pair of ranks (src -> dst); a message is a 16-byte header (size, tag) + payload;
      - isend / irecv queue a request on its channel: requests of a channel are served in posting order,
        so the k-th send from A to B meets B's k-th receive from A, whatever the tags (as in NCCL); the
-       receive then checks the header: another tag or size fails it with AVGPIPE_MISMATCH (the payload
-       is drained, so the stream stays in step), and its status says what arrived;
+       receive then checks the header: another tag or more bytes than its capacity fail it with
+       AVGPIPE_MISMATCH (the payload is drained, so the stream stays in step), a smaller message is
+       delivered (the runtime's variable micro-batch sizes), and its status says what arrived;
      - cancel() takes a request that has not started moving out of its queue;
      - the pipes are non-blocking; a rank moves bytes only when it calls into the backend (post, test,
        wait), and then for ALL its pending requests, so a large send makes progress while its rank
@@ -101,7 +102,7 @@ static void pump(pcomm *C, int self, pqueue *q, int fd, int send) {
     unsigned char sink[4096];
     while (q->head) {
         preq *r = q->head;
-        uint64_t total = HDR + (r->drain ? r->hdr[0] : r->bytes);
+        uint64_t total = HDR + (!send && r->off >= HDR ? r->hdr[0] : r->bytes); /* a receive: the message's size once its header is in */
         while (!q->broken && r->off < total) {
             int in_hdr = r->off < HDR;
             uint64_t body = r->off - HDR;
@@ -120,20 +121,20 @@ static void pump(pcomm *C, int self, pqueue *q, int fd, int send) {
                 break;
             }
             r->off += (uint64_t)k;
-            if (!send && r->off == HDR && (r->hdr[0] != r->bytes || r->hdr[1] != r->tag)) { /* not the message it expects */
+            if (!send && r->off == HDR) total = HDR + r->hdr[0]; /* at most the receive's capacity (the comm contract) */
+            if (!send && r->off == HDR && (r->hdr[0] > r->bytes || r->hdr[1] != r->tag)) { /* not the message it expects */
                 snprintf(R->err, sizeof R->err, "receive of %llu bytes with tag %u from rank %d met a message of %llu bytes with tag %llu",
                          (unsigned long long)r->bytes, (unsigned)r->tag, r->peer, (unsigned long long)r->hdr[0],
                          (unsigned long long)r->hdr[1]);
                 r->res = AVGPIPE_MISMATCH;
                 r->drain = 1;
-                total = HDR + r->hdr[0];
             }
         }
         if (q->broken && !r->res) r->res = AVGPIPE_BACKEND_ERROR; /* later requests of a broken stream */
         r->done = 1;
         q->head = r->next;
         if (!q->head) q->tail = NULL;
-        if (!send && !r->res) atomic_fetch_add(&C->bytes_moved, (long long)r->bytes), atomic_fetch_add(&C->messages, 1);
+        if (!send && !r->res) atomic_fetch_add(&C->bytes_moved, (long long)r->hdr[0]), atomic_fetch_add(&C->messages, 1);
     }
 }
 
@@ -426,11 +427,15 @@ static void *contract_rank(void *arg) {
         CHECK(!cc.isend(cc.user, 2, 3, &eight, sizeof eight, 1, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK);
         CHECK(!cc.isend(cc.user, 2, 3, &y, sizeof y, 3, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK);
         CHECK(!cc.isend(cc.user, 2, 3, &y, sizeof y, 4, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK);
+        CHECK(!cc.isend(cc.user, 2, 3, &y, 2, 5, &rq[2]) && cc.wait(cc.user, 2, rq[2], 5, NULL) == AVGPIPE_OK); /* 2 bytes */
     } else {
         CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 1, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_MISMATCH && st.bytes == 8);
         CHECK(strstr(cc.last_error(cc.user, 3), "receive of 4 bytes with tag 1 from rank 2 met a message of 8 bytes") != NULL);
         CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 4, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_MISMATCH && st.tag == 3);
         CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 4, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_OK && z == 7); /* in step */
+        z = 0; /* a smaller message than the receive's capacity is delivered, its size in the status */
+        CHECK(!cc.irecv(cc.user, 3, 2, &z, 4, 5, &rq[2]) && cc.wait(cc.user, 3, rq[2], 5, &st) == AVGPIPE_OK && st.bytes == 2 &&
+              !memcmp(&z, &y, 2));
     }
     CHECK(cc.barrier(cc.user, me, 5) == AVGPIPE_OK);
     if (me == 2) { /* ... now rank 2 sends it, and waiting again finds it */

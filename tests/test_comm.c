@@ -101,9 +101,10 @@ Test(comm, test_and_both_directions) {
     avgpipe_comm_destroy(&c);
 }
 
-/* A receive that meets a message of another size or tag fails with AVGPIPE_MISMATCH, says what arrived
-   in its status and its last error, and leaves its buffer alone; the send completes (a sender cannot
-   know); the channel stays in step for the next message. */
+/* A receive that meets a message larger than its capacity (or of another tag) fails with
+   AVGPIPE_MISMATCH, says what arrived in its status and its last error, and leaves its buffer alone;
+   the send completes (a sender cannot know); the channel stays in step for the next message. A
+   smaller message is delivered, status.bytes its size. */
 Test(comm, size_mismatch_fails_the_receive) {
     avgpipe_comm c = make(2);
     avgpipe_comm_request s, r;
@@ -123,6 +124,11 @@ Test(comm, size_mismatch_fails_the_receive) {
     cr_assert_eq(c.wait(c.user, 1, r, 1.0, &st), AVGPIPE_OK);
     cr_assert_eq(c.wait(c.user, 0, s, 1.0, NULL), AVGPIPE_OK);
     cr_assert(!memcmp(in, "abcd", 4) && st.tag == 6 && st.bytes == 4);
+    cr_assert_eq(c.isend(c.user, 0, 1, out + 4, 3, 7, &s), AVGPIPE_OK); /* 3 bytes into a receive of 4 */
+    cr_assert_eq(c.irecv(c.user, 1, 0, in, 4, 7, &r), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 1, r, 1.0, &st), AVGPIPE_OK);
+    cr_assert_eq(c.wait(c.user, 0, s, 1.0, NULL), AVGPIPE_OK);
+    cr_assert(!memcmp(in, "efgd", 4) && st.tag == 7 && st.bytes == 3, "in '%.4s', %zu bytes", in, st.bytes);
     avgpipe_comm_destroy(&c);
 }
 

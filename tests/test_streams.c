@@ -61,12 +61,37 @@ static int enqueue_cb(int (*fn)(avgpipe_op_ctx *), avgpipe_op_ctx *op) {
     t.a = *op;
     return adev_enqueue(op->stream, cb_task_run, &t, sizeof t) ? 1 : 0;
 }
-static int async_forward(avgpipe_op_ctx *op) { return enqueue_cb(cb_forward, op); }
-static int async_backward(avgpipe_op_ctx *op) { return enqueue_cb(cb_backward, op); }
-static int async_backward_input(avgpipe_op_ctx *op) { return enqueue_cb(cb_backward_input, op); }
-static int async_backward_weight(avgpipe_op_ctx *op) { return enqueue_cb(cb_backward_weight, op); }
+/* Variable sizes over device-ordered transfers (cfg.varb): the producer of boundary g's data for
+   (pipe, micro) says it wrote vsize() bytes (it writes them all: the payload moves at the maximum,
+   the size in a host message after it), and the consumer, on the host before it enqueues, must see
+   that size. The toy's arithmetic is unchanged, so the bits must still be the CPU run's. */
+static int VARB;
+static const size_t *VACT;
+static char varb_err[160];
+static size_t vsize(int g, int pipe, int micro) { return VACT[g] - sizeof(float) * (size_t)((pipe + 2 * micro + g) % 3); }
+static int varb_host(avgpipe_op_ctx *op) {
+    int g = op->stage, G = op->stages, fwd = op->kind == AVGPIPE_OP_F;
+    if (!VARB) return 0;
+    if (g > 0 && op->input_bytes != vsize(g - 1, op->pipe, op->micro)) {
+        snprintf(varb_err, sizeof varb_err, "stage %d kind %d: input_bytes %zu, want %zu", g, op->kind, op->input_bytes, vsize(g - 1, op->pipe, op->micro));
+        return 77;
+    }
+    if (!fwd && g + 1 < G && op->grad_output_bytes != vsize(g, op->pipe, op->micro)) {
+        snprintf(varb_err, sizeof varb_err, "stage %d kind %d: grad_output_bytes %zu, want %zu", g, op->kind, op->grad_output_bytes,
+                 vsize(g, op->pipe, op->micro));
+        return 78;
+    }
+    if (fwd && g + 1 < G) op->output_bytes = vsize(g, op->pipe, op->micro);
+    if (!fwd && op->kind != AVGPIPE_OP_W && g > 0) op->grad_input_bytes = vsize(g - 1, op->pipe, op->micro);
+    return 0;
+}
+static int async_forward(avgpipe_op_ctx *op) { return varb_host(op) ? 1 : enqueue_cb(cb_forward, op); }
+static int async_backward(avgpipe_op_ctx *op) { return varb_host(op) ? 1 : enqueue_cb(cb_backward, op); }
+static int async_backward_input(avgpipe_op_ctx *op) { return varb_host(op) ? 1 : enqueue_cb(cb_backward_input, op); }
+static int async_backward_weight(avgpipe_op_ctx *op) { return varb_host(op) ? 1 : enqueue_cb(cb_backward_weight, op); }
 static int async_overlap(avgpipe_op_ctx *f, avgpipe_op_ctx *b) {
     cb_task t;
+    if (varb_host(f) || varb_host(b)) return 1;
     memset(&t, 0, sizeof t);
     t.pair = cb_overlap;
     t.a = *f, t.b = *b;
@@ -103,6 +128,7 @@ typedef struct cfg {
                       1: device-ordered transfers of tests/ordered_comm.h (isend_on / irecv_on);
                       2: the runtime's own device-aware in-process comm (desc.comm NULL) */
     int rounds;    /* averaging rounds per iteration (0: 1) */
+    int varb;      /* on the device: desc.variable_bytes, every boundary's size set and checked (VARB) */
 } cfg;
 
 typedef struct outcome {
@@ -145,6 +171,8 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
     s.d.timeout_s = 10;
     if (c->split) use_split(&s, 0);
     if (c->overlap) s.d.cb.overlap = cb_overlap;
+    VARB = dev && c->varb, VACT = s.d.act_bytes, varb_err[0] = 0;
+    s.d.variable_bytes = VARB;
     if (dev) {
         s.d.device = dev;
         s.d.cb.forward = async_forward;
@@ -180,7 +208,7 @@ static void train_ex(const cfg *c, avgpipe_device *dev, outcome *out, int iters,
             if (z) memcpy(out->z[g], z, count * sizeof(float));
         }
     }
-    if (out->res) snprintf(out->msg, sizeof out->msg, "%s", avgpipe_last_error(&ctx));
+    if (out->res) snprintf(out->msg, sizeof out->msg, "%.800s%s%.160s", avgpipe_last_error(&ctx), varb_err[0] ? ": " : "", varb_err);
     avgpipe_run_destroy(run);
     if (dev && c->ordered == 1) {
         out->posted = OCOMM.posted;
@@ -241,49 +269,63 @@ static void check_same(const cfg *c, const char *name) {
 }
 
 Test(streams, async_step_1f1b) {
-    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 0, 0};
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 0, 0, 0};
     check_same(&c, "1f1b, step_async");
 }
 Test(streams, host_step_1f1b) {
-    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 1, 0, 0};
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 1, 0, 0, 0};
     check_same(&c, "1f1b, host step");
 }
 Test(streams, zbh1_split_backward) {
-    cfg c = {AVGPIPE_SCHED_ZBH1, 3, 0, 6, 1, 0, 0, 0, 0};
+    cfg c = {AVGPIPE_SCHED_ZBH1, 3, 0, 6, 1, 0, 0, 0, 0, 0};
     check_same(&c, "zbh1 I/W, step_async");
 }
 Test(streams, two_rounds_per_iteration) {
-    cfg c = {AVGPIPE_SCHED_ADVANCE, 3, 0, 4, 0, 0, 0, 0, 2};
+    cfg c = {AVGPIPE_SCHED_ADVANCE, 3, 0, 4, 0, 0, 0, 0, 2, 0};
     check_same(&c, "advance, 2 rounds per iteration");
 }
 Test(streams, interleaved) {
-    cfg c = {AVGPIPE_SCHED_INTERLEAVED, 2, 2, 4, 0, 0, 0, 0, 0};
+    cfg c = {AVGPIPE_SCHED_INTERLEAVED, 2, 2, 4, 0, 0, 0, 0, 0, 0};
     check_same(&c, "interleaved V=2");
 }
 Test(streams, ordered_transfers_1f1b) {
-    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 1, 0};
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 1, 0, 0};
     check_same(&c, "1f1b, isend_on/irecv_on");
 }
 Test(streams, ordered_transfers_zbv) {
-    cfg c = {AVGPIPE_SCHED_ZBV, 2, 2, 4, 1, 0, 0, 1, 0};
+    cfg c = {AVGPIPE_SCHED_ZBV, 2, 2, 4, 1, 0, 0, 1, 0, 0};
     check_same(&c, "zbv I/W, isend_on/irecv_on");
 }
 Test(streams, ordered_transfers_dualpipev_overlap_host_step) {
-    cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 1, 1, 0};
+    cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 1, 1, 0, 0};
     check_same(&c, "dualpipev overlap, isend_on/irecv_on, host step");
 }
 
 Test(streams, device_local_comm_1f1b) {
-    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 2, 0};
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 2, 0, 0};
     check_same(&c, "1f1b, the runtime's device-aware in-process comm");
 }
 Test(streams, device_local_comm_zbv_split) {
-    cfg c = {AVGPIPE_SCHED_ZBV, 2, 2, 4, 1, 0, 0, 2, 0};
+    cfg c = {AVGPIPE_SCHED_ZBV, 2, 2, 4, 1, 0, 0, 2, 0, 0};
     check_same(&c, "zbv I/W, the runtime's device-aware in-process comm");
 }
 Test(streams, device_local_comm_dualpipev_overlap_two_rounds) {
-    cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 0, 2, 2};
+    cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 0, 2, 2, 0};
     check_same(&c, "dualpipev overlap, 2 rounds, the runtime's device-aware in-process comm");
+}
+/* desc.variable_bytes over device-ordered transfers: each size as its own host message after the
+   payload, waited for before the consumer is enqueued (ordered_comm.h as NCCL, and the runtime's own). */
+Test(streams, variable_sizes_over_ordered_transfers) {
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 4, 0, 0, 0, 1, 0, 0};
+    c.varb = 1;
+    check_same(&c, "1f1b, variable sizes, isend_on/irecv_on");
+}
+Test(streams, variable_sizes_over_the_device_local_comm_zbv_overlap) {
+    cfg c = {AVGPIPE_SCHED_DUALPIPEV, 2, 2, 4, 0, 1, 0, 2, 0, 0};
+    c.varb = 1;
+    check_same(&c, "dualpipev overlap, variable sizes, the runtime's device-aware in-process comm");
+    c.kind = AVGPIPE_SCHED_ZBV, c.overlap = 0, c.split = 1;
+    check_same(&c, "zbv I/W, variable sizes, the runtime's device-aware in-process comm");
 }
 
 /* ---- the non-finite guard on the device: no host wait per AVG, the same refusal ------------------ */
@@ -394,7 +436,7 @@ Test(streams, non_finite_model_is_refused_on_the_device) {
    three iterations, to the bit. The gathered references are the run's. */
 Test(streams, checkpoint_and_gather_through_the_device) {
     static outcome first;
-    cfg c = {AVGPIPE_SCHED_1F1B, 3, 0, 4, 0, 0, 0, 0, 0};
+    cfg c = {AVGPIPE_SCHED_1F1B, 3, 0, 4, 0, 0, 0, 0, 0, 0};
     char dir[] = "/tmp/avgpipe-streams-XXXXXX";
     avgpipe_device dev;
     int g;
@@ -506,7 +548,7 @@ Test(streams, device_failure_is_reported) {
 
 /* The configuration that depends on the wait left out. */
 static cfg skip_cfg(void) {
-    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 0, 0};
+    cfg c = {AVGPIPE_SCHED_1F1B, 4, 0, 8, 0, 0, 0, 0, 0, 0};
     if (AVGPIPE_TEST_SKIP_WAIT == 5) c.ordered = 1;   /* consumer after a device-ordered receive */
     if (AVGPIPE_TEST_SKIP_WAIT == 6) c.host_step = 1; /* host step after the backward work */
     if (AVGPIPE_TEST_SKIP_WAIT == 2) c.rounds = 2;    /* a forward after the averaging within an iteration */

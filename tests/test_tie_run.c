@@ -12,7 +12,10 @@
    with E of the last partition (GPT-2's wte); with four partitions or more also b of partition 1 with
    b of partition G-2 (on one rank under V placement: no bytes move). Weight gradients are kept per
    micro-batch and summed in micro-batch order into the gradient buffer the runtime sees, once the
-   last micro-batch of the round went back, so every schedule must give the loop's bits. */
+   last micro-batch of the round went back, so every schedule must give the loop's bits.
+   Variable shapes (desc.variable_bytes): micro-batch (model, round, micro) has rows(...) of the BS
+   rows, 1 .. BS; each forward sets output_bytes to its rows and each consumer takes its row count
+   from input_bytes / grad_output_bytes (checked against rows()), so a size lost on the way fails. */
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
@@ -43,7 +46,7 @@
 AVGPIPE__FP_EXACT_BEGIN
 
 typedef struct stash {
-    int valid, model, round, micro;
+    int valid, model, round, micro, n; /* n: rows of this micro-batch */
     float x[BS * D], u[BS * D], y[BS * D], l[BS * D];
 } stash;
 
@@ -58,6 +61,7 @@ static struct {
     long nstep[MAXN][MAXG];
     int nan_model, nan_stage, nan_round;     /* a NaN into that backward's gradient (micro-batch 0) */
     int contribute;                          /* agree.width 1: each partition contributes stage + 1 */
+    int size_fault;                          /* stage 0's forward of round 1: 1 output_bytes over act_bytes */
     char err[MAXG][160];
 } T;
 
@@ -70,6 +74,7 @@ static void gen_input(int model, int round, int micro, float *x) {
     int i;
     for (i = 0; i < BS * D; i++) x[i] = (float)sin(0.7 * model + 0.31 * round + 0.53 * micro + 0.19 * i * (i % 5 + 1) + 0.2);
 }
+static int rows(int model, int round, int micro) { return 1 + (model * 7 + round * 3 + micro * 5) % BS; }
 static float target(int model, int round, int micro, int i) { return (float)cos(0.9 * model + 0.23 * round + 0.41 * micro + 0.37 * i); }
 static void init_params(int g, int G, float *p) {
     int j;
@@ -80,12 +85,13 @@ static void init_params(int g, int G, float *p) {
         for (j = 0; j < D; j++) p[OFF_B + j] = (float)(0.5 * sin(12.9898 * (PC + OFF_B + j + 1) + 78.233));
 }
 
-/* Stage forward: x (BS x D) -> s's u, y (and logits l on the last stage); returns the loss there. */
-static double fwd(int g, int G, const float *p, const float *x, stash *s, float *out, int model, int round, int micro) {
+/* Stage forward: x (n x D) -> s's u, y (and logits l on the last stage); returns the loss there. */
+static double fwd(int g, int G, const float *p, const float *x, stash *s, float *out, int model, int round, int micro, int n) {
     int b, i, j;
     double loss = 0;
-    memcpy(s->x, x, sizeof s->x);
-    for (b = 0; b < BS; b++) {
+    s->n = n;
+    memcpy(s->x, x, sizeof(float) * D * (size_t)n);
+    for (b = 0; b < n; b++) {
         const float *xb = x + b * D;
         float *u = s->u + b * D, *y = s->y + b * D;
         for (i = 0; i < D; i++) {
@@ -105,7 +111,7 @@ static double fwd(int g, int G, const float *p, const float *x, stash *s, float 
                 for (i = 0; i < D; i++) a += p[i * D + j] * y[i];
                 s->l[b * D + j] = a;
                 e = a - target(model, round, micro, b * D + j);
-                loss += 0.5 * (double)e * (double)e / BS;
+                loss += 0.5 * (double)e * (double)e / n;
             }
         else if (out)
             memcpy(out + b * D, y, sizeof(float) * D);
@@ -116,12 +122,12 @@ static double fwd(int g, int G, const float *p, const float *x, stash *s, float 
 /* Stage backward from s: gy (NULL on the last stage) -> gx (NULL on stage 0), gradients into ga. */
 static void bwd(int g, int G, const float *p, const stash *s, const float *gy_in, float *gx, float *ga, int model, int round, int micro) {
     int b, i, j;
-    for (b = 0; b < BS; b++) {
+    for (b = 0; b < s->n; b++) {
         const float *y = s->y + b * D, *u = s->u + b * D, *x = s->x + b * D;
         float gy[D], gh[D], gu[D];
         if (g == G - 1) {
             float gl[D];
-            for (j = 0; j < D; j++) gl[j] = (s->l[b * D + j] - target(model, round, micro, b * D + j)) / (float)BS;
+            for (j = 0; j < D; j++) gl[j] = (s->l[b * D + j] - target(model, round, micro, b * D + j)) / (float)s->n;
             for (i = 0; i < D; i++) {
                 float a = 0;
                 for (j = 0; j < D; j++) {
@@ -176,13 +182,18 @@ static int model_of(const avgpipe_op_ctx *op) { return op->replica * T.N + op->p
 static int cb_forward(avgpipe_op_ctx *op) {
     float xb[BS * D];
     stash *s;
-    int g = op->stage;
+    int g = op->stage, n = rows(model_of(op), op->round, op->micro);
     if (op->slot < 0 || op->slot >= MAXSLOT) return bad(g, 90, "slot out of range");
     s = &T.st[g][op->slot];
     if (s->valid) return bad(g, 91, "forward into a slot in use");
+    if (g > 0 && op->input_bytes != sizeof(float) * D * (size_t)n) return bad(g, 97, "input_bytes is not the producer's size");
+    if (g + 1 < T.G && op->output_bytes != sizeof(float) * D * BS) return bad(g, 98, "output_bytes is not preset to act_bytes");
     s->valid = 1, s->model = model_of(op), s->round = op->round, s->micro = op->micro;
     if (g == 0) gen_input(model_of(op), op->round, op->micro, xb);
-    op->loss = fwd(g, T.G, op->params, g == 0 ? xb : (const float *)op->input, s, (float *)op->output, model_of(op), op->round, op->micro);
+    op->loss = fwd(g, T.G, op->params, g == 0 ? xb : (const float *)op->input, s, (float *)op->output, model_of(op), op->round, op->micro,
+                   g == 0 ? n : (int)(op->input_bytes / (sizeof(float) * D)));
+    if (g + 1 < T.G) op->output_bytes = sizeof(float) * D * (size_t)n;
+    if (T.size_fault && g == 0 && op->round == 1) op->output_bytes = sizeof(float) * D * BS + 4;
     return 0;
 }
 
@@ -190,6 +201,9 @@ static int cb_backward(avgpipe_op_ctx *op) {
     int g = op->stage, m = model_of(op);
     stash *s = &T.st[g][op->slot];
     if (!s->valid || s->model != m || s->round != op->round || s->micro != op->micro) return bad(g, 92, "backward without its forward");
+    if ((g + 1 < T.G && op->grad_output_bytes != sizeof(float) * D * (size_t)s->n) || (g > 0 && op->grad_input_bytes != op->input_bytes))
+        return bad(g, 99, "grad_output_bytes is not the gradient's size, or grad_input_bytes not preset to input_bytes");
+    if (g > 0) op->grad_input_bytes = sizeof(float) * D * (size_t)s->n;
     bwd(g, T.G, op->params, s, (const float *)op->grad_output, (float *)op->grad_input, T.gacc[m][g][op->micro], m, op->round, op->micro);
     if (m == T.nan_model && g == T.nan_stage && op->round == T.nan_round && op->micro == 0) T.gacc[m][g][0][OFF_W + 3] = NAN;
     s->valid = 0;
@@ -243,7 +257,7 @@ static void reference_round(float (*w)[PC], int G, int M, int m, int round, int 
     memset(gacc, 0, sizeof gacc);
     for (mi = 0; mi < M; mi++) {
         gen_input(m, round, mi, a[0]);
-        for (g = 0; g < G; g++) fwd(g, G, w[g], a[g], &s[g], a[g + 1], m, round, mi);
+        for (g = 0; g < G; g++) fwd(g, G, w[g], a[g], &s[g], a[g + 1], m, round, mi, rows(m, round, mi));
         for (g = G - 1; g >= 0; g--) {
             bwd(g, G, w[g], &s[g], gy, gx, gacc[g][mi], m, round, mi);
             memcpy(gy, gx, sizeof gy);
@@ -312,6 +326,7 @@ static void setup_init(setup *s, avgpipe_sched_kind kind, int S, int V, int M, i
     s->d.agree.skip_nonfinite = 1;
     s->d.averaging.alpha = AVGPIPE_ZERO; /* N models train on their own: each is its own plain loop */
     s->d.timeout_s = 20;
+    s->d.variable_bytes = 1; /* micro-batches of rows() rows */
 }
 
 static void no_callback_error(const char *name) {
@@ -487,7 +502,27 @@ static void *proc_main(void *arg) {
     return NULL;
 }
 
-static void processes_equal_threads(avgpipe_sched_kind kind, int S, int M, int N, const char *name) {
+/* A comm that takes only exact sizes (comm.exact_bytes, as NCCL): the in-process one, flagged, its
+   sends counted: payloads must move at act_bytes, each followed by an 8-byte size message. */
+static avgpipe_result (*inner_isend)(void *, int, int, const void *, size_t, uint32_t, avgpipe_comm_request *);
+static long n_payload_short, n_size_msgs;
+static avgpipe_result counting_isend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    if (tag < (1u << 30) && bytes != sizeof(float) * BS * D) __atomic_add_fetch(&n_payload_short, 1, __ATOMIC_RELAXED);
+    return inner_isend(user, self, peer, buf, bytes, tag, req);
+}
+static avgpipe_result counting_zisend(void *user, int self, int peer, const void *buf, size_t bytes, uint32_t tag, avgpipe_comm_request *req) {
+    if (tag >= (3u << 29) && bytes == 8) __atomic_add_fetch(&n_size_msgs, 1, __ATOMIC_RELAXED);
+    return inner_isend(user, self, peer, buf, bytes, tag, req);
+}
+static avgpipe_result counting_split(void *user, int self, const int *members, int count, avgpipe_comm *out);
+static avgpipe_result (*inner_split)(void *, int, const int *, int, avgpipe_comm *);
+static avgpipe_result counting_split(void *user, int self, const int *members, int count, avgpipe_comm *out) {
+    avgpipe_result res = inner_split(user, self, members, count, out);
+    if (!res) out->isend = counting_zisend; /* the sizes' (and the ties') communicators: the same in-process isend */
+    return res;
+}
+
+static void processes_equal_threads_ex(avgpipe_sched_kind kind, int S, int M, int N, int exact, const char *name) {
     static float want[MAXN][MAXG][PC];
     pthread_t th[8];
     proc p[8];
@@ -504,6 +539,12 @@ static void processes_equal_threads(avgpipe_sched_kind kind, int S, int M, int N
     memcpy(want, T.w, sizeof want);
     setup_init(&s, kind, S, 0, M, N);
     cr_assert_eq(avgpipe_comm_local_create(NULL, S, &comm), AVGPIPE_OK);
+    n_payload_short = n_size_msgs = 0;
+    if (exact) {
+        comm.exact_bytes = 1;
+        inner_isend = comm.isend, comm.isend = counting_isend;
+        inner_split = comm.split, comm.split = counting_split;
+    }
     for (k = 0; k < S; k++) {
         memset(&p[k], 0, sizeof p[k]);
         p[k].d = s.d;
@@ -521,12 +562,55 @@ static void processes_equal_threads(avgpipe_sched_kind kind, int S, int M, int N
     for (m = 0; m < N; m++)
         for (g = 0; g < T.G; g++)
             cr_assert(memcmp(T.w[m][g], want[m][g], sizeof want[m][g]) == 0, "%s: model %d stage %d: processes differ from threads", name, m, g);
+    if (exact) cr_assert(n_payload_short == 0 && n_size_msgs > 0, "%s: %ld payloads under act_bytes, %ld size messages", name, n_payload_short, n_size_msgs);
+}
+static void processes_equal_threads(avgpipe_sched_kind kind, int S, int M, int N, const char *name) {
+    processes_equal_threads_ex(kind, S, M, N, 0, name);
 }
 
 Test(tie_run, processes_equal_threads) {
     processes_equal_threads(AVGPIPE_SCHED_1F1B, 4, 4, 2, "1f1b S=4 N=2");
     processes_equal_threads(AVGPIPE_SCHED_ZBV, 2, 2, 1, "zbv S=2");
     processes_equal_threads(AVGPIPE_SCHED_DUALPIPEV, 3, 6, 1, "dualpipev S=3");
+}
+
+/* Variable sizes over a comm of exact sizes only: the payloads at act_bytes, the sizes apart. */
+Test(tie_run, exact_bytes_comm_carries_the_sizes_apart) {
+    processes_equal_threads_ex(AVGPIPE_SCHED_1F1B, 3, 4, 2, 1, "1f1b S=3 N=2, exact_bytes");
+    processes_equal_threads_ex(AVGPIPE_SCHED_ZBV, 2, 4, 1, 1, "zbv S=2, exact_bytes");
+}
+
+/* A size over the boundary's maximum fails the run naming the op and the field; without
+   variable_bytes a size other than the maximum does, naming the option. */
+Test(tie_run, bad_sizes_are_refused_naming_the_op) {
+    setup s;
+    avgpipe_context ctx;
+    avgpipe_run *run = NULL;
+    avgpipe_result res = AVGPIPE_OK;
+    int it;
+    avgpipe_context_init(&ctx, NULL);
+    setup_init(&s, AVGPIPE_SCHED_1F1B, 2, 0, 2, 1);
+    T.size_fault = 1;
+    cr_assert_eq(avgpipe_run_create(&ctx, &s.d, &run), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    for (it = 0; it < 2 && !res; it++) res = avgpipe_run_iteration(run, NULL);
+    cr_assert_eq(res, AVGPIPE_INVALID_ARG, "%s", avgpipe_result_string(res));
+    cr_assert(strstr(avgpipe_last_error(&ctx), "output_bytes = 76 is over act_bytes[0] = 72") && strstr(avgpipe_last_error(&ctx), "0:0F"),
+              "%s", avgpipe_last_error(&ctx));
+    avgpipe_run_destroy(run);
+    run = NULL;
+    setup_init(&s, AVGPIPE_SCHED_1F1B, 2, 0, 2, 1);
+    s.d.variable_bytes = 0; /* the forwards still set their rows' size */
+    cr_assert_eq(avgpipe_run_create(&ctx, &s.d, &run), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    res = avgpipe_run_iteration(run, NULL);
+    cr_assert_eq(res, AVGPIPE_INVALID_ARG, "%s", avgpipe_result_string(res));
+    cr_assert(strstr(avgpipe_last_error(&ctx), "differs from act_bytes[0]") && strstr(avgpipe_last_error(&ctx), "desc.variable_bytes"), "%s",
+              avgpipe_last_error(&ctx));
+    avgpipe_run_destroy(run);
+    run = NULL;
+    setup_init(&s, AVGPIPE_SCHED_1F1B, 2, 0, 2, 1);
+    s.d.variable_bytes = 2;
+    cr_assert_eq(avgpipe_run_create(&ctx, &s.d, &run), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "variable_bytes: 2") != NULL, "%s", avgpipe_last_error(&ctx));
 }
 
 /* ---- checkpoints ------------------------------------------------------------------------------- */
