@@ -20,6 +20,9 @@
    position contributes an exact zero to every gradient). Windows are bucketed by length before they are
    cut into micro-batches, so little is padded: the header line prints the measured waste (0.00-0.02% of
    the positions on the default model, by micro-batch size). Tokens counted in tokens/s are non-padding positions.
+   Micro-batches are of variable shape (rows x T, T the longest row): desc.variable_bytes, each forward sets
+   op->output_bytes (each backward op->grad_input_bytes) to rows x T x C floats and the next partition checks
+   op->input_bytes against its own cut of the micro-batch; act_bytes is the maximum, B x --seq x C.
    Batch `step` of the run (0-based) is gpt_data_micro's pure function of (seed, step, micro-batch):
    pipeline p of replica group d takes batch (round D + d) N + p at each round, so one pipeline trains on
    batches 0, 1, 2, ... as examples/gpt_reference.c does.
@@ -591,6 +594,17 @@ static void record_layers(app *A, int g, int kind, double total, const double *s
     }
 }
 
+/* The bytes of a boundary's activation (and gradient) for a micro-batch of rows x T positions: what moves
+   between partitions (desc.variable_bytes; act_bytes is the maximum, B x Tmax). */
+static size_t boundary_bytes(const app *A, double rows, double T) { return (size_t)rows * (size_t)T * (size_t)A->cfg.C * sizeof(float); }
+
+/* The sizes a consumer was handed against its micro-batch's shape; 0 when they agree. */
+static int sizes_wrong(const avgpipe_op_ctx *op, size_t want, int backward) {
+    if (op->stage > 0 && op->input_bytes != want) return op_failed(op, "the activation received is not of the micro-batch's size");
+    if (backward && op->grad_output && op->grad_output_bytes != want) return op_failed(op, "the gradient received is not of the micro-batch's size");
+    return 0;
+}
+
 /* F: cut the op's micro-batch, run the partition's layers; the head reports the loss per token and counts. */
 static int cb_forward(avgpipe_op_ctx *op) {
     app *A = (app *)op->user;
@@ -602,6 +616,8 @@ static int cb_forward(avgpipe_op_ctx *op) {
     p = &A->part[op->stage];
     if (gpt_data_micro(&A->data, data_step(A, op->replica, op->pipe, op->round), op->micro, A->M, &b->mb))
         return op_failed(op, "cannot cut the micro-batch");
+    if (sizes_wrong(op, boundary_bytes(A, b->mb.rows, b->mb.T), 0)) return 1;
+    if (op->output) op->output_bytes = boundary_bytes(A, b->mb.rows, b->mb.T); /* only the micro-batch's rows x T move */
     if (gpt_forward_timed(p, op->params, &b->mb, (const float *)op->input, (float *)op->output, stash, &loss, A->lprof ? sec : NULL))
         return op_failed(op, "forward failed");
     if (p->has_head) {
@@ -619,6 +635,8 @@ static int cb_backward_input(avgpipe_op_ctx *op) {
     float *stash;
     stage_bufs *b = op_bufs(A, op, &stash);
     if (!b) return op_failed(op, "an op outside the model's replicas, pipelines, partitions or slots");
+    if (sizes_wrong(op, boundary_bytes(A, stash[0], stash[1]), 1)) return 1; /* the forward's shape, from the stash */
+    if (op->grad_input) op->grad_input_bytes = boundary_bytes(A, stash[0], stash[1]);
     if (gpt_backward_input(&A->part[op->stage], op->params, stash, (const float *)op->grad_output, (float *)op->grad_input, b->work,
                            gpt_data_batch_tokens(&A->data, data_step(A, op->replica, op->pipe, op->round), A->M)))
         return op_failed(op, "backward to the input (I) failed");
@@ -642,6 +660,8 @@ static int cb_backward(avgpipe_op_ctx *op) {
     stage_bufs *b = op_bufs(A, op, &stash);
     double sec[GPT_MAX_PARTS], t0 = A->lprof ? now_s() : 0, weight;
     if (!b) return op_failed(op, "an op outside the model's replicas, pipelines, partitions or slots");
+    if (sizes_wrong(op, boundary_bytes(A, stash[0], stash[1]), 1)) return 1;
+    if (op->grad_input) op->grad_input_bytes = boundary_bytes(A, stash[0], stash[1]);
     weight = gpt_data_batch_tokens(&A->data, data_step(A, op->replica, op->pipe, op->round), A->M);
     if (gpt_backward_timed(&A->part[op->stage], op->params, A->grads[(op->replica * A->N + op->pipe) * A->G + op->stage], stash,
                            (const float *)op->grad_output, (float *)op->grad_input, b->work, weight, A->lprof ? sec : NULL))
@@ -735,6 +755,7 @@ static avgpipe_run_desc make_run_desc(app *A) {
     d.params = (float *const *)A->params;
     d.grads = (float *const *)A->grads;
     d.param_count = A->count;
+    d.variable_bytes = 1; /* a micro-batch's activations are rows x T x C, up to act_bytes (B x Tmax x C) */
     d.ties = A->G > 1 ? &A->tie : NULL; /* one partition stores wte once */
     d.nties = A->G > 1;
     d.agree.clip_norm = o->clip;
