@@ -1940,12 +1940,23 @@ typedef struct avgpipe_tune_desc {
                                    naming it (ZB-V and DualPipeV need V = 2; they run at K = 0) */
     int chunks;                 /* V: the model's partitions per rank; 0 -> 1. V > 1: interleaved (M a
                                    multiple of the ranks), ZB-V, DualPipeV (V = 2), on nstages / V ranks */
+    /* The run's ties and step agreement (avgpipe_run_desc.ties, .agree): each candidate is simulated
+       with its TIE and AGREE ops (avgpipe_sched_add_sync), a tie between two ranks moving 4 x count
+       bytes each way, an AGREE costing a pass over its partition's gradients (priced as the averaging
+       pass, avg_per_float a float), and its memory counts their buffers. NULL / 0: none. */
+    const avgpipe_tie *ties;
+    int nties;
+    int agree;                  /* 1: the run agrees before its steps (clip_norm, skip_nonfinite or width) */
 } avgpipe_tune_desc;
 /* desc with its defaults filled in, as avgpipe_tune_search resolves them: max_pipes 0 -> 4, rounds 0 ->
    1, min_micro 0 -> 1, chunks 0 -> 1, kinds 0 -> the table's tuned kinds that hold `chunks` stages per
    rank; max_advance stays 0 (its bound depends on M); the rest as given. No validation; desc may be
    NULL. Thread-safe. */
 AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_desc *desc);
+/* avgpipe_tune_predict with the ties and agreement of `sync` (its ties, nties and agree; the rest is not read), as
+   avgpipe_tune_search predicts each candidate. sync NULL: avgpipe_tune_predict. */
+AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
+                                                     double samples, const avgpipe_tune_desc *sync, double *seconds);
 
 typedef struct avgpipe_tune_candidate {
     avgpipe_sched_desc sched;   /* kind, stages, micro, pipes, advance, rounds, continuous */
@@ -12556,18 +12567,27 @@ static double avgpipe__pred_cost(const avgpipe_op *op, void *user) {
     const avgpipe__pred *p = (const avgpipe__pred *)user;
     if (op->stage < 0 || op->stage >= p->m->nstages) return 0;
     if (op->kind == AVGPIPE_OP_AVG) return p->avg_on_rank ? avgpipe__avg_cost(p->m, op->stage) : 0;
+    if (op->kind == AVGPIPE_OP_AGREE) return avgpipe__avg_cost(p->m, op->stage); /* a pass over the partition's gradients */
     if (!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) return 0;
     return avgpipe__op_time(p->m, op->stage, op->kind, p->samples, p->util);
 }
 
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
                                                 double samples, double *seconds) {
+    return avgpipe_tune_predict_sync(ctx, m, sched, samples, NULL, seconds);
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
+                                                     double samples, const avgpipe_tune_desc *sync, double *seconds) {
     avgpipe_schedule s;
     avgpipe_sim_desc sd;
     avgpipe_sim_result r;
     avgpipe__pred pr;
     avgpipe_result res;
+    double *tie_bytes = NULL;
+    int t;
     if (!m || !sched || !seconds || !(samples > 0)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: bad argument");
+    if (sync && sync->nties && !sync->ties) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict_sync: ties is NULL with nties %d", sync->nties);
     res = avgpipe_sched_generate(ctx, sched, &s);
     if (res) return res;
     if (s.nstages != m->nstages) {
@@ -12576,6 +12596,25 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
                              m->nstages);
     }
     memset(&sd, 0, sizeof sd);
+    if (sync && (sync->nties > 0 || sync->agree)) { /* the run's TIE and AGREE ops, placed as the run places them */
+        avgpipe_sync_desc sy;
+        avgpipe_schedule synced;
+        memset(&sy, 0, sizeof sy);
+        sy.ties = sync->ties, sy.nties = sync->nties, sy.agree = sync->agree != 0;
+        res = avgpipe_sched_add_sync(ctx, &s, &sy, &synced);
+        avgpipe_sched_free(ctx, &s);
+        if (res) return res;
+        s = synced;
+        if (!(tie_bytes = (double *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(double)))) {
+            avgpipe_sched_free(ctx, &s);
+            return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_predict_sync: out of memory");
+        }
+        for (t = 0; t < sync->nties; t++) {
+            int lo = sync->ties[t].stage_a < sync->ties[t].stage_b ? sync->ties[t].stage_a : sync->ties[t].stage_b;
+            if (lo >= 0 && lo < m->nstages) tie_bytes[lo] += 4.0 * (double)sync->ties[t].count;
+        }
+        sd.stage_tie_bytes = tie_bytes;
+    }
     pr.m = m;
     pr.samples = samples;
     pr.avg_on_rank = s.shape.pipes == 1;
@@ -12584,6 +12623,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     sd.cost_user = &pr;
     sd.latency = m->latency;
     res = avgpipe_sim_run(ctx, &s, &sd, &r);
+    avgpipe_free(ctx, tie_bytes);
     if (res) {
         avgpipe_sched_free(ctx, &s);
         return res;
@@ -12760,14 +12800,37 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
         act[g] = (size_t)ab;
         pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1; /* in range: avgpipe__model_check */
     }
-    res = avgpipe_tune_predict(ctx, m, &c->sched, c->samples, &c->seconds);
+    res = avgpipe_tune_predict_sync(ctx, m, &c->sched, c->samples, td, &c->seconds);
     if (res) return res;
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
     memset(&rd, 0, sizeof rd);
     rd.sched = c->sched;
     rd.act_bytes = act;
     rd.param_count = pcount;
-    res = avgpipe_run_memory(ctx, &rd, mem);
+    if (td->nties > 0) { /* the ties' buffers: only their stages and counts matter (the offsets move with the split) */
+        size_t *at = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t));
+        avgpipe_tie *t = (avgpipe_tie *)avgpipe_alloc(ctx, (size_t)td->nties * sizeof *t);
+        int k;
+        if (!at || !t) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "tune: out of memory");
+        for (k = 0; !res && k < td->nties; k++) {
+            int a = td->ties[k].stage_a, b = td->ties[k].stage_b;
+            if (a < 0 || a >= m->nstages || b < 0 || b >= m->nstages || a == b)
+                res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "tune: ties[%d]: stages %d and %d (the model has %d partitions)", k, a, b, m->nstages);
+            else if (at[a] + td->ties[k].count > pcount[a] || at[b] + td->ties[k].count > pcount[b])
+                res = avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "tune: ties[%d]: %zu floats do not fit in partition %d or %d of this split", k,
+                                    td->ties[k].count, a, b);
+            else
+                t[k] = td->ties[k], t[k].offset_a = at[a], t[k].offset_b = at[b], at[a] += t[k].count, at[b] += t[k].count;
+        }
+        rd.ties = t, rd.nties = td->nties;
+        rd.agree.skip_nonfinite = td->agree != 0;
+        if (!res) res = avgpipe_run_memory(ctx, &rd, mem);
+        avgpipe_free(ctx, at);
+        avgpipe_free(ctx, t);
+    } else {
+        rd.agree.skip_nonfinite = td->agree != 0; /* the agreement's tables */
+        res = avgpipe_run_memory(ctx, &rd, mem);
+    }
     if (res) return res;
     c->peak_bytes = 0;
     for (r = 0; r < S; r++) {

@@ -1274,12 +1274,13 @@ static int profile_sizes(const options *o, int *sizes, int *min_rows) {
 }
 
 /* The fit against the iterations it was fitted to (the median of each size's profiled ones), on stderr. */
-static void print_checks(avgpipe_context *ctx, const avgpipe_cost_model *cm, const avgpipe_profile *prof, int nsizes, double meas[][TUNE_PROFILED]) {
+static void print_checks(avgpipe_context *ctx, const avgpipe_cost_model *cm, const avgpipe_profile *prof, const avgpipe_tune_desc *td, int nsizes,
+                         double meas[][TUNE_PROFILED]) {
     int i;
     for (i = 0; i < nsizes; i++) {
         const avgpipe_profile_section *sec = &prof->sections[i * TUNE_PROFILED];
         double pred = 0, a = meas[i][0], b = meas[i][1], c = meas[i][2], med = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
-        if (avgpipe_tune_predict(ctx, cm, &sec->shape, sec->samples, &pred) == AVGPIPE_OK && med > 0)
+        if (avgpipe_tune_predict_sync(ctx, cm, &sec->shape, sec->samples, td, &pred) == AVGPIPE_OK && med > 0)
             fprintf(stderr, "  check M = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sec->shape.micro, 1e3 * med, 1e3 * pred,
                     100 * (pred / med - 1));
     }
@@ -1338,8 +1339,10 @@ static int tune(app *A, avgpipe_context *ctx) {
     fprintf(stderr, " (%d and %d windows), %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", rows[0], rows[nsizes - 1],
             TUNE_PROFILED, TUNE_WARMUP, t1 - t0, o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
     print_cost_model(&cm);
-    print_checks(ctx, &cm, &prof, nsizes, meas);
     tune_desc_init(&td, o, min_rows);
+    if (A->G > 1) td.ties = &A->tie, td.nties = 1; /* every setting is simulated with the run's TIE and AGREE ops */
+    td.agree = 1;                                   /* (the clip and the non-finite skip agree every round) */
+    print_checks(ctx, &cm, &prof, &td, nsizes, meas);
     if (cm.nlayers) {
         if (tune_split(A, ctx, &cm, &td, &sm)) goto done;
         use = &sm;

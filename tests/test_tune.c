@@ -1472,3 +1472,68 @@ Test(plan, bad_arguments_name_the_field) {
     cr_expect(has(avgpipe_last_error(&ctx), "batch"), "%s", avgpipe_last_error(&ctx));
     avgpipe_tune_cost_model_free(&ctx, &m);
 }
+
+/* ---- ties and step agreement in the search ---------------------------------------------------------- */
+
+/* One stage partition: an AGREE before each of the N STEPs on the rank's own timeline costs a pass over
+   its gradients, avg_per_float x param_floats (no rendezvous with itself): exactly that much more per
+   pipeline. On two ranks the agreement can only delay; a tie between them needs its receive buffer;
+   every candidate of a search with them is avgpipe_tune_predict_sync of its setting. */
+Test(search, ties_and_agreement_are_priced) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, m2;
+    avgpipe_sched_desc d;
+    avgpipe_tune_desc td, sync;
+    avgpipe_tune_candidate *c = NULL, *c0 = NULL;
+    avgpipe_tie tie = {0, 1, 0, 0, 500};
+    int split[2] = {3, 3}, n = 0, n0 = 0, i, j, N;
+    double t0, t1;
+    avgpipe_context_init(&ctx, NULL);
+    layered_model(&ctx, 6, 7, &m);
+    m.avg_per_float = 1e-9;
+    memset(&sync, 0, sizeof sync);
+    sync.agree = 1;
+    for (N = 1; N <= 2; N++) {
+        memset(&d, 0, sizeof d);
+        d.kind = AVGPIPE_SCHED_1F1B, d.stages = 1, d.micro = 4, d.pipes = N;
+        cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &d, 2, &t0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_eq(avgpipe_tune_predict_sync(&ctx, &m, &d, 2, NULL, &t1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert(t1 == t0, "no sync: %g, avgpipe_tune_predict %g", t1, t0);
+        cr_assert_eq(avgpipe_tune_predict_sync(&ctx, &m, &d, 2, &sync, &t1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert(close_rel(t1 - t0, N * 1e-9 * m.param_floats[0]), "N = %d: the agreement adds %g s, %g expected", N, t1 - t0,
+                  N * 1e-9 * m.param_floats[0]);
+    }
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split, 2, &m2), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    memset(&d, 0, sizeof d);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 2, d.micro = 4, d.pipes = 1;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m2, &d, 2, &t0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    sync.ties = &tie, sync.nties = 1;
+    cr_assert_eq(avgpipe_tune_predict_sync(&ctx, &m2, &d, 2, &sync, &t1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(t1 >= t0, "two ranks: with the tie and agreement %g, without %g", t1, t0);
+    memset(&td, 0, sizeof td);
+    td.batch = 8, td.max_pipes = 2, td.kinds = 1u << AVGPIPE_SCHED_1F1B;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m2, &td, &c0, &n0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    td.ties = &tie, td.nties = 1, td.agree = 1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m2, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(n == n0 && n > 0, "%d candidates with sync, %d without", n, n0);
+    for (i = 0; i < n; i++) {
+        double sec;
+        cr_assert_eq(avgpipe_tune_predict_sync(&ctx, &m2, &c[i].sched, c[i].samples, &td, &sec), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert(close_rel(sec, c[i].seconds), "candidate %d: seconds %g, avgpipe_tune_predict_sync %g", i, c[i].seconds, sec);
+        for (j = 0; j < n0; j++)
+            if (!memcmp(&c0[j].sched, &c[i].sched, sizeof c[i].sched)) break;
+        cr_assert(j < n0, "candidate %d has no twin without sync", i);
+        cr_assert(c[i].peak_bytes >= c0[j].peak_bytes + 4.0 * 500, "candidate %d: %.0f bytes with the tie, %.0f without", i, c[i].peak_bytes,
+                  c0[j].peak_bytes);
+        cr_assert(c[i].seconds >= c0[j].seconds * (1 - 1e-12), "candidate %d: faster with the agreement", i);
+    }
+    avgpipe_free(&ctx, c);
+    c = NULL;
+    tie.count = 1u << 30; /* more floats than a partition has */
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m2, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_assert(strstr(avgpipe_last_error(&ctx), "ties[0]") != NULL, "%s", avgpipe_last_error(&ctx));
+    avgpipe_free(&ctx, c);
+    avgpipe_free(&ctx, c0);
+    avgpipe_tune_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m2);
+}
