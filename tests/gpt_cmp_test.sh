@@ -44,9 +44,13 @@ same() {
     fi
 }
 
-# the references: 2 partitions (2 layers each) and 4 (one layer each: middle partitions too)
+# the references: 2 partitions (2 layers each), 3 and 4 (one layer each: middle partitions too); M = 4, and
+# for 2 partitions M = 1 and 2 (the later --micro wins)
 run ref2 "$ref" $shape --stages 2 --split 2,2 --save "$tmp/ref2" || exit 1
+run ref3 "$ref" $shape --stages 3 --split 1,2,1 --save "$tmp/ref3" || exit 1
 run ref4 "$ref" $shape --stages 4 --split 1,1,1,1 --save "$tmp/ref4" || exit 1
+run ref2m1 "$ref" $shape --micro 1 --stages 2 --split 2,2 --save "$tmp/ref2m1" || exit 1
+run ref2m2 "$ref" $shape --micro 2 --stages 2 --split 2,2 --save "$tmp/ref2m2" || exit 1
 
 # KIND STAGES SPLIT REF [EXTRA...]: the threaded run, and over MPI (ranks = stages / partitions per rank)
 check() {
@@ -70,6 +74,10 @@ check 1f1b 2 2,2 ref2
 check advance 2 2,2 ref2 --advance 1
 check advance 2 2,2 ref2            # adaptive K
 check zbh1 2 2,2 ref2
+check 1f1b 2 2,2 ref2m1 --micro 1
+check zbh1 2 2,2 ref2m2 --micro 2
+check 1f1b 3 1,2,1 ref3
+check advance 3 1,2,1 ref3 --advance 2
 check 1f1b 4 1,1,1,1 ref4
 check zbh1 4 1,1,1,1 ref4
 check afab 4 1,1,1,1 ref4 --sync
