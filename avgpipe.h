@@ -8718,10 +8718,11 @@ static avgpipe_result avgpipe__run_fail(avgpipe_run *run, avgpipe_result res, co
 
 /* The tag of the message stage `from` sends to its neighbour: dir 0 an activation (SEND_F), 1 a
    gradient (SEND_B), of (pipe, micro) in an iteration of this parity. Below AVGPIPE__TAG_CTL. */
+/* A message's identity v folded into a data tag, 1 .. AVGPIPE__TAG_CTL - 1 (0 is never a tag). */
+static uint32_t avgpipe__tag_fold(uint64_t v) { return (uint32_t)(v % (AVGPIPE__TAG_CTL - 1)) + 1; }
 static uint32_t avgpipe__data_tag(const avgpipe_run *run, int dir, int pipe, int from, int micro) {
-    uint64_t v = ((((uint64_t)(run->iter & 1) * (uint64_t)run->U + (uint64_t)micro) * (uint64_t)run->N + (uint64_t)pipe) *
-                      (uint64_t)run->G + (uint64_t)from) * 2u + (uint64_t)dir;
-    return (uint32_t)(v % (AVGPIPE__TAG_CTL - 1)) + 1;
+    return avgpipe__tag_fold(((((uint64_t)(run->iter & 1) * (uint64_t)run->U + (uint64_t)micro) * (uint64_t)run->N + (uint64_t)pipe) *
+                                  (uint64_t)run->G + (uint64_t)from) * 2u + (uint64_t)dir);
 }
 
 /* The tag of the 8-byte message that carries the size of data_tag's message (run->sized). */
@@ -9725,9 +9726,8 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
    t's range sent by its lower-numbered stage (d 0) or its higher one (d 1), 2 nties the agreement's
    vectors. The sync communicator keeps them in order; the receive checks the tag. */
 static uint32_t avgpipe__sync_tag(const avgpipe_run *run, int pipe, int micro, int what) {
-    uint64_t v = (((uint64_t)(run->iter & 1) * (uint64_t)run->R + (uint64_t)micro) * (uint64_t)run->N + (uint64_t)pipe) *
-                     (uint64_t)(2 * run->nties + 1) + (uint64_t)what;
-    return (uint32_t)(v % (AVGPIPE__TAG_CTL - 1)) + 1;
+    return avgpipe__tag_fold((((uint64_t)(run->iter & 1) * (uint64_t)run->R + (uint64_t)micro) * (uint64_t)run->N + (uint64_t)pipe) *
+                                 (uint64_t)(2 * run->nties + 1) + (uint64_t)what);
 }
 
 /* Wait for the n requests of one exchange on the sync communicator (sends and receives with the ranks
@@ -9903,7 +9903,7 @@ static avgpipe_result avgpipe__exec_agree(avgpipe__worker *w, const avgpipe_op *
     avgpipe_agree_combine(parts, run->G, W, w->agreed + (size_t)p * W);
     w->agree_round[p] = round;
     if (run->builtin && run->d.agree.skip_nonfinite && w->agreed[(size_t)p * W + 1] > 0 && w->counts_skips) w->skipped++;
-    if (!avgpipe__record(w, op, 0, -1, -1, t0, avgpipe__now(), (double)((size_t)(run->S - 1) * W * sizeof(double))))
+    if (!avgpipe__record(w, op, 0, -1, -1, t0, avgpipe__now(), (double)((size_t)(run->S - 1) * (size_t)(run->roff[r + 1] - run->roff[r]) * W * sizeof(double))))
         return avgpipe__profile_oom(w);
     return AVGPIPE_OK;
 }

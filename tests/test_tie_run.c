@@ -251,7 +251,7 @@ static void reference_round(float (*w)[PC], int G, int M, int m, int round, int 
     static stash s[MAXG];
     float a[MAXG + 1][BS * D], gy[BS * D], gx[BS * D];
     avgpipe_tie ties[2];
-    double parts[MAXG * 2], tot[2], scale;
+    double parts[MAXG * 2] = {0}, tot[2], scale;
     int mi, g, t, nt, k;
     tie_list(G, ties, &nt);
     memset(gacc, 0, sizeof gacc);
