@@ -11165,35 +11165,40 @@ static avgpipe_result avgpipe__run_groups(avgpipe_context *ctx, avgpipe_run *run
     return res;
 }
 
-/* Variable sizes as messages of their own (run->sized): each local worker's communicator for them. */
-static avgpipe_result avgpipe__run_sizes(avgpipe_context *ctx, avgpipe_run *run) {
-    int k, q, *members;
+/* Each local worker's communicator over the S ranks of its replica group (comm.split; it is srank
+   there): the ties' and agreement's (sizes 0: w->sync) or the micro-batches' sizes' (1: w->zcomm). */
+static avgpipe_result avgpipe__split_groups(avgpipe_context *ctx, avgpipe_run *run, int sizes) {
+    int k, q, *members = (int *)avgpipe_alloc(ctx, (size_t)run->S * sizeof(int));
     avgpipe_result res = AVGPIPE_OK;
-    if (!run->sized || run->S == 1) return AVGPIPE_OK;
-    if (!run->comm.split)
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "variable_bytes over comm '%s' (%s): the sizes travel on a communicator of their own, which needs its "
-                             "split entry", run->comm.name ? run->comm.name : "?", run->ordered ? "device-ordered transfers" : "exact_bytes");
-    members = (int *)avgpipe_alloc(ctx, (size_t)run->S * sizeof(int));
     if (!members) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
     for (k = 0; k < run->nlocal && !res; k++) {
         avgpipe__worker *w = &run->w[k];
         for (q = 0; q < run->S; q++) members[q] = w->replica * run->S + q;
-        res = run->comm.split(run->comm.user, w->rank, members, run->S, &w->zcomm);
+        res = run->comm.split(run->comm.user, w->rank, members, run->S, sizes ? &w->zcomm : &w->sync);
         if (res)
-            res = avgpipe__fail(ctx, res, "comm '%s': rank %d cannot form the communicator of the micro-batches' sizes: %s", run->comm.name ? run->comm.name : "?",
-                                w->rank, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
+            res = avgpipe__fail(ctx, res, "comm '%s': rank %d cannot form the communicator of %s: %s", run->comm.name ? run->comm.name : "?", w->rank,
+                                sizes ? "the micro-batches' sizes" : "its ties and agreement",
+                                run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
         else
-            w->has_zcomm = 1;
+            *(sizes ? &w->has_zcomm : &w->has_sync) = 1;
     }
     avgpipe_free(ctx, members);
     return res;
 }
 
+/* Variable sizes as messages of their own (run->sized): each local worker's communicator for them. */
+static avgpipe_result avgpipe__run_sizes(avgpipe_context *ctx, avgpipe_run *run) {
+    if (!run->sized || run->S == 1) return AVGPIPE_OK;
+    if (!run->comm.split)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "variable_bytes over comm '%s' (%s): the sizes travel on a communicator of their own, which needs its "
+                             "split entry", run->comm.name ? run->comm.name : "?", run->ordered ? "device-ordered transfers" : "exact_bytes");
+    return avgpipe__split_groups(ctx, run, 1);
+}
+
 /* Ties and agreement: each local worker's buffers and, when they cross ranks, its communicator for
    them (comm.split over the S ranks of its replica group, so they keep their own order). */
 static avgpipe_result avgpipe__run_sync(avgpipe_context *ctx, avgpipe_run *run) {
-    int k, q, cross = 0, *members;
-    avgpipe_result res = AVGPIPE_OK;
+    int k, q, cross = 0;
     if (!run->nties && !run->agreeing) return AVGPIPE_OK;
     for (q = 0; q < run->S; q++) cross |= avgpipe__tie_floats(run, q) > 0;
     cross |= run->agreeing && run->S > 1;
@@ -11217,20 +11222,7 @@ static avgpipe_result avgpipe__run_sync(avgpipe_context *ctx, avgpipe_run *run) 
     if (!run->comm.split)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "comm '%s': ties and agreement between ranks need its split entry (they travel on a communicator of their own)",
                              run->comm.name ? run->comm.name : "?");
-    members = (int *)avgpipe_alloc(ctx, (size_t)run->S * sizeof(int));
-    if (!members) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
-    for (k = 0; k < run->nlocal && !res; k++) {
-        avgpipe__worker *w = &run->w[k];
-        for (q = 0; q < run->S; q++) members[q] = w->replica * run->S + q;
-        res = run->comm.split(run->comm.user, w->rank, members, run->S, &w->sync);
-        if (res)
-            res = avgpipe__fail(ctx, res, "comm '%s': rank %d cannot form the communicator of its ties and agreement: %s", run->comm.name ? run->comm.name : "?",
-                                w->rank, run->comm.last_error ? run->comm.last_error(run->comm.user, w->rank) : "");
-        else
-            w->has_sync = 1;
-    }
-    avgpipe_free(ctx, members);
-    return res;
+    return avgpipe__split_groups(ctx, run, 0);
 }
 
 static avgpipe_result avgpipe__run_start(avgpipe_run *run) {
