@@ -1451,8 +1451,12 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
    gets them unless it has its own, which must match desc.ties and desc.agree): a tie between two
    ranks exchanges its range on a communicator of its own (comm.split over the replica group's ranks),
    one between two partitions on one rank moves nothing; an agreement sends each rank's vectors to the
-   other ranks of its group. This release runs them on the CPU device (desc.device NULL or the CPU
-   table): gradients in host memory. */
+   other ranks of its group. On a device (desc.device not the CPU) the gradients are device memory:
+   each TIE and AGREE copies what it sums (the tied ranges, a partition's gradients for the built-in
+   sum of squares) to host buffers on the pipeline's compute stream, after its backward work, waits
+   for the copy, sums on the host as above (the same bits) and copies tied sums back before the STEP;
+   step_agreed and contribute get device pointers and st->stream (enqueue the update there). The host
+   waits once per TIE and AGREE: correct on any device, not yet a device-side reduction. */
 
 typedef struct avgpipe_op_ctx {
     int rank, pipe, stage, micro, round; /* rank: global (replica · S + s); micro: within the batch;
@@ -1475,7 +1479,8 @@ typedef struct avgpipe_op_ctx {
     /* Sizes of this micro-batch's boundary data (see "Variable micro-batch shapes"): */
     size_t input_bytes;                  /* bytes in input as its producer set them (0 on stage 0) */
     size_t output_bytes;                 /* F: preset to act_bytes[stage]; set it to the bytes written
-                                            (desc.variable_bytes); 0 on the last stage */
+                                            (desc.variable_bytes; on a device before the callback
+                                            returns, with the work it enqueues); 0 on the last stage */
     size_t grad_output_bytes;            /* B, I, W: bytes in grad_output (0 on the last stage) */
     size_t grad_input_bytes;             /* B, I: preset to input_bytes; set it to the bytes written */
 } avgpipe_op_ctx;
@@ -1498,6 +1503,8 @@ typedef struct avgpipe_step_ctx {
     int skip;                      /* skip_nonfinite and nonfinite > 0: leave params as they are and reset
                                       what you accumulated (the run counts the skip and goes on) */
     void *user;                    /* cb.user */
+    avgpipe_device_stream stream;  /* on a device: the pipeline's compute stream on this rank; params and
+                                      grads are device memory: enqueue the step here (NULL on the CPU) */
 } avgpipe_step_ctx;
 
 /* Step agreement across the stage partitions of a pipeline (see "Tied parameters and step agreement"). */
@@ -1613,7 +1620,7 @@ typedef struct avgpipe_run_desc {
     int (*bind_thread)(int rank, int role, void *user);
     void *bind_user;
     /* Tied parameters and step agreement (see above). grads: [(replica * N + pipe) * G + stage], as
-       params (host memory, param_count[g] floats; entries of stages this process does not run may be
+       params (the device's memory, host memory on the CPU; param_count[g] floats; entries of stages this process does not run may be
        NULL), required with ties, clip_norm or skip_nonfinite. ties: nties ranges of two different
        partitions, in bounds, of one length, no two overlapping in one partition. */
     float *const *grads;
@@ -8584,6 +8591,7 @@ typedef struct avgpipe__worker {
     avgpipe_comm sync;
     int has_sync, counts_skips;
     float *tie_buf;
+    float *hstage[2]; /* run->staged: host copies of a partition's gradients ([0], its param_count) and of a tied range ([1]) */
     double *agree_tab, *agreed;
     int *agree_round, *tie_round; /* [N], [N * nties]: the round last agreed, last summed on this rank */
     avgpipe_comm_request *sreq;
@@ -8633,6 +8641,7 @@ struct avgpipe_run {
     avgpipe_tie *ties;    /* a copy of desc.ties */
     int nties;
     int agreeing, builtin, wagree; /* an agreement; its built-in slots (sumsq, non-finite count) first; doubles per partition */
+    int staged;           /* ties or agreement with gradients in device memory: they come to the host to be summed */
     int *excl_start;      /* [G + 1]: the tied ranges partition g leaves out of its sum of squares (it is the */
     size_t *excl;         /* higher-numbered side): excl[2 k] offset, [2 k + 1] count, k in excl_start[g] .. , by offset */
     int timed;            /* profile from device events (desc.profile and the device has event_elapsed) */
@@ -9036,6 +9045,8 @@ static void avgpipe__run_free(avgpipe_run *run) {
         avgpipe_free(ctx, w->ev);
         avgpipe_free(ctx, w->evbytes);
         avgpipe_free(ctx, w->tie_buf);
+        avgpipe_free(ctx, w->hstage[0]);
+        avgpipe_free(ctx, w->hstage[1]);
         avgpipe_free(ctx, w->agree_tab);
         avgpipe_free(ctx, w->agree_round);
         avgpipe_free(ctx, w->tie_round);
@@ -9784,6 +9795,16 @@ static avgpipe_result avgpipe__sync_post(avgpipe__worker *w, const avgpipe_op *o
                              w->sync.last_error ? w->sync.last_error(w->sync.user, w->srank) : "");
 }
 
+/* run->staged: n gradient floats between device memory and a host buffer, on the pipeline's compute
+   stream (after its backward work there), waited for before this returns. */
+static avgpipe_result avgpipe__stage_grads(avgpipe__worker *w, const avgpipe_op *op, float *dst, const float *src, size_t n, int to_host) {
+    avgpipe_run *run = w->run;
+    avgpipe_device_stream cs = w->cs[op->pipe];
+    avgpipe_result res = run->dev.copy(run->dev.user, dst, src, n * sizeof(float), to_host ? AVGPIPE_DEVICE_COPY_D2H : AVGPIPE_DEVICE_COPY_H2D, cs);
+    if (!res) res = run->dev.stream_synchronize(run->dev.user, cs);
+    return res ? avgpipe__dev_fail(w, res, op, to_host ? "copying gradients to the host" : "copying summed gradients back") : AVGPIPE_OK;
+}
+
 /* TIE: sum this stage's gradient ranges tied to op->peer with the peer's. On one rank the first of the
    two TIEs sums both in place (both come after both stages' backward work; the second finds the round
    done, and a STEP after the first sees the sum); across ranks each side sends its range and adds the
@@ -9803,21 +9824,32 @@ static avgpipe_result avgpipe__exec_tie(avgpipe__worker *w, const avgpipe_op *op
         if (q == w->srank) {
             float *b = avgpipe__run_grads(run, w->replica, op->pipe, h);
             int *done = &w->tie_round[(size_t)op->pipe * (size_t)run->nties + (size_t)t], round = (int)(run->iter * run->R + op->micro);
-            if (*done != round)
+            if (*done != round && run->staged) { /* a + b on the host, back to both copies */
+                float *x = w->hstage[0], *y = w->hstage[1];
+                if ((res = avgpipe__stage_grads(w, op, x, a + mine, n, 1)) != AVGPIPE_OK || (res = avgpipe__stage_grads(w, op, y, b + theirs, n, 1)) != AVGPIPE_OK)
+                    return res;
+                for (i = 0; i < n; i++) x[i] = x[i] + y[i];
+                if ((res = avgpipe__stage_grads(w, op, a + mine, x, n, 0)) != AVGPIPE_OK || (res = avgpipe__stage_grads(w, op, b + theirs, x, n, 0)) != AVGPIPE_OK)
+                    return res;
+            } else if (*done != round) {
                 for (i = 0; i < n; i++) a[mine + i] = b[theirs + i] = a[mine + i] + b[theirs + i];
+            }
             *done = round;
             continue;
         }
         {
             avgpipe_comm_request req[2] = {NULL, NULL};
             int peers[2];
+            float *x = run->staged ? w->hstage[0] : a + mine; /* what this side sends and sums into */
             peers[0] = peers[1] = q;
-            res = avgpipe__sync_post(w, op, q, a + mine, n * sizeof(float), avgpipe__sync_tag(run, op->pipe, op->micro, 2 * t + (g > h)),
+            if (run->staged && (res = avgpipe__stage_grads(w, op, x, a + mine, n, 1)) != AVGPIPE_OK) return res;
+            res = avgpipe__sync_post(w, op, q, x, n * sizeof(float), avgpipe__sync_tag(run, op->pipe, op->micro, 2 * t + (g > h)),
                                      w->tie_buf, n * sizeof(float), avgpipe__sync_tag(run, op->pipe, op->micro, 2 * t + (h > g)), req);
             if (res) return res;
             if ((res = avgpipe__sync_wait(w, op, req, peers, 2, "exchanging a tied gradient range with")) != AVGPIPE_OK) return res;
+            for (i = 0; i < n; i++) x[i] = x[i] + w->tie_buf[i];
+            if (run->staged && (res = avgpipe__stage_grads(w, op, a + mine, x, n, 0)) != AVGPIPE_OK) return res;
         }
-        for (i = 0; i < n; i++) a[mine + i] = a[mine + i] + w->tie_buf[i];
         bytes += (double)(n * sizeof(float));
     }
     if (!res && !avgpipe__record(w, op, 0, -1, -1, t0, avgpipe__now(), bytes)) return avgpipe__profile_oom(w);
@@ -9838,6 +9870,7 @@ static void avgpipe__step_ctx_init(avgpipe__worker *w, int pipe, int g, int roun
     sc->count = run->d.param_count[g];
     sc->width = run->d.agree.width;
     sc->scale = 1;
+    sc->stream = w->cs[pipe];
     sc->user = run->d.cb.user;
 }
 
@@ -9850,13 +9883,17 @@ static avgpipe_result avgpipe__contribute(avgpipe__worker *w, const avgpipe_op *
     char txt[64];
     avgpipe__step_ctx_init(w, op->pipe, g, round, &sc);
     if (run->builtin) {
+        const float *x = sc.grads;
         size_t at = 0;
+        avgpipe_result res;
+        if (run->staged && (res = avgpipe__stage_grads(w, op, w->hstage[0], sc.grads, sc.count, 1)) != AVGPIPE_OK) return res;
+        if (run->staged) x = w->hstage[0];
         v[0] = v[1] = 0;
         for (k = run->excl_start[g]; k < run->excl_start[g + 1]; k++) {
-            avgpipe_grad_sumsq(sc.grads + at, run->excl[2 * k] - at, &v[0], &v[1]);
+            avgpipe_grad_sumsq(x + at, run->excl[2 * k] - at, &v[0], &v[1]);
             at = run->excl[2 * k] + run->excl[2 * k + 1];
         }
-        avgpipe_grad_sumsq(sc.grads + at, sc.count - at, &v[0], &v[1]);
+        avgpipe_grad_sumsq(x + at, sc.count - at, &v[0], &v[1]);
         v += 2;
     }
     if (!run->d.agree.width) return AVGPIPE_OK;
@@ -9963,7 +10000,7 @@ static avgpipe_result avgpipe__exec_step(avgpipe__worker *w, const avgpipe_op *o
         avgpipe_device_stream cs = w->cs[op->pipe];
         float *params = avgpipe__run_params(run, w->replica, op->pipe, op->stage);
         avgpipe_result res = AVGPIPE_OK;
-        if (run->d.cb.step_agreed) { /* on the host (ties and agreement run on the CPU device) */
+        if (run->d.cb.step_agreed) { /* called on the host; on a device it enqueues the update on st->stream */
             rc = avgpipe__step_agreed(w, op, round, &res);
             if (res) return res;
         } else if (run->d.cb.step_async) { /* enqueued on the pipeline's stream, after its backward work */
@@ -10957,10 +10994,18 @@ static size_t avgpipe__tie_floats(const avgpipe_run *run, int r) {
     return n;
 }
 
-/* The bytes of stage-rank r's tie and agreement buffers (host memory). */
+/* The bytes of stage-rank r's tie and agreement buffers (host memory; with gradients on a device also
+   the host copies they are summed in). */
 static double avgpipe__sync_bytes(const avgpipe_run *run, int r) {
     double b = (double)avgpipe__tie_floats(run, r) * sizeof(float);
     if (run->agreeing) b += (double)((2 * (size_t)run->G + (size_t)run->N) * (size_t)run->wagree) * sizeof(double);
+    if (run->staged && (run->nties || run->agreeing)) {
+        size_t pc = 0, tc = 1;
+        int j, g;
+        AVGPIPE__RANK_STAGES(run, r, j, g) if (run->d.param_count[g] > pc) pc = run->d.param_count[g];
+        for (j = 0; j < run->nties; j++) tc = run->ties[j].count > tc ? run->ties[j].count : tc;
+        b += (double)((pc > tc ? pc : tc) + tc) * sizeof(float);
+    }
     return b;
 }
 
@@ -10981,9 +11026,7 @@ static avgpipe_result avgpipe__run_ties(avgpipe_context *ctx, avgpipe_run *run) 
     run->builtin = a->clip_norm > 0 || a->skip_nonfinite;
     run->wagree = (run->builtin ? 2 : 0) + a->width;
     if (!d->nties && !run->agreeing) return AVGPIPE_OK;
-    if (d->device && strcmp(d->device->name ? d->device->name : "", "cpu") != 0)
-        return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "ties, agree: this release runs them on the CPU device only (desc.device is '%s')",
-                             d->device->name ? d->device->name : "?");
+    run->staged = d->device && strcmp(d->device->name ? d->device->name : "", "cpu") != 0; /* the CPU device's memory is the host's */
     for (t = 0; t < d->nties; t++) {
         const avgpipe_tie *x = &d->ties[t];
         if (x->stage_a < 0 || x->stage_a >= run->G || x->stage_b < 0 || x->stage_b >= run->G)
@@ -11207,6 +11250,15 @@ static avgpipe_result avgpipe__run_sync(avgpipe_context *ctx, avgpipe_run *run) 
         size_t nt = avgpipe__tie_floats(run, w->srank), W = (size_t)run->wagree;
         w->counts_skips = k == 0 || run->w[k - 1].replica != w->replica; /* the first local rank of each group */
         w->tie_buf = nt ? (float *)avgpipe_alloc(ctx, nt * sizeof(float)) : NULL;
+        if (run->staged) {
+            size_t pc = 0, tc = 1;
+            int j, g;
+            AVGPIPE__RANK_STAGES(run, w->srank, j, g) if (run->d.param_count[g] > pc) pc = run->d.param_count[g];
+            for (j = 0; j < run->nties; j++) tc = run->ties[j].count > tc ? run->ties[j].count : tc;
+            w->hstage[0] = (float *)avgpipe_alloc(ctx, (pc > tc ? pc : tc) * sizeof(float));
+            w->hstage[1] = (float *)avgpipe_alloc(ctx, tc * sizeof(float));
+            if (!w->hstage[0] || !w->hstage[1]) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
+        }
         w->agree_tab = (double *)avgpipe__calloc(ctx, (2 * (size_t)run->G + (size_t)run->N) * W + 1, sizeof(double));
         w->agreed = w->agree_tab + 2 * (size_t)run->G * W;
         w->agree_round = (int *)avgpipe_alloc(ctx, (size_t)run->N * sizeof(int));

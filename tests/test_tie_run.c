@@ -26,7 +26,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
+
+#include "tests/async_device.h"
 
 #define D 6
 #define BS 3
@@ -611,6 +614,98 @@ Test(tie_run, bad_sizes_are_refused_naming_the_op) {
     s.d.variable_bytes = 2;
     cr_assert_eq(avgpipe_run_create(&ctx, &s.d, &run), AVGPIPE_INVALID_ARG);
     cr_assert(strstr(avgpipe_last_error(&ctx), "variable_bytes: 2") != NULL, "%s", avgpipe_last_error(&ctx));
+}
+
+/* ---- on a device with asynchronous streams (tests/async_device.h) ------------------------------- */
+
+/* The same callbacks as tasks on op->stream; the step checks what it was given on the host and enqueues
+   its update on st->stream. The gradients then live in "device memory": the runtime must bring each
+   tied range and each partition's gradients to the host after the backward work on the stream, and the
+   sums back before the step's task runs, or the bits differ from the plain loop's. */
+static int dev_task_failed;
+typedef struct dev_task {
+    int (*fn)(avgpipe_op_ctx *);
+    avgpipe_op_ctx op;
+} dev_task;
+static void dev_task_run(void *p) {
+    dev_task *t = (dev_task *)p;
+    if (t->fn(&t->op)) __atomic_store_n(&dev_task_failed, 1, __ATOMIC_SEQ_CST);
+}
+static int dev_enqueue(int (*fn)(avgpipe_op_ctx *), avgpipe_op_ctx *op) {
+    dev_task t;
+    t.fn = fn, t.op = *op;
+    return adev_enqueue(op->stream, dev_task_run, &t, sizeof t) ? 1 : 0;
+}
+/* The sizes are the host's to set, before the call returns (the task's copy is not read). */
+static int dev_forward(avgpipe_op_ctx *op) {
+    int rc = dev_enqueue(cb_forward, op);
+    if (op->stage + 1 < T.G) op->output_bytes = sizeof(float) * D * (size_t)rows(model_of(op), op->round, op->micro);
+    return rc;
+}
+static int dev_backward(avgpipe_op_ctx *op) {
+    int rc = dev_enqueue(cb_backward, op);
+    if (op->stage > 0) op->grad_input_bytes = sizeof(float) * D * (size_t)rows(model_of(op), op->round, op->micro);
+    return rc;
+}
+typedef struct dev_step {
+    float *params, *grads;
+    double scale;
+    int skip;
+} dev_step;
+static void dev_step_run(void *p) {
+    const dev_step *t = (const dev_step *)p;
+    sgd(t->params, t->grads, t->scale, t->skip);
+}
+static int dev_step_agreed(const avgpipe_step_ctx *st) {
+    int m = st->replica * T.N + st->pipe, g = st->stage;
+    dev_step t;
+    if (!st->stream) return bad(g, 89, "a device step without a stream");
+    if (st->params != T.w[m][g] || st->grads != T.grad[m][g] || st->count != PC) return bad(g, 94, "step got another partition");
+    if (st->round >= 0 && st->round < MAXR) T.skipped[m][g][st->round] = (unsigned char)(st->skip ? 1 : 2);
+    T.nstep[m][g]++;
+    t.params = st->params, t.grads = st->grads, t.scale = st->scale, t.skip = st->skip;
+    return adev_enqueue(st->stream, dev_step_run, &t, sizeof t) ? 1 : 0;
+}
+
+static void device_equal_to_plain_loop(avgpipe_sched_kind kind, int S, int V, int M, int N, const char *name) {
+    static float ref[MAXN][MAXG][PC];
+    setup s;
+    avgpipe_context ctx;
+    avgpipe_run *run = NULL;
+    avgpipe_device dev = adev_open(20);
+    avgpipe_run_stats st;
+    int it, m, g;
+    char nm[96];
+    setup_init(&s, kind, S, V, M, N);
+    snprintf(nm, sizeof nm, "%s S=%d M=%d N=%d on the async device", name, S, M, N);
+    s.d.device = &dev;
+    s.d.cb.forward = dev_forward, s.d.cb.backward = dev_backward, s.d.cb.step_agreed = dev_step_agreed;
+    dev_task_failed = 0;
+    memcpy(ref, T.w, sizeof ref);
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_run_create(&ctx, &s.d, &run), AVGPIPE_OK, "%s: create: %s", nm, avgpipe_last_error(&ctx));
+    for (it = 0; it < ITERS; it++) {
+        cr_assert_eq(avgpipe_run_iteration(run, &st), AVGPIPE_OK, "%s: iteration %d: %s", nm, it, avgpipe_last_error(&ctx));
+        no_callback_error(nm);
+        cr_assert(!dev_task_failed, "%s: a task failed", nm);
+        for (m = 0; m < N; m++) reference_round(ref[m], T.G, M, m, it, 1);
+        for (m = 0; m < N; m++)
+            for (g = 0; g < T.G; g++)
+                cr_assert(memcmp(T.w[m][g], ref[m][g], sizeof ref[m][g]) == 0, "%s, iteration %d, model %d, stage %d: not the plain loop's bits",
+                          nm, it, m, g);
+        ties_identical(nm, it);
+    }
+    avgpipe_run_destroy(run);
+    adev_close();
+}
+
+/* Ties and the agreement with gradients in device memory: across ranks (1F1B), on one rank (ZB-V puts
+   partitions 0 and G-1 together), two pipelines. */
+Test(tie_run, on_a_device_with_asynchronous_streams) {
+    device_equal_to_plain_loop(AVGPIPE_SCHED_1F1B, 2, 0, 2, 1, "1f1b");
+    device_equal_to_plain_loop(AVGPIPE_SCHED_1F1B, 4, 0, 4, 2, "1f1b");
+    device_equal_to_plain_loop(AVGPIPE_SCHED_ZBV, 2, 0, 4, 1, "zbv");
+    device_equal_to_plain_loop(AVGPIPE_SCHED_DUALPIPEV, 3, 0, 6, 1, "dualpipev");
 }
 
 /* ---- checkpoints ------------------------------------------------------------------------------- */
