@@ -39,10 +39,11 @@
    averaging pull defaults to 0 (there is no other model to average with; --alpha sets it).
 
    Figures (2 vCPUs, Xeon with AVX-512, OpenBLAS SkylakeX kernel; sh bench/bench_gpt.sh): the default run
-   tunes in 6 s (ZB-H1, M = 8 of 2 windows, N = 1, split 3,3), trains 2,000 steps (1.73M tokens) in 159 s at
-   10.9k tokens/s (bubble 17%) and ends at 2.69 bits per byte on the validation windows, about 3 minutes in
-   all (the target was 2.5: 3,600 steps give 2.55). Tokens/s, medians of 3 alternating runs of 300 steps:
-   this program tuned 11.1k, gpt_reference on one thread 8.4k (1.31x), with --threads 2 11.9k (0.93x).
+   tunes in 7 s (ZB-H1, M = 4 of 4 windows, N = 1, split 3,3), trains 2,000 steps (1.72M tokens) in 162 s at
+   10.7k tokens/s (bubble 21%) and ends at 2.72 bits per byte on the validation windows, about 3.5 minutes in
+   all with the build (the target was 2.5: 3,600 steps gave 2.55). Tokens/s, medians of 3 alternating runs of
+   300 steps (2026-12-03): this program tuned 11.0k, gpt_reference on one thread 7.3k (1.51x), with --threads 2
+   12.0k (0.91x).
 
    Build: meson (build/gpt; -DGPT_MPI with MPI), or
           gcc -std=c11 -O2 -fno-math-errno -I. examples/gpt.c -o gpt -lopenblas -lm -pthread
