@@ -10994,17 +10994,25 @@ static size_t avgpipe__tie_floats(const avgpipe_run *run, int r) {
     return n;
 }
 
+/* run->staged: the floats of stage-rank r's host copies, a whole partition's gradients (or a tied
+   range, if larger) in hstage[0] and a tied range in hstage[1]. */
+static void avgpipe__stage_floats(const avgpipe_run *run, int r, size_t *n0, size_t *n1) {
+    size_t pc = 0, tc = 1;
+    int j, g;
+    AVGPIPE__RANK_STAGES(run, r, j, g) if (run->d.param_count[g] > pc) pc = run->d.param_count[g];
+    for (j = 0; j < run->nties; j++) tc = run->ties[j].count > tc ? run->ties[j].count : tc;
+    *n0 = pc > tc ? pc : tc, *n1 = tc;
+}
+
 /* The bytes of stage-rank r's tie and agreement buffers (host memory; with gradients on a device also
    the host copies they are summed in). */
 static double avgpipe__sync_bytes(const avgpipe_run *run, int r) {
     double b = (double)avgpipe__tie_floats(run, r) * sizeof(float);
     if (run->agreeing) b += (double)((2 * (size_t)run->G + (size_t)run->N) * (size_t)run->wagree) * sizeof(double);
-    if (run->staged && (run->nties || run->agreeing)) {
-        size_t pc = 0, tc = 1;
-        int j, g;
-        AVGPIPE__RANK_STAGES(run, r, j, g) if (run->d.param_count[g] > pc) pc = run->d.param_count[g];
-        for (j = 0; j < run->nties; j++) tc = run->ties[j].count > tc ? run->ties[j].count : tc;
-        b += (double)((pc > tc ? pc : tc) + tc) * sizeof(float);
+    if (run->staged) {
+        size_t n0, n1;
+        avgpipe__stage_floats(run, r, &n0, &n1);
+        b += (double)(n0 + n1) * sizeof(float);
     }
     return b;
 }
@@ -11251,12 +11259,10 @@ static avgpipe_result avgpipe__run_sync(avgpipe_context *ctx, avgpipe_run *run) 
         w->counts_skips = k == 0 || run->w[k - 1].replica != w->replica; /* the first local rank of each group */
         w->tie_buf = nt ? (float *)avgpipe_alloc(ctx, nt * sizeof(float)) : NULL;
         if (run->staged) {
-            size_t pc = 0, tc = 1;
-            int j, g;
-            AVGPIPE__RANK_STAGES(run, w->srank, j, g) if (run->d.param_count[g] > pc) pc = run->d.param_count[g];
-            for (j = 0; j < run->nties; j++) tc = run->ties[j].count > tc ? run->ties[j].count : tc;
-            w->hstage[0] = (float *)avgpipe_alloc(ctx, (pc > tc ? pc : tc) * sizeof(float));
-            w->hstage[1] = (float *)avgpipe_alloc(ctx, tc * sizeof(float));
+            size_t n0, n1;
+            avgpipe__stage_floats(run, w->srank, &n0, &n1);
+            w->hstage[0] = (float *)avgpipe_alloc(ctx, n0 * sizeof(float));
+            w->hstage[1] = (float *)avgpipe_alloc(ctx, n1 * sizeof(float));
             if (!w->hstage[0] || !w->hstage[1]) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_run_create: out of memory");
         }
         w->agree_tab = (double *)avgpipe__calloc(ctx, (2 * (size_t)run->G + (size_t)run->N) * W + 1, sizeof(double));
@@ -12851,6 +12857,7 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
     rd.sched = c->sched;
     rd.act_bytes = act;
     rd.param_count = pcount;
+    rd.agree.skip_nonfinite = td->agree != 0; /* the agreement's tables */
     if (td->nties > 0) { /* the ties' buffers: only their stages and counts matter (the offsets move with the split) */
         size_t *at = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t));
         avgpipe_tie *t = (avgpipe_tie *)avgpipe_alloc(ctx, (size_t)td->nties * sizeof *t);
@@ -12867,12 +12874,10 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
                 t[k] = td->ties[k], t[k].offset_a = at[a], t[k].offset_b = at[b], at[a] += t[k].count, at[b] += t[k].count;
         }
         rd.ties = t, rd.nties = td->nties;
-        rd.agree.skip_nonfinite = td->agree != 0;
         if (!res) res = avgpipe_run_memory(ctx, &rd, mem);
         avgpipe_free(ctx, at);
         avgpipe_free(ctx, t);
     } else {
-        rd.agree.skip_nonfinite = td->agree != 0; /* the agreement's tables */
         res = avgpipe_run_memory(ctx, &rd, mem);
     }
     if (res) return res;
