@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.6.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.7.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -137,9 +137,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 6
+#define AVGPIPE_VERSION_MINOR 7
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.6.0"
+#define AVGPIPE_VERSION_STRING "0.7.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.6.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.7.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -1921,6 +1921,50 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
    Thread-safety: touches only ctx and *seconds. */
 AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, size_t floats, double *seconds);
 
+/* Statistical efficiency: how many samples a target loss takes at a setting's samples per round. The
+   model (McCandlish, Kaplan, Amodei et al. 2018, "An Empirical Model of Large-Batch Training"): with
+   batches of B samples, reaching a target takes E = E_min (1 + B / B_noise) samples, where B_noise =
+   tr(Sigma) / |G|^2 is the gradient noise scale (Sigma the per-sample gradient covariance, G the true
+   gradient): far below B_noise a batch's gradient is mostly noise and twice the samples per step make
+   about twice the progress per step; far above it they are wasted. N parallel models of B samples each,
+   pulled toward their average by elastic averaging, count as one model at N B samples per round: in a
+   quadratic model the average of the N models follows plain SGD on the N batches together, whatever
+   alpha is (the elastic forces cancel in the mean), so N pipelines take as many samples to a target as
+   one pipeline with an N times larger batch, never fewer; alpha and M do not enter. This is a model of
+   the optimiser, not a measurement of it: bench/bench_converge.sh checks what it chooses against
+   training to the target.
+
+   The noise scale from two batch sizes (the paper's appendix A): with |g_s|^2 the squared norm of a
+   gradient averaged over b_s samples (unbiased: E|g_s|^2 = |G|^2 + tr(Sigma) / b_s) and |g_b|^2 over b_b
+   > b_s samples, |G|^2 = (b_b |g_b|^2 - b_s |g_s|^2) / (b_b - b_s) and tr(Sigma) = (|g_s|^2 - |g_b|^2) /
+   (1 / b_s - 1 / b_b), each averaged over the observations before the ratio is taken (the ratio of
+   averages, not the average of ratios, which is biased). A pipeline gives both for free: the gradient of
+   a micro-batch (b_s samples) and of the whole batch (b_b = M b_s), e.g. measured by the trainer's
+   profile run or a short plain-loop probe. */
+typedef struct avgpipe_noise_scale {
+    double gsq;        /* |G|^2 estimated (can come out <= 0 when the noise hides the gradient) */
+    double trace;      /* tr(Sigma) estimated, per sample (can come out <= 0 when the gradients agree) */
+    double scale;      /* B_noise = trace / gsq, in samples, when both are > 0; else 0: not measured (no
+                          batch size is measurably better than another; avgpipe_tune_efficiency gives 1) */
+    double rel_err;    /* the standard error of scale relative to it, by the jackknife over the observations
+                          (leave one out; a left-out estimate that is not measured counts as 0); 0 with
+                          one observation or scale 0 */
+    int n;             /* observations used */
+} avgpipe_noise_scale;
+
+/* Estimate the gradient noise scale from n >= 1 observations: small_sq[i] = |g_s|^2 of a gradient over
+   b_small samples (e.g. the mean over the micro-batches of a batch of their squared norms), big_sq[i] =
+   |g_b|^2 over b_big > b_small samples, both of gradients normalised as means over their samples.
+   Errors: AVGPIPE_INVALID_ARG (NULL, n < 1, b_small < 1, b_big <= b_small, a value not finite or < 0),
+   naming it; AVGPIPE_OUT_OF_MEMORY. Thread-safe. */
+AVGPIPE_API avgpipe_result avgpipe_tune_noise_scale(avgpipe_context *ctx, const double *small_sq, const double *big_sq, int n,
+                                                    double b_small, double b_big, avgpipe_noise_scale *out);
+
+/* The samples a target takes with `samples_per_round` samples per round (N pipelines x batch, x replica
+   groups), relative to E_min: 1 + samples_per_round / noise_scale; 1 when noise_scale is 0 (not
+   measured). -1 when samples_per_round is not > 0 and finite, or noise_scale is not >= 0 and finite. */
+AVGPIPE_API double avgpipe_tune_efficiency(double noise_scale, double samples_per_round);
+
 /* ============================================================================================ */
 /* 21. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
 /* ============================================================================================ */
@@ -1954,7 +1998,23 @@ typedef struct avgpipe_tune_desc {
     const avgpipe_tie *ties;
     int nties;
     int agree;                  /* 1: the run agrees before its steps (clip_norm, skip_nonfinite or width) */
+    /* Time to accuracy (the statistical efficiency model of avgpipe_tune_noise_scale): each candidate
+       gets efficiency = avgpipe_tune_efficiency(noise_scale, pipes x batch), the samples a target takes at
+       its samples per round relative to E_min, and time_to_target = time_per_sample x efficiency x
+       target_samples. */
+    double noise_scale;         /* B_noise of the model, samples (avgpipe_tune_noise_scale); 0: not known,
+                                   efficiency 1 (time to target then ranks as samples per second). With
+                                   D replica groups training one reference, give B_noise / D */
+    double target_samples;      /* E_min: samples the target takes far below the noise scale; 0 -> 1
+                                   (time_to_target is then in seconds per such sample: only its ratios mean
+                                   something) */
+    int objective;              /* avgpipe_tune_objective: what the ranking sorts by */
 } avgpipe_tune_desc;
+/* What avgpipe_tune_search ranks by (after fitting the memory limit). */
+typedef enum avgpipe_tune_objective {
+    AVGPIPE_TUNE_TIME_TO_TARGET = 0, /* least time_to_target (with noise_scale 0: least time per sample) */
+    AVGPIPE_TUNE_THROUGHPUT = 1      /* least time_per_sample: most samples per second, as before 0.7 */
+} avgpipe_tune_objective;
 /* desc with its defaults filled in, as avgpipe_tune_search resolves them: max_pipes 0 -> 4, rounds 0 ->
    1, min_micro 0 -> 1, chunks 0 -> 1, kinds 0 -> the table's tuned kinds that hold `chunks` stages per
    rank; max_advance stays 0 (its bound depends on M); the rest as given. No validation; desc may be
@@ -1972,10 +2032,14 @@ typedef struct avgpipe_tune_candidate {
     double time_per_sample;     /* seconds / (rounds · pipes · batch) */
     double peak_bytes;          /* max over ranks: runtime buffers + parameters + optimizer state */
     int fits;                   /* peak_bytes <= mem_limit */
+    double efficiency;          /* avgpipe_tune_efficiency(desc.noise_scale, pipes x batch) */
+    double time_to_target;      /* time_per_sample x efficiency x desc.target_samples (0 -> 1) */
 } avgpipe_tune_candidate;
 
-/* Every candidate, fitting ones first, each group fastest per sample first. *out is allocated with
-   the context's allocator (avgpipe_free it). */
+/* Every candidate, fitting ones first, each group by desc->objective: least time to target (ties: least
+   time per sample), or least time per sample; then less memory, fewer pipelines, fewer micro-batches.
+   *out is allocated with the context's allocator (avgpipe_free it). Errors: AVGPIPE_INVALID_ARG naming
+   the field, AVGPIPE_OUT_OF_MEMORY, those of the simulator. */
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count);
 
@@ -1993,15 +2057,16 @@ AVGPIPE_API avgpipe_tune_split_desc avgpipe_tune_split_query_defaults(const avgp
 typedef struct avgpipe_tune_split_choice {
     int nparts;                  /* S·V */
     int *split;                  /* [nparts] layers per partition, in layer order */
-    avgpipe_tune_candidate best; /* the fastest kept candidate of that split that fits */
+    avgpipe_tune_candidate best; /* the best kept candidate (by desc.objective) of that split that fits */
     int found;                   /* 0: no kept candidate of any split fits the memory limit */
     double slowest_share;        /* avgpipe_tune_slowest_share of the split at best's micro-batch size */
     double bound;                /* 1 / slowest_share, capped at the cores when m->cores is set */
     long long splits, searched;  /* contiguous splits, and how many were searched (the rest were bounded out) */
 } avgpipe_tune_split_choice;
 
-/* Choose the split of m's layers into S·V contiguous partitions and the setting that minimise the
-   predicted time per sample under desc->mem_limit (ties: the split that comes first in layer order).
+/* Choose the split of m's layers into S·V contiguous partitions and the setting that minimise
+   desc->objective (the predicted time to target, or per sample) under desc->mem_limit (ties: the split
+   that comes first in layer order).
    Exact: the same as searching every split with avgpipe_tune_search. m needs layer costs (a profile
    with 'layer' lines). Errors: AVGPIPE_INVALID_ARG naming the field (no layer costs, fewer layers than
    partitions, more than 2e6 splits), those of avgpipe_tune_search. Free with avgpipe_tune_split_choice_free. */
@@ -2170,6 +2235,13 @@ static int avgpipe__nan(double x) {
     uint64_t u;
     memcpy(&u, &x, sizeof u);
     return (u & 0x7fffffffffffffffull) > 0x7ff0000000000000ull;
+}
+
+/* Finite (neither NaN nor an infinity) by its bits, for the same reason. */
+static int avgpipe__finite(double x) {
+    uint64_t u;
+    memcpy(&u, &x, sizeof u);
+    return (u & 0x7ff0000000000000ull) != 0x7ff0000000000000ull;
 }
 
 /* Record an error on ctx (the detail goes to the last-error buffer and to the logger) and return it. */
@@ -12783,6 +12855,54 @@ AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, 
     return res;
 }
 
+/* The estimate from the averages of n observations (skip >= 0: leave that one out, for the jackknife). */
+static void avgpipe__noise_from(const double *small_sq, const double *big_sq, int n, int skip, double bs, double bb,
+                                avgpipe_noise_scale *o) {
+    double s = 0, b = 0;
+    int i, k = 0;
+    for (i = 0; i < n; i++)
+        if (i != skip) s += small_sq[i], b += big_sq[i], k++;
+    s /= k, b /= k;
+    o->gsq = (bb * b - bs * s) / (bb - bs);
+    o->trace = (s - b) / (1 / bs - 1 / bb);
+    o->scale = o->gsq > 0 && o->trace > 0 ? o->trace / o->gsq : 0;
+    o->n = k;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_tune_noise_scale(avgpipe_context *ctx, const double *small_sq, const double *big_sq, int n,
+                                                    double b_small, double b_big, avgpipe_noise_scale *out) {
+    avgpipe_noise_scale one;
+    double mean = 0, var = 0, *leave = NULL;
+    int i;
+    if (!small_sq || !big_sq || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: NULL argument");
+    memset(out, 0, sizeof *out);
+    if (n < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: n is %d (at least 1 observation)", n);
+    if (!avgpipe__finite(b_small) || !avgpipe__finite(b_big) || !(b_small >= 1) || !(b_big > b_small))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: b_small %g, b_big %g (1 <= b_small < b_big, finite)", b_small, b_big);
+    for (i = 0; i < n; i++)
+        if (!avgpipe__finite(small_sq[i]) || !avgpipe__finite(big_sq[i]) || !(small_sq[i] >= 0) || !(big_sq[i] >= 0))
+            return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: observation %d: small_sq %g, big_sq %g (finite, >= 0)", i,
+                                 small_sq[i], big_sq[i]);
+    avgpipe__noise_from(small_sq, big_sq, n, -1, b_small, b_big, out);
+    if (n < 2 || out->scale == 0) return AVGPIPE_OK;
+    if (!(leave = (double *)avgpipe_alloc(ctx, (size_t)n * sizeof *leave)))
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_noise_scale: out of memory");
+    for (i = 0; i < n; i++) { /* jackknife: var = (n - 1) / n * sum (x_i - mean)^2 */
+        avgpipe__noise_from(small_sq, big_sq, n, i, b_small, b_big, &one);
+        leave[i] = one.scale;
+        mean += one.scale / n;
+    }
+    for (i = 0; i < n; i++) var += (leave[i] - mean) * (leave[i] - mean);
+    out->rel_err = sqrt(var * (n - 1) / n) / out->scale;
+    avgpipe_free(ctx, leave);
+    return AVGPIPE_OK;
+}
+
+AVGPIPE_API double avgpipe_tune_efficiency(double noise_scale, double samples_per_round) {
+    if (!avgpipe__finite(samples_per_round) || !avgpipe__finite(noise_scale) || !(samples_per_round > 0) || !(noise_scale >= 0)) return -1;
+    return noise_scale > 0 ? 1 + samples_per_round / noise_scale : 1;
+}
+
 /* Work per sample of partition g (forward, backward, STEP), micro-batches of x samples, batches of B. */
 static double avgpipe__part_work(const avgpipe_cost_model *m, int g, double x, double B) {
     const double *a = &m->a[g * AVGPIPE_OP_KIND_COUNT], *b = &m->b[g * AVGPIPE_OP_KIND_COUNT];
@@ -12803,6 +12923,7 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
 
 /* --- 21. Search and the stage partitioner ----------------------------------------------------- */
 
+/* The order of the throughput ranking; the time-to-target ranking (below) puts time_to_target first. */
 static int avgpipe__cmp_candidate(const void *x, const void *y) {
     const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;
     if (a->fits != b->fits) return b->fits - a->fits;
@@ -12814,6 +12935,18 @@ static int avgpipe__cmp_candidate(const void *x, const void *y) {
     if (a->sched.kind != b->sched.kind) return (int)a->sched.kind - (int)b->sched.kind;
     if (a->sched.continuous != b->sched.continuous) return a->sched.continuous - b->sched.continuous;
     return a->sched.advance - b->sched.advance;
+}
+
+static int avgpipe__cmp_candidate_ttt(const void *x, const void *y) {
+    const avgpipe_tune_candidate *a = (const avgpipe_tune_candidate *)x, *b = (const avgpipe_tune_candidate *)y;
+    if (a->fits != b->fits) return b->fits - a->fits;
+    if (a->time_to_target != b->time_to_target) return (a->time_to_target > b->time_to_target) ? 1 : -1;
+    return avgpipe__cmp_candidate(x, y);
+}
+
+/* What a ranking by td's objective minimises. */
+static double avgpipe__tune_key(const avgpipe_tune_desc *td, const avgpipe_tune_candidate *c) {
+    return td->objective == AVGPIPE_TUNE_THROUGHPUT ? c->time_per_sample : c->time_to_target;
 }
 
 /* The sizes the memory model converts to size_t must be in range first (a model is plain data the
@@ -12853,6 +12986,8 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
     res = avgpipe_tune_predict_sync(ctx, m, &c->sched, c->samples, td, &c->seconds);
     if (res) return res;
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
+    c->efficiency = avgpipe_tune_efficiency(td->noise_scale, (double)c->sched.pipes * td->batch);
+    c->time_to_target = c->time_per_sample * c->efficiency * (td->target_samples > 0 ? td->target_samples : 1);
     memset(&rd, 0, sizeof rd);
     rd.sched = c->sched;
     rd.act_bytes = act;
@@ -12944,6 +13079,16 @@ static avgpipe_result avgpipe__tune_kinds(avgpipe_context *ctx, const avgpipe_tu
     return AVGPIPE_OK;
 }
 
+/* The time-to-target fields of a search description. */
+static avgpipe_result avgpipe__tune_objective_check(avgpipe_context *ctx, const avgpipe_tune_desc *td) {
+    if (!avgpipe__finite(td->noise_scale) || !(td->noise_scale >= 0) || !avgpipe__finite(td->target_samples) || !(td->target_samples >= 0))
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "noise_scale %g, target_samples %g: must be finite and >= 0", td->noise_scale,
+                             td->target_samples);
+    if (td->objective != AVGPIPE_TUNE_TIME_TO_TARGET && td->objective != AVGPIPE_TUNE_THROUGHPUT)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "objective: %d (AVGPIPE_TUNE_TIME_TO_TARGET or AVGPIPE_TUNE_THROUGHPUT)", td->objective);
+    return AVGPIPE_OK;
+}
+
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count) {
     avgpipe_tune_desc td;
@@ -12962,6 +13107,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
         td.chunks < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "max_pipes, rounds, max_advance, min_micro, mem_limit, opt_bytes_per_param, chunks: must be >= 0");
+    if ((res = avgpipe__tune_objective_check(ctx, &td)) != AVGPIPE_OK) return res;
     td = avgpipe_tune_query_defaults(&td);
     td.kinds = desc->kinds; /* checked below against V, naming a kind asked for that cannot hold it */
     V = td.chunks;
@@ -13030,7 +13176,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
         avgpipe_free(ctx, list);
         return res;
     }
-    qsort(list, (size_t)n, sizeof *list, avgpipe__cmp_candidate);
+    qsort(list, (size_t)n, sizeof *list, td.objective == AVGPIPE_TUNE_THROUGHPUT ? avgpipe__cmp_candidate : avgpipe__cmp_candidate_ttt);
     *out = list;
     *count = n;
     return AVGPIPE_OK;
@@ -13161,12 +13307,14 @@ static double avgpipe__choose(int n, int k) {
 /* Check the arguments; *P partitions, *count splits. */
 static avgpipe_result avgpipe__split_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                           const avgpipe_tune_split_desc *pd, int *P, long long *count) {
+    avgpipe_result res;
     double c;
     if (!m || !desc || !pd) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: NULL argument");
     if (m->nlayers < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: the model has no layer costs ('layer' lines)");
     if (pd->stages < 1 || pd->chunks < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages, chunks: stages >= 1, chunks >= 0");
     if (desc->batch < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "batch: must be >= 1 (got %d)", desc->batch);
     if (desc->max_pipes < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "max_pipes: must be >= 0 (got %d)", desc->max_pipes);
+    if ((res = avgpipe__tune_objective_check(ctx, desc)) != AVGPIPE_OK) return res;
     *P = pd->stages * avgpipe_tune_split_query_defaults(pd).chunks;
     if (*P > m->nlayers)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "stages: %d partitions (stages x chunks) for a model of %d layers", *P, m->nlayers);
@@ -13219,13 +13367,16 @@ AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const
                                       items, count);
     if (!res) qsort(items, (size_t)count, sizeof *items, avgpipe__cmp_split_item);
     for (k = 0; !res && k < count; k++) {
-        /* bounded out: no setting of this split (nor of any later one) can beat the best found */
-        if (best >= 0 && items[k].bound > out->best.time_per_sample) break;
+        /* bounded out: no setting of this split (nor of any later one) can beat the best found; the least
+           efficiency any candidate has is that of one pipeline (avgpipe_tune_efficiency grows with N) */
+        double lo = items[k].bound;
+        if (td.objective != AVGPIPE_TUNE_THROUGHPUT) lo *= avgpipe_tune_efficiency(td.noise_scale, td.batch) * (td.target_samples > 0 ? td.target_samples : 1);
+        if (best >= 0 && lo > avgpipe__tune_key(&td, &out->best)) break;
         res = avgpipe__split_search(ctx, m, splits + items[k].index * P, &td, pd, &c, &found, &any);
         out->searched++;
         if (!res && found &&
-            (best < 0 || c.time_per_sample < out->best.time_per_sample ||
-             (c.time_per_sample == out->best.time_per_sample && items[k].index < best)))
+            (best < 0 || avgpipe__tune_key(&td, &c) < avgpipe__tune_key(&td, &out->best) ||
+             (avgpipe__tune_key(&td, &c) == avgpipe__tune_key(&td, &out->best) && items[k].index < best)))
             out->best = c, best = items[k].index;
         if (!res && !found && any && (!have_any || c.peak_bytes < fallback.peak_bytes)) fallback = c, fallback_index = items[k].index, have_any = 1;
     }

@@ -1544,3 +1544,88 @@ Test(search, ties_and_agreement_are_priced) {
     avgpipe_tune_cost_model_free(&ctx, &m);
     avgpipe_tune_cost_model_free(&ctx, &m2);
 }
+
+/* ---- the gradient noise scale ------------------------------------------------------------------ */
+
+static double gauss(uint64_t *s) { /* Box-Muller on a 64-bit LCG */
+    double u, v;
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    u = ((double)(*s >> 11) + 0.5) / 9007199254740992.0;
+    *s = *s * 6364136223846793005ull + 1442695040888963407ull;
+    v = ((double)(*s >> 11) + 0.5) / 9007199254740992.0;
+    return sqrt(-2 * log(u)) * cos(6.283185307179586 * v);
+}
+
+/* Least squares y = w*.x + e, x ~ N(0, I_d), e ~ N(0, s2), at w = w* + delta: the per-sample gradient
+   (delta.x - e) x has mean delta and tr(Sigma) = (d + 1)|delta|^2 + d s2 (Isserlis), so B_noise =
+   d + 1 + d s2 / |delta|^2 = 41 for d = 20, |delta|^2 = 1, s2 = 1. 400 observations of 8 micro-batches
+   of 8 samples: the estimate is within 4 of its own standard errors and 15% of 41. */
+Test(noise, least_squares_noise_scale_is_recovered) {
+    enum { D = 20, OBS = 400, MICRO = 8, B = 8 };
+    avgpipe_context ctx;
+    avgpipe_noise_scale ns;
+    static double small[OBS], big[OBS];
+    double delta[D], x[D], g[D], gb[D];
+    uint64_t seed = 42;
+    int o, u, i, j, k;
+    avgpipe_context_init(&ctx, NULL);
+    for (j = 0; j < D; j++) delta[j] = j == 0 ? 1 : 0;
+    for (o = 0; o < OBS; o++) {
+        memset(gb, 0, sizeof gb);
+        small[o] = 0;
+        for (u = 0; u < MICRO; u++) {
+            memset(g, 0, sizeof g);
+            for (i = 0; i < B; i++) {
+                double r = 0;
+                for (j = 0; j < D; j++) x[j] = gauss(&seed), r += delta[j] * x[j];
+                r -= gauss(&seed);
+                for (j = 0; j < D; j++) g[j] += r * x[j] / B;
+            }
+            for (j = 0; j < D; j++) small[o] += g[j] * g[j] / MICRO, gb[j] += g[j] / MICRO;
+        }
+        for (k = 0, big[o] = 0; k < D; k++) big[o] += gb[k] * gb[k];
+    }
+    cr_assert_eq(avgpipe_tune_noise_scale(&ctx, small, big, OBS, B, B * MICRO, &ns), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(fabs(ns.scale - 41) <= 4 * ns.rel_err * ns.scale && fabs(ns.scale / 41 - 1) < 0.15,
+              "B_noise %.2f (+- %.1f%%), want 41; |G|^2 %.3f (want 1), tr %.2f (want 41)", ns.scale, 100 * ns.rel_err, ns.gsq, ns.trace);
+    cr_expect(ns.rel_err > 0 && ns.rel_err < 0.1 && ns.n == OBS, "rel_err %g, n %d", ns.rel_err, ns.n);
+    cr_expect(avgpipe_tune_efficiency(ns.scale, 4 * ns.scale) == 5);
+    cr_expect(avgpipe_tune_efficiency(0, 128) == 1 && avgpipe_tune_efficiency(10, 0) == -1);
+    cr_expect_eq(avgpipe_tune_noise_scale(&ctx, small, big, OBS, 8, 8, &ns), AVGPIPE_INVALID_ARG);
+    cr_expect(strstr(avgpipe_last_error(&ctx), "b_big") != NULL, "%s", avgpipe_last_error(&ctx));
+}
+
+/* Time to target ranks a synthetic case the throughput ranking gets wrong: per-op overhead makes more
+   pipelines the most samples per second, a small noise scale makes their extra samples per round cost
+   more samples to the target than they gain; every candidate's time_to_target is its time per sample
+   x (1 + N batch / B_noise). */
+Test(search, time_to_target_ranks_against_throughput) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL, *t = NULL;
+    int n = 0, nt = 0, i;
+    synth s = {2, 1e-3, 1e-6, 2e-3, 2e-6, 0, 1000, 64};
+    avgpipe_context_init(&ctx, NULL);
+    fit_synth(&ctx, &s, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 16, td.max_pipes = 4, td.objective = AVGPIPE_TUNE_THROUGHPUT, td.noise_scale = 8;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &t, &nt), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    td.objective = AVGPIPE_TUNE_TIME_TO_TARGET;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert(n == nt && n > 0);
+    cr_expect(t[0].sched.pipes == 4, "throughput ranking: N = %d first", t[0].sched.pipes);
+    cr_expect(c[0].sched.pipes == 1, "time to target: N = %d first (B_noise 8, batch 16)", c[0].sched.pipes);
+    for (i = 0; i < n; i++) {
+        cr_expect(close_rel(c[i].efficiency, 1 + c[i].sched.pipes * 16 / 8.0), "candidate %d: efficiency %g", i, c[i].efficiency);
+        cr_expect(close_rel(c[i].time_to_target, c[i].time_per_sample * c[i].efficiency));
+        if (i > 0 && c[i].fits == c[i - 1].fits) cr_expect(c[i].time_to_target >= c[i - 1].time_to_target, "candidate %d out of order", i);
+    }
+    avgpipe_free(&ctx, c);
+    c = NULL;
+    td.objective = 7;
+    cr_expect_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_expect(strstr(avgpipe_last_error(&ctx), "objective") != NULL, "%s", avgpipe_last_error(&ctx));
+    avgpipe_free(&ctx, t);
+    avgpipe_tune_cost_model_free(&ctx, &m);
+}
