@@ -1956,7 +1956,7 @@ typedef struct avgpipe_noise_scale {
    b_small samples (e.g. the mean over the micro-batches of a batch of their squared norms), big_sq[i] =
    |g_b|^2 over b_big > b_small samples, both of gradients normalised as means over their samples.
    Errors: AVGPIPE_INVALID_ARG (NULL, n < 1, b_small < 1, b_big <= b_small, a value not finite or < 0),
-   naming it; AVGPIPE_OUT_OF_MEMORY. Thread-safe. */
+   naming it. Thread-safe. */
 AVGPIPE_API avgpipe_result avgpipe_tune_noise_scale(avgpipe_context *ctx, const double *small_sq, const double *big_sq, int n,
                                                     double b_small, double b_big, avgpipe_noise_scale *out);
 
@@ -2016,7 +2016,7 @@ typedef enum avgpipe_tune_objective {
     AVGPIPE_TUNE_THROUGHPUT = 1      /* least time_per_sample: most samples per second, as before 0.7 */
 } avgpipe_tune_objective;
 /* desc with its defaults filled in, as avgpipe_tune_search resolves them: max_pipes 0 -> 4, rounds 0 ->
-   1, min_micro 0 -> 1, chunks 0 -> 1, kinds 0 -> the table's tuned kinds that hold `chunks` stages per
+   1, min_micro 0 -> 1, chunks 0 -> 1, target_samples 0 -> 1, kinds 0 -> the table's tuned kinds that hold `chunks` stages per
    rank; max_advance stays 0 (its bound depends on M); the rest as given. No validation; desc may be
    NULL. Thread-safe. */
 AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_desc *desc);
@@ -12855,14 +12855,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_measure_averaging(avgpipe_context *ctx, 
     return res;
 }
 
-/* The estimate from the averages of n observations (skip >= 0: leave that one out, for the jackknife). */
-static void avgpipe__noise_from(const double *small_sq, const double *big_sq, int n, int skip, double bs, double bb,
-                                avgpipe_noise_scale *o) {
-    double s = 0, b = 0;
-    int i, k = 0;
-    for (i = 0; i < n; i++)
-        if (i != skip) s += small_sq[i], b += big_sq[i], k++;
-    s /= k, b /= k;
+/* The estimate from the observations' averages s = mean |g_s|^2, b = mean |g_b|^2 (k of them). */
+static void avgpipe__noise_from(double s, double b, int k, double bs, double bb, avgpipe_noise_scale *o) {
     o->gsq = (bb * b - bs * s) / (bb - bs);
     o->trace = (s - b) / (1 / bs - 1 / bb);
     o->scale = o->gsq > 0 && o->trace > 0 ? o->trace / o->gsq : 0;
@@ -12872,29 +12866,30 @@ static void avgpipe__noise_from(const double *small_sq, const double *big_sq, in
 AVGPIPE_API avgpipe_result avgpipe_tune_noise_scale(avgpipe_context *ctx, const double *small_sq, const double *big_sq, int n,
                                                     double b_small, double b_big, avgpipe_noise_scale *out) {
     avgpipe_noise_scale one;
-    double mean = 0, var = 0, *leave = NULL;
-    int i;
+    double ss = 0, sb = 0, mean = 0, var = 0;
+    int i, pass;
     if (!small_sq || !big_sq || !out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: NULL argument");
     memset(out, 0, sizeof *out);
     if (n < 1) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: n is %d (at least 1 observation)", n);
     if (!avgpipe__finite(b_small) || !avgpipe__finite(b_big) || !(b_small >= 1) || !(b_big > b_small))
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: b_small %g, b_big %g (1 <= b_small < b_big, finite)", b_small, b_big);
-    for (i = 0; i < n; i++)
+    for (i = 0; i < n; i++) {
         if (!avgpipe__finite(small_sq[i]) || !avgpipe__finite(big_sq[i]) || !(small_sq[i] >= 0) || !(big_sq[i] >= 0))
             return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_noise_scale: observation %d: small_sq %g, big_sq %g (finite, >= 0)", i,
                                  small_sq[i], big_sq[i]);
-    avgpipe__noise_from(small_sq, big_sq, n, -1, b_small, b_big, out);
-    if (n < 2 || out->scale == 0) return AVGPIPE_OK;
-    if (!(leave = (double *)avgpipe_alloc(ctx, (size_t)n * sizeof *leave)))
-        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_noise_scale: out of memory");
-    for (i = 0; i < n; i++) { /* jackknife: var = (n - 1) / n * sum (x_i - mean)^2 */
-        avgpipe__noise_from(small_sq, big_sq, n, i, b_small, b_big, &one);
-        leave[i] = one.scale;
-        mean += one.scale / n;
+        ss += small_sq[i], sb += big_sq[i];
     }
-    for (i = 0; i < n; i++) var += (leave[i] - mean) * (leave[i] - mean);
+    avgpipe__noise_from(ss / n, sb / n, n, b_small, b_big, out);
+    if (n < 2 || out->scale == 0) return AVGPIPE_OK;
+    /* jackknife: the estimate without observation i, from the sums less it; var = (n - 1) / n sum (x_i - mean)^2,
+       the mean in pass 0, the squares in pass 1 */
+    for (pass = 0; pass < 2; pass++)
+        for (i = 0; i < n; i++) {
+            avgpipe__noise_from((ss - small_sq[i]) / (n - 1), (sb - big_sq[i]) / (n - 1), n - 1, b_small, b_big, &one);
+            if (pass == 0) mean += one.scale / n;
+            else var += (one.scale - mean) * (one.scale - mean);
+        }
     out->rel_err = sqrt(var * (n - 1) / n) / out->scale;
-    avgpipe_free(ctx, leave);
     return AVGPIPE_OK;
 }
 
@@ -12987,7 +12982,7 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
     if (res) return res;
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
     c->efficiency = avgpipe_tune_efficiency(td->noise_scale, (double)c->sched.pipes * td->batch);
-    c->time_to_target = c->time_per_sample * c->efficiency * (td->target_samples > 0 ? td->target_samples : 1);
+    c->time_to_target = c->time_per_sample * c->efficiency * td->target_samples; /* resolved: 0 -> 1 */
     memset(&rd, 0, sizeof rd);
     rd.sched = c->sched;
     rd.act_bytes = act;
@@ -13045,6 +13040,7 @@ AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_des
     if (!d.rounds) d.rounds = 1;
     if (!d.min_micro) d.min_micro = 1;
     if (!d.chunks) d.chunks = 1;
+    if (!(d.target_samples > 0)) d.target_samples = 1;
     if (!d.kinds)
         for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++)
             if (avgpipe__kinds[k].tuned && avgpipe__kind_holds(k, d.chunks)) d.kinds |= 1u << k;
@@ -13370,7 +13366,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const
         /* bounded out: no setting of this split (nor of any later one) can beat the best found; the least
            efficiency any candidate has is that of one pipeline (avgpipe_tune_efficiency grows with N) */
         double lo = items[k].bound;
-        if (td.objective != AVGPIPE_TUNE_THROUGHPUT) lo *= avgpipe_tune_efficiency(td.noise_scale, td.batch) * (td.target_samples > 0 ? td.target_samples : 1);
+        if (td.objective != AVGPIPE_TUNE_THROUGHPUT) lo *= avgpipe_tune_efficiency(td.noise_scale, td.batch) * td.target_samples;
         if (best >= 0 && lo > avgpipe__tune_key(&td, &out->best)) break;
         res = avgpipe__split_search(ctx, m, splits + items[k].index * P, &td, pd, &c, &found, &any);
         out->searched++;
