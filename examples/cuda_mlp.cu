@@ -1113,6 +1113,7 @@ static int tune(app *A, avgpipe_context *ctx) {
     avgpipe_profile prof;
     avgpipe_cost_model cm;
     avgpipe_tune_desc td;
+    avgpipe_noise_scale noise;
     avgpipe_result r;
     memset(&prof, 0, sizeof prof);
     memset(&cm, 0, sizeof cm);
@@ -1146,7 +1147,8 @@ static int tune(app *A, avgpipe_context *ctx) {
     for (i = 0; i < nsizes; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
     print_check(ctx, &cm, &prof, nsizes * TUNE_PROFILED, meas[2]);
 
-    tune_desc_init(&td, o, A->train.n, min_micro);
+    if (tune_noise(ctx, o, &A->model, &A->train, 1, &noise) != 0) goto done;
+    tune_desc_init(&td, o, A->train.n, min_micro, &noise);
     if (tune_choose(ctx, o, &cm, &td, t0) != 0) goto done;
     rc = 0;
 done:

@@ -65,8 +65,6 @@
 #include <sys/syscall.h>
 #endif
 
-void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
-
 /* Everything the callbacks reach through op->user. Per-(replica, stage) state (stash, perm) is touched
    only by the worker of the rank that holds that stage of that replica group; per-model state (the nets'
    gradients and Adam) too. A model is replica * N + pipe. */
@@ -127,10 +125,13 @@ static const char usage_tuning[] =
     "a few iterations of 1 pipeline at two micro-batch sizes on throwaway copies of the initial weights\n"
     "(training then starts from the same weights and sample order as without tuning), a cost model is\n"
     "fitted, and every setting (schedule, M, N <= 4, K, round mode) is simulated; what the command line\n"
-    "fixes (--micro, --pipes, --schedule, --sync) stays fixed. The fastest predicted per sample within\n"
-    "--mem-limit is trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the\n"
-    "choice and the best alternatives (one per M and N) go to stderr. --split auto: the profile times\n"
-    "every layer and the partitioner picks the split with the setting (also with M and N fixed).\n";
+    "fixes (--micro, --pipes, --schedule, --sync) stays fixed. With N auto, a plain-loop probe trains\n"
+    "half an epoch on throwaway weights and measures the gradient noise scale B_noise: N pipelines take\n"
+    "1 + N x batch / B_noise times the epochs of a small batch. The setting predicted to reach a target\n"
+    "loss soonest (samples/s x that; --objective throughput: the most samples/s) within --mem-limit is\n"
+    "trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the choice and the\n"
+    "best alternatives (one per M and N) go to stderr. --split auto: the profile times every layer and\n"
+    "the partitioner picks the split with the setting (also with M and N fixed).\n";
 
 /* Contiguous splits of the model's layers into its stage partitions: C(L-1, G-1). */
 static double split_count(const options *o) {
@@ -788,9 +789,11 @@ static void print_header(const app *A) {
      as N·M (advance tries every K up to (N·M-1)(S-1), each simulated): at >= 1 sample it simulates 8512
      settings in over 10 s, at >= 16 samples 512 in ~0.06 s. The profile covers exactly this range (its two sizes are its ends), so every
      prediction interpolates the fitted line.
-   - The choice: the fastest predicted; settings within TUNE_TIE of it are ties (here stage 0 holds 2/3 of
-     the work, so the best settings are all stage-0 bound and predicted alike), broken toward fewer
-     pipelines (accuracy per epoch), then less memory. The tie is kept narrow on purpose: the simulator
+   - The choice: the least predicted time to target, samples/s x the progress per sample that the
+     gradient noise scale gives each N (tune_noise_probe: N pipelines of batch B take 1 + N B / B_noise
+     times the epochs of a small batch; --objective throughput: the fastest predicted). Settings within
+     TUNE_TIE of it are ties (here stage 0 holds 2/3 of the work, so the best settings of one N are all
+     stage-0 bound and predicted alike), broken toward fewer pipelines, then less memory. The tie is kept narrow on purpose: the simulator
      gives every rank its own core, so with more ranks than cores it over-predicts settings with little
      work in flight (M = 1, N = 2: predicted 2% below the fastest, measured 25-35% below it here). */
 
@@ -1025,6 +1028,7 @@ static int tune(app *A, avgpipe_context *ctx) {
     avgpipe_profile prof;
     avgpipe_cost_model cm, sm, *use = &cm;
     avgpipe_tune_desc td;
+    avgpipe_noise_scale noise;
     avgpipe_result r;
     memset(&prof, 0, sizeof prof);
     memset(&cm, 0, sizeof cm);
@@ -1069,7 +1073,8 @@ static int tune(app *A, avgpipe_context *ctx) {
     for (i = 0; i < nsizes; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
 
     /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the choice. */
-    tune_desc_init(&td, o, A->train.n, min_micro);
+    if (tune_noise(ctx, o, &A->model, &A->train, (int)cm.cores, &noise) != 0) goto done;
+    tune_desc_init(&td, o, A->train.n, min_micro, &noise);
     if (cm.nlayers) { /* the split (the partitioner's, with --split auto), searched on its layers' costs */
         if (tune_split(A, ctx, &cm, &td, &sm) != 0) goto done;
         use = &sm;

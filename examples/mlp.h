@@ -282,6 +282,7 @@ typedef struct mlp_reference {
     mlp_stash stash[MLP_MAX_LAYERS];
     float *act[MLP_MAX_LAYERS];  /* boundary g|g+1 activation, mb * out width */
     float *grad[MLP_MAX_LAYERS]; /* boundary g|g+1 gradient */
+    float *one[MLP_MAX_LAYERS];  /* mlp_reference_batch_noise: one micro-batch's gradient of stage g (lazily) */
     mlp_perm perm;
 } mlp_reference;
 
@@ -299,6 +300,16 @@ void mlp_reference_free(mlp_reference *r);
    gradients accumulate in r->net.grad, no step. *loss (mean over the batch) and *correct may be NULL.
    Returns 0, or -1 on a non-finite loss. */
 int mlp_reference_batch(mlp_reference *r, int64_t round, double *loss, int *correct);
+
+/* mlp_reference_batch, measuring the gradient noise as well: *micro_sq gets the mean over the batch's
+   micro-batches of |g_u|^2 (g_u: the mean gradient over micro-batch u's samples, all stages' parameters),
+   *batch_sq |g|^2 of the batch's mean gradient (what the step uses): the two averages a gradient noise
+   scale is estimated from (avgpipe_tune_noise_scale with b_small = batch / micro, b_big = batch). Needs
+   micro >= 2 and the gradients zero (after mlp_reference_step or init). The gradients accumulate in
+   r->net.grad as with mlp_reference_batch, summed in another order (equal up to rounding). Returns 0, or
+   -1 on a non-finite loss, out of memory, or micro < 2. */
+int mlp_reference_batch_noise(mlp_reference *r, int64_t round, double *loss, int *correct, double *micro_sq,
+                              double *batch_sq);
 
 /* One Adam step on every stage (zeroes the gradients), at the learning rate of step r->steps. */
 void mlp_reference_step(mlp_reference *r);
@@ -1192,6 +1203,7 @@ void mlp_reference_free(mlp_reference *r) {
         mlp_stash_free(&r->stash[g]);
         free(r->act[g]);
         free(r->grad[g]);
+        free(r->one[g]);
     }
     mlp_perm_free(&r->perm);
     memset(r, 0, sizeof *r);
@@ -1226,8 +1238,8 @@ oom:
     return -1;
 }
 
-/* Forward then backward of one micro-batch through every stage; adds to the gradients. */
-static int mlp__reference_micro(mlp_reference *r, int64_t round, int micro, double *loss, int *correct) {
+/* Forward then backward of one micro-batch through every stage; adds to the gradients grad[0 .. G-1]. */
+static int mlp__reference_micro(mlp_reference *r, int64_t round, int micro, float *const *grad, double *loss, int *correct) {
     const mlp_model *m = r->model;
     int G = m->stages, g;
     float scale = 1.0f / (float)(r->micro * r->mb);
@@ -1241,7 +1253,7 @@ static int mlp__reference_micro(mlp_reference *r, int64_t round, int micro, doub
     if (!isfinite(*loss)) return -1;
     for (g = G - 1; g >= 0; g--)
         mlp_stage_backward(m, g, r->net.params[g], &r->stash[g], g ? r->act[g - 1] : NULL,
-                           g < G - 1 ? r->grad[g] : NULL, g ? r->grad[g - 1] : NULL, r->net.grad[g], scale);
+                           g < G - 1 ? r->grad[g] : NULL, g ? r->grad[g - 1] : NULL, grad[g], scale);
     return 0;
 }
 
@@ -1249,12 +1261,42 @@ int mlp_reference_batch(mlp_reference *r, int64_t round, double *loss, int *corr
     double sum = 0, l = 0;
     int hits = 0, u, c = 0;
     for (u = 0; u < r->micro; u++) {
-        if (mlp__reference_micro(r, round, u, &l, &c) != 0) return -1;
+        if (mlp__reference_micro(r, round, u, r->net.grad, &l, &c) != 0) return -1;
         sum += l;
         hits += c;
     }
     if (loss) *loss = sum / r->micro;
     if (correct) *correct = hits;
+    return 0;
+}
+
+int mlp_reference_batch_noise(mlp_reference *r, int64_t round, double *loss, int *correct, double *micro_sq,
+                              double *batch_sq) {
+    const mlp_model *m = r->model;
+    double sum = 0, l = 0, usq = 0, bsq = 0;
+    int hits = 0, u, c = 0, g;
+    size_t i;
+    if (r->micro < 2) return -1;
+    for (g = 0; g < m->stages; g++)
+        if (!r->one[g] && !(r->one[g] = (float *)malloc(sizeof(float) * m->count[g]))) return -1;
+    for (u = 0; u < r->micro; u++) {
+        for (g = 0; g < m->stages; g++) memset(r->one[g], 0, sizeof(float) * m->count[g]);
+        if (mlp__reference_micro(r, round, u, r->one, &l, &c) != 0) return -1;
+        sum += l;
+        hits += c;
+        for (g = 0; g < m->stages; g++)
+            for (i = 0; i < m->count[g]; i++) { /* one[] holds g_u / micro: the step's share of it */
+                double x = r->one[g][i];
+                usq += x * x;
+                r->net.grad[g][i] += r->one[g][i];
+            }
+    }
+    for (g = 0; g < m->stages; g++)
+        for (i = 0; i < m->count[g]; i++) bsq += (double)r->net.grad[g][i] * r->net.grad[g][i];
+    if (loss) *loss = sum / r->micro;
+    if (correct) *correct = hits;
+    *micro_sq = usq * r->micro; /* mean over u of |micro * one_u|^2 */
+    *batch_sq = bsq;
     return 0;
 }
 

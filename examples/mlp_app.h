@@ -2,7 +2,8 @@
    threads or MPI) and examples/cuda_mlp.cu (a GPU, or one GPU per process over NCCL).
      1. the command line: one options struct, the flags both take, their checks and messages (each
         program adds its own flags through an mlp_cli_program);
-     2. the tuner's choice: from a fitted cost model, the setting to train, and its report on stderr;
+     2. the tuner's choice: the gradient noise scale (a plain-loop probe) and, from a fitted cost model,
+        the setting to train, and its report on stderr;
      3. training progress: the per-epoch statistics and bar, checkpoints.
 
    Part of the examples, not of the library: every function is static, and the one file of each
@@ -25,6 +26,11 @@
 #include <time.h>
 #include <unistd.h>
 
+#ifdef __cplusplus
+extern "C"
+#endif
+void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; not in netlib's */
+
 /* ---- 1. The command line ---------------------------------------------------------------------------- */
 
 #define AUTO 0            /* --micro auto, --pipes auto: the tuner picks them */
@@ -38,9 +44,11 @@ typedef struct options {
     int deterministic, continuous, normalize, cosine;
     int procs;                        /* --backend mpi (fashion_mnist) or nccl (cuda_mlp): one rank per process */
     int schedule_set, sync_set;       /* the user fixed --schedule / --sync: the tuner keeps them */
+    int objective_set;                /* --objective given (it applies only to the tuner) */
     avgpipe_sched_kind schedule;
     double alpha, lr;
     double mem_limit;                 /* --mem-limit: bytes per rank for the tuner; 0: none */
+    int objective;                    /* --objective: what the tuner ranks by (avgpipe_tune_objective) */
     unsigned long long seed;
     const char *data, *hidden, *trace, *profile, *save, *profile_tune, *checkpoint, *resume;
     /* fashion_mnist's own */
@@ -191,7 +199,7 @@ static const char *const mlp_cli_flags[] = {
     "--stages", "--pipes", "--micro", "--batch", "--epochs", "--rounds", "--chunks", "--limit-train", "--alpha",
     "--lr", "--seed", "--advance", "--schedule", "--data", "--hidden", "--trace", "--profile", "--save",
     "--mem-limit", "--profile-tune", "--replicas", "--backend", "--checkpoint", "--checkpoint-every", "--resume",
-    "--stop-after", NULL};
+    "--stop-after", "--objective", NULL};
 
 static int mlp_cli_listed(const char *const *names, const char *f) {
     for (; names && *names; names++)
@@ -228,6 +236,12 @@ static void mlp_cli_value(const mlp_cli_program *p, options *o, const char *f, c
             bad_usage("--schedule expects afab, 1f1b, advance, interleaved, zbh1, zbv or dualpipev, got '%s'", v);
         o->schedule_set = 1;
     } else if (!strcmp(f, "--mem-limit")) o->mem_limit = parse_size(f, v);
+    else if (!strcmp(f, "--objective")) {
+        if (!strcmp(v, "time")) o->objective = AVGPIPE_TUNE_TIME_TO_TARGET;
+        else if (!strcmp(v, "throughput")) o->objective = AVGPIPE_TUNE_THROUGHPUT;
+        else bad_usage("--objective expects time or throughput, got '%s'", v);
+        o->objective_set = 1;
+    }
     else if (!strcmp(f, "--profile-tune")) o->profile_tune = v;
     else if (!strcmp(f, "--data")) o->data = v;
     else if (!strcmp(f, "--hidden")) o->hidden = v;
@@ -249,6 +263,7 @@ static void mlp_cli_check(const mlp_cli_program *p, options *o, const char *adva
                   advance_flag);
     if (!p->profiles(o) && (o->mem_limit > 0 || o->profile_tune))
         bad_usage("%s applies only to %s", o->mem_limit > 0 ? "--mem-limit" : "--profile-tune", p->profiles_when);
+    if (!tuning(o) && o->objective_set) bad_usage("--objective applies only to the tuner (--micro auto or --pipes auto)");
     if (advance_flag && o->schedule != AVGPIPE_SCHED_ADVANCE && strcmp(advance_flag, "auto") != 0)
         bad_usage("--advance %s applies only to --schedule advance", advance_flag);
     if (o->chunks && !interleaved) bad_usage("--chunks applies only to --schedule interleaved");
@@ -315,6 +330,7 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
     "  --mem-limit SIZE    tuner: bytes per rank (buffers, parameters, Adam state), suffix K, M or G\n" \
     "                      (binary); default no limit\n" \
     "  --profile-tune FILE tuner: keep its profile (default: a temporary file, removed)\n" \
+    "  --objective OBJ     tuner: time (to a target loss; default) | throughput (samples/s alone)\n" \
     "  --alpha A           elasticity in [0, 1] (default 0.1)\n" \
     "  --epochs E          (default 10)\n" \
     "  --lr LR             Adam learning rate, cosine-decayed to 0 over the run (default 1e-3)\n" \
@@ -342,7 +358,9 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
 #define TUNE_SHOW 5     /* alternatives printed */
 #define TUNE_MAX_PIPES 4
 #define TUNE_MIN_MICRO_SAMPLES 16
-#define TUNE_TIE 0.005  /* settings predicted within 0.5% of the fastest are ties (see tune_choose) */
+#define TUNE_TIE 0.005  /* settings predicted within 0.5% of the best are ties (see tune_choose) */
+#define TUNE_NOISE_EPOCHS 0.5 /* the noise probe trains this share of an epoch, then measures (tune_noise_probe) */
+#define TUNE_NOISE_BATCHES 32 /* batches the noise scale is measured on */
 
 static double now_s(void) {
     struct timespec t;
@@ -391,6 +409,88 @@ static int tune_profile_path(const options *o, char *tmp, size_t cap, const char
     return 0;
 }
 
+/* The gradient noise scale B_noise of model m at batch o->batch, for ranking by time to target (avgpipe.h
+   section 20, avgpipe_tune_noise_scale): a plain-loop probe (mlp_reference on the caller's thread, weights
+   and order from o->seed, thrown away) trains TUNE_NOISE_EPOCHS of an epoch at the run's learning rate,
+   then, at the weights it reached, takes TUNE_NOISE_BATCHES more batches and sums the squares of each
+   micro-batch's gradient (micro-batches of batch / M samples, M the largest of 2..8 dividing the batch)
+   and of the batch's. Why train first: the noise scale grows as the loss falls (McCandlish et al. 2018).
+   For the default model it is ~80 samples at the first steps, ~200 by half an epoch, ~450 in the third
+   epoch; measured at the start it would make every pipeline beyond the first look wasted. Half an epoch
+   is a compromise between the probe's cost (~1 s here) and how early in the run it looks: the estimate
+   stays below the run's mean, so the choice leans toward fewer pipelines. ns->scale 0 (not measured)
+   when the batch cannot be cut (a batch of 1). *seconds: the probe's time. 0, or -1 with a message. */
+static int tune_noise_probe(avgpipe_context *ctx, const options *o, const mlp_model *m, const mlp_data *train,
+                            avgpipe_noise_scale *ns, double *seconds) {
+    mlp_reference r, q;
+    mlp_adam_hp hp = mlp_adam_defaults();
+    double t0 = now_s(), small[TUNE_NOISE_BATCHES], big[TUNE_NOISE_BATCHES], l;
+    char err[256];
+    int64_t t, steps;
+    int M, i, g, c, rc = -1;
+    memset(ns, 0, sizeof *ns);
+    *seconds = 0;
+    for (M = 8; M > 1 && o->batch % M; M--) continue;
+    if (M < 2 && o->batch > 1) M = o->batch; /* a prime batch: micro-batches of one sample */
+    if (M < 2) return 0;
+    hp.lr = (float)o->lr;
+    memset(&q, 0, sizeof q);
+    if (mlp_reference_init(&r, m, train, o->batch, 1, &hp, o->seed, o->seed, err, sizeof err) != 0 ||
+        mlp_reference_init(&q, m, train, o->batch, M, &hp, o->seed, o->seed, err, sizeof err) != 0) {
+        fail("tuner: noise probe: %s", err);
+        goto out;
+    }
+    steps = (int64_t)(TUNE_NOISE_EPOCHS * (double)r.order.rounds_per_epoch);
+    if (o->cosine) r.decay_steps = r.order.rounds_per_epoch * o->epochs;
+    for (t = 0; t < steps; t++) {
+        if (mlp_reference_batch(&r, t, &l, &c) != 0) {
+            fail("tuner: noise probe: non-finite loss at step %lld (lower --lr?)", (long long)t + 1);
+            goto out;
+        }
+        mlp_reference_step(&r);
+    }
+    for (g = 0; g < m->stages; g++) memcpy(q.net.params[g], r.net.params[g], sizeof(float) * m->count[g]);
+    for (i = 0; i < TUNE_NOISE_BATCHES; i++) { /* at fixed weights: the gradients of the next batches */
+        if (mlp_reference_batch_noise(&q, steps + i, &l, &c, &small[i], &big[i]) != 0) {
+            fail("tuner: noise probe: non-finite loss or out of memory");
+            goto out;
+        }
+        for (g = 0; g < m->stages; g++) memset(q.net.grad[g], 0, sizeof(float) * m->count[g]);
+    }
+    if (avgpipe_tune_noise_scale(ctx, small, big, TUNE_NOISE_BATCHES, (double)(o->batch / M), (double)o->batch, ns) != AVGPIPE_OK) {
+        fail("tuner: noise probe: %s", avgpipe_last_error(ctx));
+        goto out;
+    }
+    rc = 0;
+out:
+    mlp_reference_free(&r);
+    mlp_reference_free(&q);
+    *seconds = now_s() - t0;
+    return rc;
+}
+
+/* The tuner's noise scale (tune_noise_probe), reported on stderr; none (scale 0) when it ranks by samples/s
+   alone or N is fixed (every candidate then has the same efficiency). blas_threads: OpenBLAS threads for
+   the probe (the stage threads are not running yet), set back to 1 after it. 0, or -1 with a message. */
+static int tune_noise(avgpipe_context *ctx, const options *o, const mlp_model *m, const mlp_data *train, int blas_threads,
+                      avgpipe_noise_scale *ns) {
+    double s;
+    int rc;
+    memset(ns, 0, sizeof *ns);
+    if (o->objective == AVGPIPE_TUNE_THROUGHPUT || o->pipes != AUTO) return 0;
+    openblas_set_num_threads(blas_threads);
+    rc = tune_noise_probe(ctx, o, m, train, ns, &s);
+    openblas_set_num_threads(1);
+    if (rc != 0) return rc;
+    if (ns->scale > 0)
+        fprintf(stderr, PROG ": tuner: gradient noise scale %.0f samples (+-%.0f%%, %d batches after %.2g epochs of a plain-loop "
+                        "probe, %.2f s): a round of N x %d samples takes 1 + N x %d / %.0f times the epochs\n",
+                ns->scale, 100 * ns->rel_err, ns->n, TUNE_NOISE_EPOCHS, s, o->batch, o->batch, ns->scale);
+    else fprintf(stderr, PROG ": tuner: gradient noise scale not measured (%s; %.2f s): ranking by samples/s\n",
+                 o->batch < 2 ? "a batch of 1 sample has no micro-batches" : "the noise hid the gradient", s);
+    return 0;
+}
+
 /* The model against the iterations it was fitted to (median of the profiled ones). */
 static void print_check(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_profile *p, int section,
                         const double *measured) {
@@ -406,17 +506,28 @@ static const char *round_mode(int continuous) { return continuous ? "continuous"
 static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chosen) {
     char k[16] = "-";
     if (c->sched.kind == AVGPIPE_SCHED_ADVANCE) snprintf(k, sizeof k, "%d", c->sched.advance);
-    fprintf(stderr, "  %2s %-8s %3d %3d %4s %-10s %4d %10.0f %9.2f%s\n", chosen ? "->" : "",
+    fprintf(stderr, "  %2s %-8s %3d %3d %4s %-10s %4d %10.0f %6.2f %9.2f %9.2f%s\n", chosen ? "->" : "",
             avgpipe_sched_kind_name(c->sched.kind), c->sched.micro, c->sched.pipes, k, round_mode(c->sched.continuous),
-            batch / c->sched.micro, 1.0 / c->time_per_sample, c->peak_bytes / (1024.0 * 1024.0),
+            batch / c->sched.micro, 1.0 / c->time_per_sample, c->efficiency, c->time_to_target, c->peak_bytes / (1024.0 * 1024.0),
             c->fits ? "" : "  over --mem-limit");
 }
 
+/* What tune_choose ranks by: the predicted time to target, or per sample (--objective throughput). */
+static double tune_key(const options *o, const avgpipe_tune_candidate *c) {
+    return o->objective == AVGPIPE_TUNE_THROUGHPUT ? c->time_per_sample : c->time_to_target;
+}
+
 /* The search the command line asks for: the flags the user fixed (schedule, --sync, N) narrow it; N up to
-   TUNE_MAX_PIPES and what `ntrain` samples can feed (every model needs a batch of its own per round). */
-static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, int min_micro) {
+   TUNE_MAX_PIPES and what `ntrain` samples can feed (every model needs a batch of its own per round).
+   noise: the model's gradient noise scale (tune_noise_probe; NULL or scale 0: not measured); the time to
+   target is counted in seconds per epoch of ideal progress (target_samples = ntrain: the progress one
+   epoch makes at a batch far below the noise scale). */
+static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, int min_micro, const avgpipe_noise_scale *noise) {
     int feed = ntrain / (o->batch * o->replicas);
     memset(td, 0, sizeof *td);
+    td->objective = o->objective;
+    td->noise_scale = noise ? noise->scale / o->replicas : 0; /* D replica groups train one reference */
+    td->target_samples = ntrain;
     td->batch = o->batch;
     td->max_pipes = o->pipes != AUTO ? o->pipes : feed < TUNE_MAX_PIPES ? feed : TUNE_MAX_PIPES;
     td->rounds = o->rounds;
@@ -428,10 +539,11 @@ static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, 
 }
 
 /* Search model `m` as td says, choose, report on stderr, and set o's schedule, micro, pipes, advance,
-   round mode and chunks to the choice. The choice: the fastest predicted within --mem-limit among the
-   settings with the M and N the user fixed; those within TUNE_TIE of it are ties, broken toward fewer
-   pipelines (accuracy per epoch), then less memory. t0: when tuning began, for the report. 0, or -1 with
-   a message (nothing fits: what the smallest setting needs). */
+   round mode and chunks to the choice. The choice: the best predicted (least time to target, or with
+   --objective throughput least time per sample) within --mem-limit among the settings with the M and N
+   the user fixed; those within TUNE_TIE of it are ties, broken toward fewer pipelines (progress per
+   sample), then less memory. t0: when tuning began, for the report. 0, or -1 with a message (nothing
+   fits: what the smallest setting needs). */
 static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, double t0) {
     avgpipe_tune_candidate *cand = NULL;
     int i, ncand = 0, nok = 0, shown = 0, chosen = -1, best;
@@ -445,7 +557,7 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
     }
     best = nok > 0 && cand[0].fits ? 0 : -1;
     for (i = 0; best >= 0 && i < nok && cand[i].fits; i++)
-        if (cand[i].time_per_sample <= cand[best].time_per_sample * (1 + TUNE_TIE) &&
+        if (tune_key(o, &cand[i]) <= tune_key(o, &cand[best]) * (1 + TUNE_TIE) &&
             (chosen < 0 || cand[i].sched.pipes < cand[chosen].sched.pipes ||
              (cand[i].sched.pipes == cand[chosen].sched.pipes && cand[i].peak_bytes < cand[chosen].peak_bytes)))
             chosen = i;
@@ -464,9 +576,12 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
     fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
     if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d samples", td->min_micro);
     else fprintf(stderr, "M = %d", o->micro);
-    fprintf(stderr, "%s); predicted, fastest first, the best setting of each M and N:\n"
-                    "     schedule   M   N    K rounds       mb  samples/s  peak MiB\n",
-            o->mem_limit > 0 ? ", within --mem-limit" : "");
+    fprintf(stderr, "%s); predicted, %s first, the best setting of each M and N", o->mem_limit > 0 ? ", within --mem-limit" : "",
+            o->objective == AVGPIPE_TUNE_THROUGHPUT ? "fastest" : "soonest to target");
+    if (td->noise_scale > 0)
+        fprintf(stderr, " (efficiency: epochs to a target relative to a batch far below the noise scale, %.0f samples;\n"
+                        "     to target: seconds per such epoch)", td->noise_scale);
+    fprintf(stderr, ":\n     schedule   M   N    K rounds       mb  samples/s    eff to target  peak MiB\n");
     for (i = 0; i < nok && (shown < TUNE_SHOW || i <= chosen); i++) {
         int j, dup = 0; /* one line per (M, N): the schedules, K and round modes of one are often tied */
         for (j = 0; j < i && !dup; j++) dup = cand[j].sched.micro == cand[i].sched.micro && cand[j].sched.pipes == cand[i].sched.pipes;
@@ -484,8 +599,9 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
     o->chunks = 1;
     fprintf(stderr, PROG ": tuner: chose %s, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), o->micro, o->pipes);
     if (o->schedule == AVGPIPE_SCHED_ADVANCE) fprintf(stderr, ", K = %d", o->advance);
-    fprintf(stderr, ", %s rounds: predicted %.0f samples/s, %.2f MiB per rank", round_mode(o->continuous),
-            1.0 / cand[chosen].time_per_sample, cand[chosen].peak_bytes / (1024.0 * 1024.0));
+    fprintf(stderr, ", %s rounds: predicted %.0f samples/s", round_mode(o->continuous), 1.0 / cand[chosen].time_per_sample);
+    if (td->noise_scale > 0) fprintf(stderr, ", efficiency %.2f: %.2f s per epoch of ideal progress", cand[chosen].efficiency, cand[chosen].time_to_target);
+    fprintf(stderr, ", %.2f MiB per rank", cand[chosen].peak_bytes / (1024.0 * 1024.0));
     if (chosen != best) fprintf(stderr, " (of the ties within %.1f%%: fewest pipelines, least memory)", 100 * TUNE_TIE);
     fprintf(stderr, "; tuning took %.2f s\n", now_s() - t0);
     avgpipe_free(ctx, cand);

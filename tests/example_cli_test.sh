@@ -58,6 +58,8 @@ bad "--replicas expects an integer in [1, 8]" --replicas 9
 bad "--schedule dualpipev needs --pipes x --micro >= 2 x ranks" --schedule dualpipev --micro 1 --pipes 1
 bad "--trace /nonexistent-dir/x.json: cannot create" --trace /nonexistent-dir/x.json --micro 4 --pipes 1
 bad "--save /nonexistent-dir/x: cannot create" --save /nonexistent-dir/x --micro 4 --pipes 1
+bad "--objective expects time or throughput, got 'speed'" --objective speed
+bad "--objective applies only to the tuner" --objective throughput --micro 4 --pipes 2
 
 case $kind in
 fashion_mnist)
