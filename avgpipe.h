@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.7.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.8.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -137,9 +137,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 7
+#define AVGPIPE_VERSION_MINOR 8
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.7.0"
+#define AVGPIPE_VERSION_STRING "0.8.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.7.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.8.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -1856,7 +1856,13 @@ AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p);
    N = 2 (sections of both in one profile): the fit takes the ops' own costs from the N = 1 sections and
    the share of an op that overlaps (cost_model.overlap) from how much less time the ranks were busy at
    N = 2 than those costs add up to; predictions with N pipelines then charge each compute op
-   (N (1 - overlap) + overlap) / N of its cost. On CPU threads the ops of a rank never overlap: 0. */
+   (N (1 - overlap) + overlap) / N of its cost. On CPU threads the ops of a rank never overlap: 0.
+
+   Stage threads sharing cores. With cost_model.cores set, an iteration takes at least all ranks' work
+   over the cores. With more ranks than cores the threads do not get all of them (the scheduler wakes a
+   receiving thread on its sender's core, where one waits while another core idles), so the fit also
+   takes from the profile how many cores' worth of work they got through at once (busy_cores), and the
+   bound divides by that. Like the overlap, it wants sections with little bubble (N = 2). */
 
 /* Fitted costs, seconds. Op time of (stage, kind) = a + b · samples per micro-batch. */
 typedef struct avgpipe_cost_model {
@@ -1867,7 +1873,8 @@ typedef struct avgpipe_cost_model {
     double *act_bytes_per_sample; /* [nstages]: activation bytes at boundary g|g+1 per sample */
     double samples_lo, samples_hi; /* micro-batch sizes seen in the profile */
     /* Cores the ranks share (CPU stage threads); 0 = a core (or device) per rank. With cores set an
-       iteration takes at least (all ranks' compute + all averaging) / cores. Set it after the fit. */
+       iteration takes at least (all ranks' compute + all averaging) / cores, and with more ranks than
+       cores at least that over busy_cores when that is fitted and fewer. Set it after the fit. */
     double cores;
     /* Fitted from the profile (0 where it has nothing to fit them from): */
     double op_overhead;         /* runtime time per compute or STEP op outside the callback (trimmed mean) */
@@ -1886,6 +1893,14 @@ typedef struct avgpipe_cost_model {
     double overlap;
     int nlayers;                /* per-layer costs ('layer' lines), for avgpipe_tune_split_model / _plan */
     avgpipe_layer_cost *layers; /* [nlayers]; .stage = the partition that holds the layer in this model */
+    /* Cores' worth of the model's work the ranks were seen to get done at once (fitted; 0: none): per
+       section, the fitted cost of its ops and averaging over its measured time less iter_overhead; the
+       median over the sections of one shape (kind, M, N), the largest of those. Where stage threads
+       outnumber the cores they rarely get all of them (a thread woken onto its waker's core waits there
+       while another core idles; measured here: 4 stage threads on 2 cores did 1.25-1.5 cores' worth), so
+       with more ranks than `cores` the cores bound divides by this instead (at least 1), when it is less.
+       Profile a setting with little bubble (N = 2) so that the sections show what the cores can do. */
+    double busy_cores;
 } avgpipe_cost_model;
 
 /* Fit a cost model to a profile (every section must have the same stage partitions). Errors:
@@ -2060,7 +2075,8 @@ typedef struct avgpipe_tune_split_choice {
     avgpipe_tune_candidate best; /* the best kept candidate (by desc.objective) of that split that fits */
     int found;                   /* 0: no kept candidate of any split fits the memory limit */
     double slowest_share;        /* avgpipe_tune_slowest_share of the split at best's micro-batch size */
-    double bound;                /* 1 / slowest_share, capped at the cores when m->cores is set */
+    double bound;                /* 1 / slowest_share, capped at the cores when m->cores is set (busy_cores
+                                    with more ranks than cores, as the prediction) */
     long long splits, searched;  /* contiguous splits, and how many were searched (the rest were bounded out) */
 } avgpipe_tune_split_choice;
 
@@ -12500,6 +12516,56 @@ static void avgpipe__fit_iteration(const avgpipe_profile *p, avgpipe_cost_model 
     }
 }
 
+static double avgpipe__op_time(const avgpipe_cost_model *m, int g, int kind, double samples, double util);
+static double avgpipe__avg_cost(const avgpipe_cost_model *m, int g);
+
+/* m->busy_cores (see avgpipe_cost_model), after the op costs, overheads and averaging are fitted. */
+static avgpipe_result avgpipe__fit_busy_cores(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *m) {
+    double *rate;
+    char *used;
+    size_t i;
+    int s, t, g;
+    m->busy_cores = 0;
+    rate = (double *)avgpipe__calloc(ctx, (size_t)p->nsections, sizeof *rate);
+    used = (char *)avgpipe__calloc(ctx, (size_t)p->nsections, 1);
+    if (!rate || !used) {
+        avgpipe_free(ctx, rate);
+        avgpipe_free(ctx, used);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_fit: out of memory");
+    }
+    for (i = 0; i < p->nops; i++) { /* the ops' fitted cost, as the prediction charges them */
+        const avgpipe_profile_op *o = &p->ops[i];
+        if (o->section < 0 || o->section >= p->nsections || o->stage < 0 || o->stage >= m->nstages) continue;
+        if (avgpipe__is_compute(o->kind) || o->kind == AVGPIPE_OP_STEP)
+            rate[o->section] += avgpipe__op_time(m, o->stage, o->kind, p->sections[o->section].samples, 1);
+    }
+    for (s = 0; s < p->nsections; s++) { /* + one averaging contribution per stage, pipeline and round */
+        const avgpipe_profile_section *sec = &p->sections[s];
+        double t_run = sec->seconds - m->iter_overhead;
+        for (g = 0; g < m->nstages; g++) rate[s] += (double)sec->shape.pipes * sec->shape.rounds * avgpipe__avg_cost(m, g);
+        rate[s] = t_run > 0 ? rate[s] / t_run : 0;
+    }
+    for (s = 0; s < p->nsections; s++) { /* per shape the median, the largest of them */
+        const avgpipe_sched_desc *a = &p->sections[s].shape;
+        double v[64], med;
+        int n = 0;
+        if (used[s]) continue;
+        for (t = s; t < p->nsections; t++) {
+            const avgpipe_sched_desc *b = &p->sections[t].shape;
+            if (used[t] || b->kind != a->kind || b->micro != a->micro || b->pipes != a->pipes) continue;
+            used[t] = 1;
+            if (rate[t] > 0 && n < 64) v[n++] = rate[t];
+        }
+        if (!n) continue;
+        qsort(v, (size_t)n, sizeof v[0], avgpipe__cmp_dbl);
+        med = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+        if (med > m->busy_cores) m->busy_cores = med;
+    }
+    avgpipe_free(ctx, rate);
+    avgpipe_free(ctx, used);
+    return AVGPIPE_OK;
+}
+
 static avgpipe_result avgpipe__fit_extras(avgpipe_context *ctx, const avgpipe_profile *p, avgpipe_cost_model *m) {
     if (p->averaging_floats > 0) m->avg_per_float = p->averaging_seconds / p->averaging_floats;
     avgpipe__fit_step(p, m);
@@ -12656,6 +12722,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_fit(avgpipe_context *ctx, const avgpipe_
     res = avgpipe__fit_latency(ctx, p, &out->latency);
     if (!res) res = avgpipe__fit_extras(ctx, p, out);
     if (!res) res = avgpipe__fit_overlap(ctx, p, out);
+    if (!res) res = avgpipe__fit_busy_cores(ctx, p, out);
     if (res) avgpipe_tune_cost_model_free(ctx, out);
     return res;
 }
@@ -12669,6 +12736,14 @@ typedef struct avgpipe__pred {
 
 /* One averaging contribution of stage g. */
 static double avgpipe__avg_cost(const avgpipe_cost_model *m, int g) { return m->avg_per_float * m->param_floats[g]; }
+
+/* The cores the cores bound divides by for `ranks` ranks (m->cores set): m->cores, or the fitted
+   busy_cores when the ranks outnumber the cores and it is less, but at least one core (a profile whose
+   sections were bound by their bubbles shows less than the machine can do; one thread uses one core). */
+static double avgpipe__cores(const avgpipe_cost_model *m, int ranks) {
+    double c = m->busy_cores > 1 ? m->busy_cores : 1;
+    return (double)ranks > m->cores && m->busy_cores > 0 && c < m->cores ? c : m->cores;
+}
 
 /* The share of a compute op's own time that is left when N pipelines share each device (their kernels
    overlap by cost_model.overlap): 1 - overlap (N - 1) / N; 1 for N = 1 or overlap 0. */
@@ -12752,12 +12827,12 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const
     }
     *seconds = r.makespan;
     if (m->cores > 0) { /* the ranks, and their averaging threads, time-share the cores */
-        double busy = 0;
+        double busy = 0, cores = avgpipe__cores(m, r.nranks);
         int k, g;
         for (k = 0; k < r.nranks; k++) busy += r.rank[k].busy;
         for (g = 0; g < m->nstages && !pr.avg_on_rank; g++)
             busy += (double)s.shape.pipes * s.shape.rounds * avgpipe__avg_cost(m, g);
-        if (busy / m->cores > *seconds) *seconds = busy / m->cores;
+        if (busy / cores > *seconds) *seconds = busy / cores;
     }
     *seconds += m->iter_overhead;
     avgpipe_sched_free(ctx, &s);
@@ -12787,6 +12862,7 @@ static avgpipe_result avgpipe__model_like(avgpipe_context *ctx, const avgpipe_co
     out->op_overhead = m->op_overhead;
     out->iter_overhead = m->iter_overhead;
     out->overlap = m->overlap;
+    out->busy_cores = m->busy_cores;
     out->avg_per_float = m->avg_per_float;
     out->step_a = m->step_a, out->step_b = m->step_b;
     return AVGPIPE_OK;
@@ -13209,7 +13285,7 @@ static int avgpipe__next_split(int *split, int P, int L) {
 /* Lower bound on the predicted time per sample of every setting of split model sm on S ranks with up to
    max_pipes pipelines: at M = 1 (each term of a prediction grows with M) the busiest rank's work for one
    batch (F, B and STEP, from avgpipe__op_time at the least util any N <= max_pipes gives), and with cores
-   set all ranks' work plus the averaging over the cores. A hair under, so that rounding never lets it
+   set all ranks' work plus the averaging over the cores (avgpipe__cores). A hair under, so that rounding never lets it
    pass an equal prediction. */
 static double avgpipe__split_bound(const avgpipe_cost_model *sm, int S, double B, int max_pipes, avgpipe_placement place) {
     int r, g;
@@ -13223,7 +13299,7 @@ static double avgpipe__split_bound(const avgpipe_cost_model *sm, int S, double B
         if (w > worst) worst = w;
     }
     for (g = 0; g < sm->nstages; g++) total += avgpipe__avg_cost(sm, g);
-    bound = sm->cores > 0 && total / sm->cores > worst ? total / sm->cores : worst;
+    bound = sm->cores > 0 && total / avgpipe__cores(sm, S) > worst ? total / avgpipe__cores(sm, S) : worst;
     return bound / B * (1 - 1e-9);
 }
 
@@ -13332,7 +13408,7 @@ static avgpipe_result avgpipe__split_finish(avgpipe_context *ctx, const avgpipe_
     memcpy(out->split, split, (size_t)P * sizeof *split);
     out->slowest_share = avgpipe_tune_slowest_share(&sm, pd->stages, out->best.samples, desc->batch);
     out->bound = out->slowest_share > 0 ? 1 / out->slowest_share : 0;
-    if (m->cores > 0 && out->bound > m->cores) out->bound = m->cores;
+    if (m->cores > 0 && out->bound > avgpipe__cores(m, pd->stages)) out->bound = avgpipe__cores(m, pd->stages);
     avgpipe_tune_cost_model_free(ctx, &sm);
     return AVGPIPE_OK;
 }

@@ -645,6 +645,80 @@ Test(search, overlap_of_pipelines_on_a_device_is_fitted_and_predicted) {
     avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
+/* A profile of 4 stages (AFAB, M = 4, every op as long as its line says, laid end to end on its rank) as a
+   machine whose stage threads get through `rate2` cores' worth of work at once would time it: sections of
+   1 pipeline at 4 and 8 samples per micro-batch (bubbly: `rate1` cores' worth), then of 2 pipelines at 4
+   samples (little bubble: rate2), each section's time its work over its rate. */
+static char *cores_profile(double rate1, double rate2) {
+    const double fa = 50e-6, fb = 4e-6, ba = 90e-6, bb = 8e-6;
+    sbuf b = {NULL, 0, 0};
+    int k, g, u, q;
+    sb_printf(&b, "# avgpipe profile v1\n");
+    for (k = 0; k < 6; k++) {
+        double x = k % 3 == 1 ? 8 : 4, f = fa + fb * x, bw = ba + bb * x, t;
+        int M = 4, N = k % 3 == 2 ? 2 : 1;
+        double work = 4.0 * N * M * (f + bw);
+        sb_printf(&b, "shape kind=afab stages=4 chunks=1 micro=%d pipes=%d rounds=1 advance=0 continuous=0 samples=%g seconds=%.9f\n", M, N, x,
+                  work / (N == 1 ? rate1 : rate2));
+        for (g = 0; g < 4; g++) sb_printf(&b, "stage %d param_floats=1000 act_bytes=%.0f slots=%d\n", g, g < 3 ? 64 * x : 0, M);
+        for (g = 0; g < 4; g++)
+            for (q = 0, t = 0; q < N; q++)
+                for (u = 0; u < M; u++, t += f + bw) {
+                    sb_printf(&b, "op rank=%d kind=F pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, q, g, u, t, t + f);
+                    sb_printf(&b, "op rank=%d kind=B pipe=%d stage=%d micro=%d start=%.9f end=%.9f bytes=0\n", g, q, g, u, t + f, t + f + bw);
+                }
+    }
+    return b.p;
+}
+
+/* Cores as a resource: with more stage threads than cores the fit takes from the profile how many cores'
+   worth of work they got through at once (the 2-pipeline sections' 1.3, not the bubbly 1-pipeline
+   sections' 0.9), and a prediction with more ranks than cores is bounded by the work over that instead of
+   over the cores; with a core per rank, or nothing fitted, the bound is the cores as before; never less
+   than one core. */
+Test(search, cores_shared_by_more_ranks_than_cores_are_fitted_and_predicted) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, m0;
+    avgpipe_profile pr;
+    avgpipe_sched_desc sd;
+    char *text = cores_profile(0.9, 1.3);
+    double t, t0, work = 0;
+    int g, K = AVGPIPE_OP_KIND_COUNT;
+    avgpipe_context_init(&ctx, NULL);
+    cr_assert_eq(avgpipe_profile_parse(&ctx, text, strlen(text), &pr), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_fit(&ctx, &pr, &m), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(m.busy_cores, 1.3), "busy_cores %.9f, the profile's stage threads did 1.3 cores' worth", m.busy_cores);
+    cr_expect(m.op_overhead < 1e-9 && m.iter_overhead < 1e-9, "overheads %g, %g", m.op_overhead, m.iter_overhead);
+    m.cores = 2;
+    m0 = m;
+    m0.busy_cores = 0; /* as before 0.8: the cores alone */
+    /* the 2-pipeline section's own setting is reproduced: its work over 1.3 cores */
+    memset(&sd, 0, sizeof sd);
+    sd.kind = AVGPIPE_SCHED_AFAB, sd.stages = 4, sd.micro = 4, sd.pipes = 2, sd.rounds = 1;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &sd, 4, &t), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(t, pr.sections[2].seconds), "predicted %.9g s, the profile measured %.9g s", t, pr.sections[2].seconds);
+    /* 4 pipelines: every rank busy; the cores bound binds, over 1.3 cores instead of 2 */
+    sd.pipes = 4;
+    for (g = 0; g < 4; g++) work += 4 * 4 * (m.a[g * K + AVGPIPE_OP_F] + m.b[g * K + AVGPIPE_OP_F] * 8 + m.a[g * K + AVGPIPE_OP_B] + m.b[g * K + AVGPIPE_OP_B] * 8);
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &sd, 8, &t), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m0, &sd, 8, &t0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(t, work / 1.3) && close_rel(t0, work / 2), "N = 4: predicted %.9g s (want %.9g), %.9g s over 2 cores (want %.9g)", t,
+              work / 1.3, t0, work / 2);
+    /* a core per rank: the fitted share does not apply */
+    m.cores = m0.cores = 4;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &sd, 8, &t), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m0, &sd, 8, &t0), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(t == t0, "4 ranks on 4 cores: %.9g s with busy_cores, %.9g s without", t, t0);
+    /* a profile that shows less than a core (bubbles): one thread can still use a whole core */
+    m.cores = 2;
+    m.busy_cores = 0.5;
+    cr_assert_eq(avgpipe_tune_predict(&ctx, &m, &sd, 8, &t), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_expect(close_rel(t, work), "busy_cores 0.5: predicted %.9g s, want the work on one core %.9g s", t, work);
+    avgpipe_tune_cost_model_free(&ctx, &m);
+    avgpipe_profile_free(&ctx, &pr);
+    free(text);
+}
+
 /* Every candidate: fits == (peak_bytes <= limit); fitting ones first; each group fastest per sample
    first; peak_bytes = the memory model's buffers + N x params x (4 + opt) on the worst rank; seconds
    = avgpipe_tune_predict of the same setting. Returns the number that fit. */
