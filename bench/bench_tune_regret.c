@@ -33,7 +33,10 @@
    Usage: bench_tune_regret [--stages S] [--limit N] [--passes P] [--iters I] [--batch B] [--rounds R] [--sync]
                             [--max-others C] [--seed X] [--hidden LIST] [--data DIR]
    Defaults: S = 4 with 4 or more cores, else 2; 8192 training samples; 8 passes of 1 + 3 iterations per
-   visit; B = 128; R = 2 continuous rounds; others under 0.15 cores; seed 1. */
+   visit; B = 128; R = 2 continuous rounds; others under 0.15 cores; seed 1.
+   More stage threads than cores (the main job's 4 stages on 2 cores): --stages 4 on 2 cores. The fit then
+   also takes from the profile (N = 2) how many cores' worth of work the stage threads got through at once
+   (the cost model's busy_cores), which bounds every prediction instead of the cores. */
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
@@ -507,9 +510,9 @@ static void load(void) {
     if (mlp_model_parse(&MODEL, TRAIN.dim, O.hidden, O.stages, err, sizeof err) != 0) die("%s", err);
     mlp_model_describe(&MODEL, desc, sizeof desc);
     printf(PROG ": model %s\n", desc);
-    printf("S=%d stage threads on %ld cores, batch %d per pipeline, R=%d %s rounds per iteration, %d training samples; %d passes in random "
+    printf("S=%d stage threads on %ld cores%s, batch %d per pipeline, R=%d %s rounds per iteration, %d training samples; %d passes in random "
            "order, %d + %d iterations per visit, visits redone while other programs use >= %.2f cores\n",
-           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, O.passes,
+           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.stages > sysconf(_SC_NPROCESSORS_ONLN) ? " (more stage threads than cores)" : "", O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, O.passes,
            O.warmup, O.iters, O.max_others);
 }
 
@@ -522,6 +525,9 @@ static void print_model(const avgpipe_cost_model *m) {
     printf("  transfer latency %.1f us, runtime overhead %.1f us per op and %.1f us per iteration, averaging %.3f ns per parameter; "
            "%g cores shared by the stage and averaging threads\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e6 * m->iter_overhead,
            1e9 * m->avg_per_float, m->cores);
+    if (m->busy_cores > 0)
+        printf("  the profile's stage threads got through %.2f cores' worth of work at most (busy_cores)%s\n", m->busy_cores,
+               m->nstages > m->cores && m->busy_cores < m->cores ? ": the cores bound with more stage threads than cores" : "");
 }
 
 int main(int argc, char **argv) {

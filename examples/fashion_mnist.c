@@ -797,11 +797,12 @@ static void print_header(const app *A) {
      gives every rank its own core, so with more ranks than cores it over-predicts settings with little
      work in flight (M = 1, N = 2: predicted 2% below the fastest, measured 25-35% below it here). */
 
-/* One profile run: 1 pipeline of `micro` micro-batches, advance forward with K = S-1 (1F1B when S = 1), on
-   nets initialised from the seed and freed afterwards. TUNE_PROFILED iterations after TUNE_WARMUP go to
-   `path` (the first written when !append, then appended). The samples are the training order's first ones;
-   the weights these iterations train are thrown away, so they do not count as training. */
-static int profile_run(app *A, avgpipe_context *ctx, int micro, int size, const char *path, int append, double *seconds) {
+/* One profile run: `pipes` pipelines of `micro` micro-batches, advance forward with K = S-1 (1F1B when
+   S = 1), on nets initialised from the seed and freed afterwards. TUNE_PROFILED iterations after
+   TUNE_WARMUP go to `path` (the first written when !append, then appended). The samples are the training
+   order's first ones; the weights these iterations train are thrown away, so they do not count as
+   training. size >= 0: every layer's times go to the layer samples of that size (A->lsamp[size]). */
+static int profile_run(app *A, avgpipe_context *ctx, int micro, int pipes, int size, const char *path, int append, double *seconds) {
     options saved = A->opt;
     avgpipe_run *run = NULL;
     avgpipe_run_desc d;
@@ -809,7 +810,7 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, int size, const 
     int i, rc = -1, me = A->me;
     A->me = -1; /* rank 0 of an MPI job profiles on its own threads */
     A->opt.replicas = 1;
-    A->opt.pipes = 1;
+    A->opt.pipes = pipes;
     A->opt.micro = micro;
     A->opt.schedule = AVGPIPE_SCHED_ADVANCE;
     A->opt.chunks = 1;
@@ -824,14 +825,14 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, int size, const 
         goto out;
     }
     if (setup_stashes(A, run) != 0) goto out;
-    for (i = 0; i < A->G; i++) { /* time every layer of every op (record_layers) */
+    for (i = 0; i < A->G && size >= 0; i++) { /* time every layer of every op (record_layers) */
         int q;
         for (q = 0; q < A->slots[i]; q++) A->stash[0][i][q].times = &A->ltimes[i];
     }
     A->lsize = size;
     for (i = 0; i < TUNE_WARMUP + TUNE_PROFILED; i++) {
         avgpipe_run_stats st;
-        A->lprof = i >= TUNE_WARMUP; /* between iterations: the callbacks see it (avgpipe_run_iteration) */
+        A->lprof = size >= 0 && i >= TUNE_WARMUP; /* between iterations: the callbacks see it (avgpipe_run_iteration) */
         r = avgpipe_run_iteration(run, &st);
         if (r != AVGPIPE_OK) {
             fail("tuner: profile run (M = %d), iteration %d: %s: %s", micro, i + 1, avgpipe_result_string(r),
@@ -924,6 +925,9 @@ static void print_cost_model(const avgpipe_cost_model *m) {
     fprintf(stderr, "  transfer latency %.1f us, runtime overhead %.1f us per op and %.1f us per iteration, averaging %.2f ns per "
             "parameter, STEP %.1f us + %.2f ns per parameter\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e6 * m->iter_overhead,
             1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
+    if (m->cores > 0 && m->busy_cores > 0)
+        fprintf(stderr, "  %g cores; the profile's stage threads got through %.2f cores' worth of work at most (busy_cores)%s\n", m->cores,
+                m->busy_cores, m->busy_cores < m->cores && m->nstages > m->cores ? ": the bound with more ranks than cores" : "");
 }
 
 /* The M and N the user fixed, for the partitioner (avgpipe_tune_split_desc.keep). */
@@ -1024,7 +1028,7 @@ static int tune(app *A, avgpipe_context *ctx) {
     char tmp[512];
     const char *path;
     int sizes[2], nsizes, i, min_micro = tune_min_micro(o), rc = -1;
-    double t0 = now_s(), t1, meas[2][TUNE_PROFILED];
+    double t0 = now_s(), t1, meas[3][TUNE_PROFILED];
     avgpipe_profile prof;
     avgpipe_cost_model cm, sm, *use = &cm;
     avgpipe_tune_desc td;
@@ -1046,12 +1050,15 @@ static int tune(app *A, avgpipe_context *ctx) {
             goto done;
         }
     for (i = 0; i < nsizes; i++)
-        if (profile_run(A, ctx, sizes[i], i, path, i > 0, meas[i]) != 0) goto done;
+        if (profile_run(A, ctx, sizes[i], 1, i, path, i > 0, meas[i]) != 0) goto done;
+    /* and 2 pipelines at the first size: how much of the cores the stage threads get when there is
+       little bubble (the cost model's busy_cores; with N fixed at 1 there is nothing to learn from it) */
+    if (o->pipes != 1 && profile_run(A, ctx, sizes[0], 2, -1, path, 1, meas[nsizes]) != 0) goto done;
     if (append_layer_costs(A, ctx, path, sizes, nsizes) != 0) goto done;
     t1 = now_s();
     r = avgpipe_profile_load(ctx, path, &prof);
-    if (r == AVGPIPE_OK && prof.nsections != nsizes * TUNE_PROFILED) {
-        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, nsizes * TUNE_PROFILED);
+    if (r == AVGPIPE_OK && prof.nsections != (nsizes + (o->pipes != 1)) * TUNE_PROFILED) {
+        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, (nsizes + (o->pipes != 1)) * TUNE_PROFILED);
         goto done;
     }
     if (r == AVGPIPE_OK) r = avgpipe_tune_fit(ctx, &prof, &cm);
@@ -1064,13 +1071,15 @@ static int tune(app *A, avgpipe_context *ctx) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         cm.cores = cores > 0 ? (double)cores : 0;
     }
+    cm.overlap = 0; /* the ops of a CPU rank run on its one thread: they never overlap (what the fit saw is noise) */
     fprintf(stderr, PROG ": tuner: profiled 1 pipeline (advance, K = %d, %d rounds/iteration) at M = %d", o->stages - 1,
             prof.sections[0].shape.rounds, sizes[0]);
     if (nsizes > 1) fprintf(stderr, " and M = %d", sizes[1]);
+    if (o->pipes != 1) fprintf(stderr, ", and 2 pipelines at M = %d", sizes[0]);
     fprintf(stderr, ", %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", TUNE_PROFILED,
             TUNE_WARMUP, t1 - t0, o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
     print_cost_model(&cm);
-    for (i = 0; i < nsizes; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
+    for (i = 0; i < nsizes + (o->pipes != 1); i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
 
     /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the choice. */
     if (tune_noise(ctx, o, &A->model, &A->train, (int)cm.cores, &noise) != 0) goto done;
