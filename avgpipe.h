@@ -3655,13 +3655,40 @@ static void avgpipe__stream_item(const avgpipe_sched_desc *d, long long k, int *
     *batch = b;
 }
 
-/* j-th forward (or backward) of rank r in Megatron-LM's interleaved order: groups of S stream
-   items run through chunk 0, 1, ... V-1 (backwards through V-1 ... 0). */
-static long long avgpipe__virtual(const avgpipe_sched_desc *d, long long j, int backward, int *chunk) {
-    long long SV = (long long)d->stages * d->chunks, group = j / SV, w = j % SV;
-    int c = (int)(w / d->stages);
-    *chunk = backward ? d->chunks - 1 - c : c;
-    return group * d->stages + w % d->stages;
+/* The j-th forward (or backward) of a rank of the 1F1B family in Megatron-LM's interleaved order
+   (groups of S stream items run through chunk 0, 1, ... V-1; backwards through V-1 ... 0), kept as
+   counters while j runs on one at a time: the generator places one op per step, and dividing j out
+   anew each time was a good part of its time. A group holds gs items (S; 1 when V = 1, where the j-th
+   item is j itself); with V > 1 the resolver makes micro a multiple of S, so a group never spans two
+   batches: its items are micro-batches m0 .. m0 + gs - 1 of batch b. */
+typedef struct avgpipe__vcur {
+    int gs, off, c; /* group size; item's place in its group; the group's pass (chunk, forwards) */
+    int m0, pipe;   /* the group's first micro-batch within its batch; the batch's pipeline */
+    long long b, t; /* batch index in the stream; its round */
+} avgpipe__vcur;
+
+static void avgpipe__vcur_init(const avgpipe_sched_desc *d, avgpipe__vcur *x) {
+    memset(x, 0, sizeof *x);
+    x->gs = d->chunks > 1 ? d->stages : 1;
+}
+
+static void avgpipe__vcur_next(const avgpipe_sched_desc *d, avgpipe__vcur *x) {
+    if (++x->off < x->gs) return;
+    x->off = 0;
+    if (++x->c < d->chunks) return;
+    x->c = 0;
+    if ((x->m0 += x->gs) < d->micro) return;
+    x->m0 = 0;
+    x->b++;
+    if (++x->pipe < d->pipes) return;
+    x->pipe = 0;
+    x->t++;
+}
+
+/* The op of the cursor's item on rank r (chunks in reverse order for a backward). */
+static avgpipe_op avgpipe__vcur_op(const avgpipe_sched_desc *d, const avgpipe__vcur *x, int kind, int backward, int r) {
+    int chunk = backward ? d->chunks - 1 - x->c : x->c;
+    return avgpipe__op(kind, x->pipe, chunk * d->stages + r, (int)(x->t * d->micro + x->m0 + x->off));
 }
 
 /* One rank of the 1F1B family (AFAB, 1F1B, advance, interleaved, ZB-H1): forwards while at most
@@ -3676,43 +3703,50 @@ static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sche
     long long Tall = (long long)d->rounds * d->pipes * d->micro, total = Tall * d->chunks;
     long long nf = 0, nb = 0, nw = 0, batches = (long long)d->rounds * d->pipes, perround = (long long)d->pipes * d->micro * d->chunks;
     int split = d->kind == AVGPIPE_SCHED_ZBH1, lag = split ? r : 0;
+    avgpipe__vcur cf, cb, cw; /* the next forward, backward (B or I) and W */
     avgpipe_op *o = s->ops[r];
     int n = 0;
+    avgpipe__vcur_init(d, &cf);
+    avgpipe__vcur_init(d, &cb);
+    avgpipe__vcur_init(d, &cw);
     while ((split ? nw : nb) < total) {
-        int chunk, pipe, micro, canf = nf < total && nf - nb <= warm;
-        long long item, b, fin = split ? nw : nb;
+        int chunk, canf = nf < total && nf - nb <= warm;
+        long long b, fin = split ? nw : nb;
+        avgpipe__vcur at; /* the item of the backward work placed below */
         if (canf) {
-            item = avgpipe__virtual(d, nf, 0, &chunk);
-            avgpipe__stream_item(d, item, &pipe, &micro, &b);
+            chunk = cf.c;
+            b = cf.b;
             if (!d->continuous)
-                canf = fin >= (b / d->pipes) * perround;
+                canf = fin >= cf.t * perround;
             else
                 canf = b < d->pipes || bdone[(long long)chunk * batches + b - d->pipes] == d->micro;
             if (canf) {
-                o[n++] = avgpipe__op(AVGPIPE_OP_F, pipe, chunk * d->stages + r, micro);
+                o[n++] = avgpipe__vcur_op(d, &cf, AVGPIPE_OP_F, 0, r);
+                avgpipe__vcur_next(d, &cf);
                 nf++;
                 continue;
             }
         }
         if (nb < nf) { /* the next backward (B, or I for ZB-H1) */
-            item = avgpipe__virtual(d, nb, 1, &chunk);
-            avgpipe__stream_item(d, item, &pipe, &micro, &b);
-            o[n++] = avgpipe__op(split ? AVGPIPE_OP_I : AVGPIPE_OP_B, pipe, chunk * d->stages + r, micro);
+            at = cb;
+            o[n++] = avgpipe__vcur_op(d, &at, split ? AVGPIPE_OP_I : AVGPIPE_OP_B, 1, r);
+            avgpipe__vcur_next(d, &cb);
             nb++;
             if (split && nb - nw <= lag) continue;
         } else if (!split || nw >= nb) { /* cannot happen for the supported shapes; no endless loop */
             return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d cannot continue at forward %lld", r, nf);
         }
         if (split) { /* the oldest held-back W */
-            item = avgpipe__virtual(d, nw, 1, &chunk);
-            avgpipe__stream_item(d, item, &pipe, &micro, &b);
-            o[n++] = avgpipe__op(AVGPIPE_OP_W, pipe, chunk * d->stages + r, micro);
+            at = cw;
+            o[n++] = avgpipe__vcur_op(d, &at, AVGPIPE_OP_W, 1, r);
+            avgpipe__vcur_next(d, &cw);
             nw++;
         }
-        if (++bdone[(long long)chunk * batches + b] == d->micro) {
-            int t = (int)(b / d->pipes);
-            o[n++] = avgpipe__op(AVGPIPE_OP_STEP, pipe, chunk * d->stages + r, t);
-            o[n++] = avgpipe__op(AVGPIPE_OP_AVG, pipe, chunk * d->stages + r, t);
+        chunk = d->chunks - 1 - at.c;
+        if (++bdone[(long long)chunk * batches + at.b] == d->micro) {
+            int t = (int)at.t;
+            o[n++] = avgpipe__op(AVGPIPE_OP_STEP, at.pipe, chunk * d->stages + r, t);
+            o[n++] = avgpipe__op(AVGPIPE_OP_AVG, at.pipe, chunk * d->stages + r, t);
         }
     }
     s->len[r] = n;
@@ -4043,7 +4077,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
     k = avgpipe__kind_row_of(&d);
     res = avgpipe__shape_sched(ctx, &d, out);
     if (res) return res;
-    per_rank = 3LL * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
+    /* per micro-batch and chunk a forward and a B, or I and W where the kind splits the backward; a STEP and
+       an AVG per batch and chunk (untouched reserve costs no page, but an exact one keeps the mapping small) */
+    per_rank = (2LL + avgpipe_sched_kind_query(d.kind)->split) * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
     for (r = 0; r < d.stages && !res; r++) res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
     if (!res) res = k->generate(ctx, k->warmup, &d, out);
     if (res) avgpipe_sched_free(ctx, out);
