@@ -2844,13 +2844,16 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
 
 /* Check every op's kind, stage placement, pipeline and micro-batch, and count the pipelines and the
    micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep.
-   home (may be NULL) is the rank of each of the s->nstages stages, as avgpipe_stage_rank gives it. */
+   home (may be NULL) is the rank of each of the s->nstages stages, as avgpipe_stage_rank gives it.
+   nsync (may be NULL) gets the number of TIE and AGREE ops (the simulator skips its pass over the
+   ops for their tables when there are none). */
 static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
-                                          long long *nmicro) {
-    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
+                                          long long *nmicro, int *nsync) {
+    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1, sync = 0;
     long long U = 1, nops = 0;
     *npipes = 1;
     *nmicro = 1;
+    if (nsync) *nsync = 0;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
@@ -2872,6 +2875,7 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             }
             if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
             if (op->pipe >= N) N = op->pipe + 1;
+            sync += avgpipe__is_sync(op->kind);
             if (avgpipe__has_micro(op->kind)) {
                 if (op->micro < 0)
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative micro-batch", r, i, txt);
@@ -2888,6 +2892,7 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
                              N, s->nstages, U, (double)N * s->nstages * (double)U, nops, AVGPIPE__CELLS_PER_OP);
     *npipes = N;
     *nmicro = U;
+    if (nsync) *nsync = sync;
     return AVGPIPE_OK;
 }
 
@@ -4569,7 +4574,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
                                      r, i, txt);
             }
     if (!nt && !y.agree) return avgpipe_sched_copy(ctx, in, out);
-    res = avgpipe__sched_scan(ctx, in, NULL, &y.N, &y.U);
+    res = avgpipe__sched_scan(ctx, in, NULL, &y.N, &y.U, NULL);
     if (res) return res;
     y.M = in->shape.micro > 0 ? in->shape.micro : 1;
     y.cost[AVGPIPE_OP_F] = avgpipe__or_default(sync->cost_f, 1);
@@ -4691,7 +4696,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     memset(out, 0, sizeof *out);
     memset(&L, 0, sizeof L);
     res = avgpipe__place_build(ctx, in, &L.pl);
-    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U);
+    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U, NULL);
     if (res) {
         avgpipe__place_free(ctx, &L.pl);
         return res;
@@ -4893,6 +4898,8 @@ typedef struct avgpipe__sim {
     int stuck_rank, stuck_pos; /* after a deadlock: the first stuck rank and its op */
     int kind_cost_ready;       /* costs depend on the kind only: kind_cost holds them */
     double kind_cost[AVGPIPE_OP_KIND_COUNT];
+    int xfer_ready;            /* no stage_bytes: every transfer takes xfer (a division less per transfer) */
+    double xfer;
     /* TIE and AGREE rendezvous: a TIE pair (lo, hi) starts when both sides have arrived, an AGREE
        group when every rank holding a stage has */
     int T, npairs, agree_ranks;
@@ -4930,7 +4937,9 @@ static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
 
 static double avgpipe__xfer_time(const avgpipe__sim *m, int boundary) {
     const avgpipe_sim_desc *d = m->d;
-    double bytes = d->stage_bytes ? d->stage_bytes[boundary] : d->bytes;
+    double bytes;
+    if (m->xfer_ready) return m->xfer;
+    bytes = d->stage_bytes ? d->stage_bytes[boundary] : d->bytes;
     return d->latency + (d->bandwidth > 0 ? bytes / d->bandwidth : 0);
 }
 
@@ -5267,7 +5276,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     avgpipe__sim m;
     avgpipe_result res;
     size_t cells;
-    int r, N;
+    int r, N, nsync;
     long long U, i;
     double busy = 0;
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: NULL argument");
@@ -5300,7 +5309,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
-    res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U);
+    res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
         return res;
@@ -5331,7 +5340,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         goto done;
     }
     for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
-    if ((res = avgpipe__sim_sync_tables(&m)) != AVGPIPE_OK) goto done;
+    if (nsync && (res = avgpipe__sim_sync_tables(&m)) != AVGPIPE_OK) goto done;
     if (desc->record_events) { /* room for every event at once: one per op, two per transfer */
         size_t ne = 0;
         int j;
@@ -5357,6 +5366,10 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
             m.kind_cost[k] = avgpipe__cost(&m, &probe);
         }
         m.kind_cost_ready = 1;
+    }
+    if (!desc->stage_bytes) {
+        m.xfer = avgpipe__xfer_time(&m, 0);
+        m.xfer_ready = 1;
     }
     for (r = m.S - 1; r >= 0; r--) m.stack[m.nstack++] = r;
     while (m.nstack > 0) {
@@ -5795,18 +5808,26 @@ static avgpipe_result avgpipe__check_static(avgpipe__vstate *v) {
     return res;
 }
 
-/* Peak stashed activations per rank: forward +1, B or W -1 (I keeps the activation for W). */
-static void avgpipe__static_peaks(const avgpipe_schedule *s, int *peak, int nmax) {
-    int r, i;
-    for (r = 0; r < s->nranks && r < nmax; r++) {
+/* What the validator counts before its checks, in one pass over the ops (there were three): the
+   ops that are not idle (for the size check), whether any is a TIE or AGREE (vsync_prepare has
+   nothing to do otherwise), and the peak stashed activations of each rank r < nmax: forward +1, B
+   or W -1 (I keeps the activation for W). */
+static long long avgpipe__vprescan(const avgpipe_schedule *s, int *peak, int nmax, int *any_sync) {
+    long long nops = 0;
+    int r, i, sync = 0;
+    for (r = 0; r < s->nranks; r++) {
         int cur = 0, best = 0;
         for (i = 0; i < s->len[r]; i++) {
             int k = s->ops[r][i].kind;
+            nops += k != AVGPIPE_OP_IDLE;
+            sync |= avgpipe__is_sync(k);
             if (k == AVGPIPE_OP_F && ++cur > best) best = cur;
             if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) cur--;
         }
-        peak[r] = best;
+        if (r < nmax) peak[r] = best;
     }
+    *any_sync = sync;
+    return nops;
 }
 
 static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
@@ -6325,7 +6346,7 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
     if (v->fsdp) { /* the static pass takes them as no-ops; the simulator wants them on their stage's rank */
         int N;
         long long U;
-        res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U);
+        res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U, NULL);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
     }
     if ((long long)v->N * v->G * v->M * v->R > 200000000LL) /* the simulator's tables (its scan refuses more) */
@@ -6360,8 +6381,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__vstate v;
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
-    long long nops = 0;
-    int c, i, oom = 0;
+    long long nops;
+    int c, oom = 0, any_sync, peaks[256] = {0};
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -6382,8 +6403,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     cells = (size_t)v.N * v.G * v.M * v.R;
     if ((double)v.N * v.G * v.M * v.R > 4e8)
         return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
-    for (c = 0; c < v.S; c++)
-        for (i = 0; i < s->len[c]; i++) nops += s->ops[c][i].kind != AVGPIPE_OP_IDLE;
+    nops = avgpipe__vprescan(s, peaks, 256, &any_sync);
     if (!avgpipe__cells_ok((double)v.N * v.G * v.M * v.R, nops)) /* not allocated for: some cell surely has no forward */
         return avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
                               "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
@@ -6407,9 +6427,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
         if (v.pl.rank[c] < 0)
             res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
                                  s->nplace);
-    if (!res) res = avgpipe__vsync_prepare(&v);
+    if (!res && any_sync) res = avgpipe__vsync_prepare(&v);
     if (!res) res = avgpipe__check_static(&v);
-    avgpipe__static_peaks(s, report->peak_stash, 256);
+    memcpy(report->peak_stash, peaks, sizeof peaks);
     if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
     if (!res && !(desc && desc->skip_replay)) res = avgpipe__replay(&v);
     if (v.sendq)
@@ -8607,7 +8627,7 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
     if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: the schedule has no SEND/RECV ops (lower it first)");
-    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U, NULL)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
     out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));
