@@ -2115,6 +2115,17 @@ AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tu
 #define AVGPIPE__PREFETCH(p) ((void)0)
 #endif
 
+/* A function the compiler should inline although its size argues against it: the kernels of the
+   averaging module, and a hot loop's body whose rare error paths make it big (the validator's op
+   check). */
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define AVGPIPE__FORCE_INLINE static __forceinline
+#else
+#define AVGPIPE__FORCE_INLINE static inline
+#endif
+
 #if defined(__cplusplus)
 #define AVGPIPE__THREAD_LOCAL thread_local
 #elif defined(_MSC_VER)
@@ -4977,7 +4988,7 @@ static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int t
 }
 
 /* A transfer on channel ch (src -> dst), ready at `ready`. Returns its end. */
-static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
+AVGPIPE__FORCE_INLINE double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
     avgpipe__chan *c = &m->chan[ch];
     double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
     int flow = (int)(m->flows++ & 0x7fffffff);
@@ -4993,7 +5004,7 @@ static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, d
 }
 
 /* Deliver data produced at `end` by op on rank r to the stage that consumes it. */
-static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
+AVGPIPE__FORCE_INLINE void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
     avgpipe__cell *c;
     if (g2 < 0 || g2 >= m->G) return;
@@ -5532,7 +5543,9 @@ static avgpipe_result avgpipe__check_sync_op(avgpipe__vstate *v, int r, int i) {
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
+/* One op of the static pass, inlined into check_static's loop: a call per op (a large frame, for
+   the error paths) was a fifth of the pass. */
+AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     const avgpipe_op *op = &v->s->ops[r][i];
     int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
     uint8_t *x;
@@ -6191,7 +6204,7 @@ static int avgpipe__xput(avgpipe_context *ctx, avgpipe__xrank *x, int ck, int k)
 }
 
 /* The POSTs of post_acts: the activations of the next unit holding a forward, from x->look on. */
-static int avgpipe__xacts(const avgpipe__vstate *v, const avgpipe_op *o, int n, avgpipe__xrank *x) {
+AVGPIPE__FORCE_INLINE int avgpipe__xacts(const avgpipe__vstate *v, const avgpipe_op *o, int n, avgpipe__xrank *x) {
     int i = x->look, hasf = 0, j, end, ok = 1;
     while (!hasf) {
         while (i < n && o[i].kind == AVGPIPE_OP_IDLE) i++;
@@ -6789,14 +6802,6 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
 #endif
 #else
 #define AVGPIPE__RESTRICT restrict
-#endif
-
-#if defined(__GNUC__) || defined(__clang__)
-#define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
-#elif defined(_MSC_VER)
-#define AVGPIPE__FORCE_INLINE static __forceinline
-#else
-#define AVGPIPE__FORCE_INLINE static inline
 #endif
 
 typedef struct avgpipe__cpu_device {
