@@ -2116,8 +2116,8 @@ AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tu
 #endif
 
 /* A function the compiler should inline although its size argues against it: the kernels of the
-   averaging module, and a hot loop's body whose rare error paths make it big (the validator's op
-   check). */
+   averaging module, and bodies of hot loops whose rare paths (errors, events) make them big: the
+   validator's op check, the simulator's transfers. */
 #if defined(__GNUC__) || defined(__clang__)
 #define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
 #elif defined(_MSC_VER)
@@ -3909,10 +3909,17 @@ static void avgpipe__dualpipev_template(avgpipe__vgen *g, const avgpipe_sched_de
 #undef AVGPIPE__VW_
 }
 
+/* avgpipe__stream_item of every stream position, tabled once for all ranks: settling asked for it at
+   every op (two dependent 64-bit divisions, a fifth of the settling time). */
+typedef struct avgpipe__sitem {
+    int32_t micro, batch;
+    int16_t pipe;
+} avgpipe__sitem;
+
 /* Settle a rank's template into its op list (see above). st: [2 * items] zeroed, bdone: [2 * batches]
-   zeroed, done: [ntemplate] zeroed. */
+   zeroed, done: [ntemplate] zeroed, it: [items] the stream positions' items. */
 static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, const avgpipe__vgen *g, avgpipe_schedule *s,
-                                       unsigned char *st, int *bdone, unsigned char *done) {
+                                       unsigned char *st, int *bdone, unsigned char *done, const avgpipe__sitem *it) {
     long long items = (long long)d->rounds * d->pipes * d->micro, batches = (long long)d->rounds * d->pipes, head = 0, left = g->n, i;
     int S = d->stages, stage[2], n = 0;
     avgpipe_op *o = s->ops[r];
@@ -3927,7 +3934,7 @@ static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched
             if (done[i]) continue;
             me = &st[x->chunk * items + x->item];
             if (x->kind == AVGPIPE_OP_F) {
-                long long b = x->item / d->micro;
+                long long b = it[x->item].batch;
                 if (x->chunk == 1 && !(st[x->item] & VS_F)) continue; /* stage r's forward feeds stage 2S-1-r */
                 if (d->continuous && b >= d->pipes && bdone[x->chunk * batches + b - d->pipes] != d->micro) continue;
             } else if (x->kind == AVGPIPE_OP_W) {
@@ -3942,11 +3949,10 @@ static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched
         if (!t) return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d of %s cannot continue (%lld ops left)", r,
                                      avgpipe_sched_kind_name(d->kind), left);
         for (;;) { /* the op, and the op it overlaps when that one can run with it */
-            int pipe, micro, c = t->chunk;
-            long long b, ti = t - g->t;
+            int pipe = it[t->item].pipe, c = t->chunk;
+            long long b = it[t->item].batch, ti = t - g->t;
             unsigned char *me = &st[c * items + t->item];
-            avgpipe__stream_item(d, t->item, &pipe, &micro, &b);
-            o[n] = avgpipe__op(t->kind, pipe, stage[c], micro);
+            o[n] = avgpipe__op(t->kind, pipe, stage[c], it[t->item].micro);
             done[ti] = 1;
             left--;
             *me |= t->kind == AVGPIPE_OP_F ? VS_F : t->kind == AVGPIPE_OP_W ? VS_W : VS_B;
@@ -3973,18 +3979,26 @@ static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched
 }
 
 static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
-    long long T = (long long)d->pipes * d->micro, items = T * d->rounds, batches = (long long)d->rounds * d->pipes, t;
+    long long T = (long long)d->pipes * d->micro, items = T * d->rounds, batches = (long long)d->rounds * d->pipes, t, k;
     avgpipe__vgen g;
     unsigned char *st = NULL, *done = NULL;
-    int *bdone = NULL, r;
+    int *bdone = NULL, r, m;
     long long *wq = NULL;
+    avgpipe__sitem *it = NULL;
     avgpipe_result res = AVGPIPE_OK;
     memset(&g, 0, sizeof g);
     g.ctx = ctx;
     st = (unsigned char *)avgpipe_alloc(ctx, (size_t)(2 * items));
     bdone = (int *)avgpipe_alloc(ctx, (size_t)(2 * batches) * sizeof(int));
     wq = (long long *)avgpipe_alloc(ctx, (size_t)(2 * items + 1) * sizeof(long long));
-    if (!st || !bdone || !wq) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    it = (avgpipe__sitem *)avgpipe_alloc(ctx, (size_t)items * sizeof *it);
+    if (!st || !bdone || !wq || !it) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    for (t = 0, k = 0; t < batches && !res; t++) /* batch t: pipeline t % N of round t / N */
+        for (m = 0; m < d->micro; m++, k++) {
+            it[k].micro = (int32_t)(t / d->pipes * d->micro + m);
+            it[k].batch = (int32_t)t;
+            it[k].pipe = (int16_t)(t % d->pipes);
+        }
     for (r = 0; r < d->stages && !res; r++) {
         g.n = 0;
         for (t = 0; t < (d->continuous ? 1 : d->rounds); t++) { /* continuous: one stream over every round */
@@ -4001,13 +4015,14 @@ static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_d
         }
         memset(st, 0, (size_t)(2 * items));
         memset(bdone, 0, (size_t)(2 * batches) * sizeof(int));
-        res = avgpipe__vsettle(ctx, d, r, &g, out, st, bdone, done);
+        res = avgpipe__vsettle(ctx, d, r, &g, out, st, bdone, done, it);
     }
     avgpipe_free(ctx, g.t);
     avgpipe_free(ctx, st);
     avgpipe_free(ctx, bdone);
     avgpipe_free(ctx, wq);
     avgpipe_free(ctx, done);
+    avgpipe_free(ctx, it);
     return res;
 }
 
