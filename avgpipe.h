@@ -2115,9 +2115,10 @@ AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tu
 #define AVGPIPE__PREFETCH(p) ((void)0)
 #endif
 
-/* A function the compiler should inline although its size argues against it: the kernels of the
-   averaging module, and bodies of hot loops whose rare paths (errors, events) make them big: the
-   validator's op check, the simulator's transfers. */
+/* A function the compiler should inline although its size argues against it: bodies of hot loops
+   whose rare paths (errors, events) make them big, the validator's op check and the simulator's
+   transfers. Section 10 defines it again for the averaging kernels, token for token the same (an
+   identical redefinition is valid C and C++): keep the two alike, or drop that one. */
 #if defined(__GNUC__) || defined(__clang__)
 #define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
 #elif defined(_MSC_VER)
@@ -2853,18 +2854,18 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
     return snprintf(out, cap, "%s%d%s", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind));
 }
 
-/* Check every op's kind, stage placement, pipeline and micro-batch, and count the pipelines and the
-   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep.
-   home (may be NULL) is the rank of each of the s->nstages stages, as avgpipe_stage_rank gives it.
-   nsync (may be NULL) gets the number of TIE and AGREE ops (the simulator skips its pass over the
-   ops for their tables when there are none). */
-static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
-                                          long long *nmicro, int *nsync) {
+/* avgpipe__sched_scan: check every op's kind, stage placement, pipeline and micro-batch, and count
+   the pipelines and the micro-batches per pipeline (across rounds): the sizes of the tables lowering
+   and simulation keep. home (may be NULL) is the rank of each of the s->nstages stages, as
+   avgpipe_stage_rank gives it. The _sync form also counts the TIE and AGREE ops (*nsync): the
+   simulator skips its pass over the ops for their tables when there are none. */
+static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
+                                               long long *nmicro, int *nsync) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1, sync = 0;
     long long U = 1, nops = 0;
     *npipes = 1;
     *nmicro = 1;
-    if (nsync) *nsync = 0;
+    *nsync = 0;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
@@ -2903,8 +2904,14 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
                              N, s->nstages, U, (double)N * s->nstages * (double)U, nops, AVGPIPE__CELLS_PER_OP);
     *npipes = N;
     *nmicro = U;
-    if (nsync) *nsync = sync;
+    *nsync = sync;
     return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
+                                          long long *nmicro) {
+    int nsync;
+    return avgpipe__sched_scan_sync(ctx, s, home_of, npipes, nmicro, &nsync);
 }
 
 /* --- 3. Text format --------------------------------------------------------------------------- */
@@ -4600,7 +4607,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const av
                                      r, i, txt);
             }
     if (!nt && !y.agree) return avgpipe_sched_copy(ctx, in, out);
-    res = avgpipe__sched_scan(ctx, in, NULL, &y.N, &y.U, NULL);
+    res = avgpipe__sched_scan(ctx, in, NULL, &y.N, &y.U);
     if (res) return res;
     y.M = in->shape.micro > 0 ? in->shape.micro : 1;
     y.cost[AVGPIPE_OP_F] = avgpipe__or_default(sync->cost_f, 1);
@@ -4722,7 +4729,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     memset(out, 0, sizeof *out);
     memset(&L, 0, sizeof L);
     res = avgpipe__place_build(ctx, in, &L.pl);
-    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U, NULL);
+    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U);
     if (res) {
         avgpipe__place_free(ctx, &L.pl);
         return res;
@@ -5335,7 +5342,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
-    res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U, &nsync);
+    res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
         return res;
@@ -6374,7 +6381,7 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
     if (v->fsdp) { /* the static pass takes them as no-ops; the simulator wants them on their stage's rank */
         int N;
         long long U;
-        res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U, NULL);
+        res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
     }
     if ((long long)v->N * v->G * v->M * v->R > 200000000LL) /* the simulator's tables (its scan refuses more) */
@@ -6817,6 +6824,14 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
 #endif
 #else
 #define AVGPIPE__RESTRICT restrict
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define AVGPIPE__FORCE_INLINE static __forceinline
+#else
+#define AVGPIPE__FORCE_INLINE static inline
 #endif
 
 typedef struct avgpipe__cpu_device {
@@ -8647,7 +8662,7 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
     if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: the schedule has no SEND/RECV ops (lower it first)");
-    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U, NULL)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
     out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));
