@@ -2131,6 +2131,18 @@ AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tu
 #define AVGPIPE__PREFETCH(p) ((void)0)
 #endif
 
+/* A function the compiler should inline although its size argues against it: bodies of hot loops
+   whose rare paths (errors, events) make them big, the validator's op check and the simulator's
+   transfers. Section 10 defines it again for the averaging kernels, token for token the same (an
+   identical redefinition is valid C and C++): keep the two alike, or drop that one. */
+#if defined(__GNUC__) || defined(__clang__)
+#define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
+#elif defined(_MSC_VER)
+#define AVGPIPE__FORCE_INLINE static __forceinline
+#else
+#define AVGPIPE__FORCE_INLINE static inline
+#endif
+
 #if defined(__cplusplus)
 #define AVGPIPE__THREAD_LOCAL thread_local
 #elif defined(_MSC_VER)
@@ -2858,15 +2870,18 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
     return snprintf(out, cap, "%s%d%s", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind));
 }
 
-/* Check every op's kind, stage placement, pipeline and micro-batch, and count the pipelines and the
-   micro-batches per pipeline (across rounds): the sizes of the tables lowering and simulation keep.
-   home (may be NULL) is the rank of each of the s->nstages stages, as avgpipe_stage_rank gives it. */
-static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
-                                          long long *nmicro) {
-    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1;
+/* avgpipe__sched_scan: check every op's kind, stage placement, pipeline and micro-batch, and count
+   the pipelines and the micro-batches per pipeline (across rounds): the sizes of the tables lowering
+   and simulation keep. home (may be NULL) is the rank of each of the s->nstages stages, as
+   avgpipe_stage_rank gives it. The _sync form also counts the TIE and AGREE ops (*nsync): the
+   simulator skips its pass over the ops for their tables when there are none. */
+static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
+                                               long long *nmicro, int *nsync) {
+    int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1, sync = 0;
     long long U = 1, nops = 0;
     *npipes = 1;
     *nmicro = 1;
+    *nsync = 0;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
@@ -2888,6 +2903,7 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
             }
             if (op->pipe < 0) return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative pipeline", r, i, txt);
             if (op->pipe >= N) N = op->pipe + 1;
+            sync += avgpipe__is_sync(op->kind);
             if (avgpipe__has_micro(op->kind)) {
                 if (op->micro < 0)
                     return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "rank %d position %d (%s): negative micro-batch", r, i, txt);
@@ -2904,7 +2920,14 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
                              N, s->nstages, U, (double)N * s->nstages * (double)U, nops, AVGPIPE__CELLS_PER_OP);
     *npipes = N;
     *nmicro = U;
+    *nsync = sync;
     return AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
+                                          long long *nmicro) {
+    int nsync;
+    return avgpipe__sched_scan_sync(ctx, s, home_of, npipes, nmicro, &nsync);
 }
 
 /* --- 3. Text format --------------------------------------------------------------------------- */
@@ -3671,13 +3694,40 @@ static void avgpipe__stream_item(const avgpipe_sched_desc *d, long long k, int *
     *batch = b;
 }
 
-/* j-th forward (or backward) of rank r in Megatron-LM's interleaved order: groups of S stream
-   items run through chunk 0, 1, ... V-1 (backwards through V-1 ... 0). */
-static long long avgpipe__virtual(const avgpipe_sched_desc *d, long long j, int backward, int *chunk) {
-    long long SV = (long long)d->stages * d->chunks, group = j / SV, w = j % SV;
-    int c = (int)(w / d->stages);
-    *chunk = backward ? d->chunks - 1 - c : c;
-    return group * d->stages + w % d->stages;
+/* The j-th forward (or backward) of a rank of the 1F1B family in Megatron-LM's interleaved order
+   (groups of S stream items run through chunk 0, 1, ... V-1; backwards through V-1 ... 0), kept as
+   counters while j runs on one at a time: the generator places one op per step, and dividing j out
+   anew each time was a good part of its time. A group holds gs items (S; 1 when V = 1, where the j-th
+   item is j itself); with V > 1 the resolver makes micro a multiple of S, so a group never spans two
+   batches: its items are micro-batches m0 .. m0 + gs - 1 of batch b. */
+typedef struct avgpipe__vcur {
+    int gs, off, c; /* group size; item's place in its group; the group's pass (chunk, forwards) */
+    int m0, pipe;   /* the group's first micro-batch within its batch; the batch's pipeline */
+    long long b, t; /* batch index in the stream; its round */
+} avgpipe__vcur;
+
+static void avgpipe__vcur_init(const avgpipe_sched_desc *d, avgpipe__vcur *x) {
+    memset(x, 0, sizeof *x);
+    x->gs = d->chunks > 1 ? d->stages : 1;
+}
+
+static void avgpipe__vcur_next(const avgpipe_sched_desc *d, avgpipe__vcur *x) {
+    if (++x->off < x->gs) return;
+    x->off = 0;
+    if (++x->c < d->chunks) return;
+    x->c = 0;
+    if ((x->m0 += x->gs) < d->micro) return;
+    x->m0 = 0;
+    x->b++;
+    if (++x->pipe < d->pipes) return;
+    x->pipe = 0;
+    x->t++;
+}
+
+/* The op of the cursor's item on rank r (chunks in reverse order for a backward). */
+static avgpipe_op avgpipe__vcur_op(const avgpipe_sched_desc *d, const avgpipe__vcur *x, int kind, int backward, int r) {
+    int chunk = backward ? d->chunks - 1 - x->c : x->c;
+    return avgpipe__op(kind, x->pipe, chunk * d->stages + r, (int)(x->t * d->micro + x->m0 + x->off));
 }
 
 /* One rank of the 1F1B family (AFAB, 1F1B, advance, interleaved, ZB-H1): forwards while at most
@@ -3692,43 +3742,50 @@ static avgpipe_result avgpipe__gen_rank(avgpipe_context *ctx, const avgpipe_sche
     long long Tall = (long long)d->rounds * d->pipes * d->micro, total = Tall * d->chunks;
     long long nf = 0, nb = 0, nw = 0, batches = (long long)d->rounds * d->pipes, perround = (long long)d->pipes * d->micro * d->chunks;
     int split = d->kind == AVGPIPE_SCHED_ZBH1, lag = split ? r : 0;
+    avgpipe__vcur cf, cb, cw; /* the next forward, backward (B or I) and W */
     avgpipe_op *o = s->ops[r];
     int n = 0;
+    avgpipe__vcur_init(d, &cf);
+    avgpipe__vcur_init(d, &cb);
+    avgpipe__vcur_init(d, &cw);
     while ((split ? nw : nb) < total) {
-        int chunk, pipe, micro, canf = nf < total && nf - nb <= warm;
-        long long item, b, fin = split ? nw : nb;
+        int chunk, canf = nf < total && nf - nb <= warm;
+        long long b, fin = split ? nw : nb;
+        avgpipe__vcur at; /* the item of the backward work placed below */
         if (canf) {
-            item = avgpipe__virtual(d, nf, 0, &chunk);
-            avgpipe__stream_item(d, item, &pipe, &micro, &b);
+            chunk = cf.c;
+            b = cf.b;
             if (!d->continuous)
-                canf = fin >= (b / d->pipes) * perround;
+                canf = fin >= cf.t * perround;
             else
                 canf = b < d->pipes || bdone[(long long)chunk * batches + b - d->pipes] == d->micro;
             if (canf) {
-                o[n++] = avgpipe__op(AVGPIPE_OP_F, pipe, chunk * d->stages + r, micro);
+                o[n++] = avgpipe__vcur_op(d, &cf, AVGPIPE_OP_F, 0, r);
+                avgpipe__vcur_next(d, &cf);
                 nf++;
                 continue;
             }
         }
         if (nb < nf) { /* the next backward (B, or I for ZB-H1) */
-            item = avgpipe__virtual(d, nb, 1, &chunk);
-            avgpipe__stream_item(d, item, &pipe, &micro, &b);
-            o[n++] = avgpipe__op(split ? AVGPIPE_OP_I : AVGPIPE_OP_B, pipe, chunk * d->stages + r, micro);
+            at = cb;
+            o[n++] = avgpipe__vcur_op(d, &at, split ? AVGPIPE_OP_I : AVGPIPE_OP_B, 1, r);
+            avgpipe__vcur_next(d, &cb);
             nb++;
             if (split && nb - nw <= lag) continue;
         } else if (!split || nw >= nb) { /* cannot happen for the supported shapes; no endless loop */
             return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d cannot continue at forward %lld", r, nf);
         }
         if (split) { /* the oldest held-back W */
-            item = avgpipe__virtual(d, nw, 1, &chunk);
-            avgpipe__stream_item(d, item, &pipe, &micro, &b);
-            o[n++] = avgpipe__op(AVGPIPE_OP_W, pipe, chunk * d->stages + r, micro);
+            at = cw;
+            o[n++] = avgpipe__vcur_op(d, &at, AVGPIPE_OP_W, 1, r);
+            avgpipe__vcur_next(d, &cw);
             nw++;
         }
-        if (++bdone[(long long)chunk * batches + b] == d->micro) {
-            int t = (int)(b / d->pipes);
-            o[n++] = avgpipe__op(AVGPIPE_OP_STEP, pipe, chunk * d->stages + r, t);
-            o[n++] = avgpipe__op(AVGPIPE_OP_AVG, pipe, chunk * d->stages + r, t);
+        chunk = d->chunks - 1 - at.c;
+        if (++bdone[(long long)chunk * batches + at.b] == d->micro) {
+            int t = (int)at.t;
+            o[n++] = avgpipe__op(AVGPIPE_OP_STEP, at.pipe, chunk * d->stages + r, t);
+            o[n++] = avgpipe__op(AVGPIPE_OP_AVG, at.pipe, chunk * d->stages + r, t);
         }
     }
     s->len[r] = n;
@@ -3875,10 +3932,17 @@ static void avgpipe__dualpipev_template(avgpipe__vgen *g, const avgpipe_sched_de
 #undef AVGPIPE__VW_
 }
 
+/* avgpipe__stream_item of every stream position, tabled once for all ranks: settling asked for it at
+   every op (two dependent 64-bit divisions, a fifth of the settling time). */
+typedef struct avgpipe__sitem {
+    int32_t micro, batch;
+    int16_t pipe;
+} avgpipe__sitem;
+
 /* Settle a rank's template into its op list (see above). st: [2 * items] zeroed, bdone: [2 * batches]
-   zeroed, done: [ntemplate] zeroed. */
+   zeroed, done: [ntemplate] zeroed, it: [items] the stream positions' items. */
 static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched_desc *d, int r, const avgpipe__vgen *g, avgpipe_schedule *s,
-                                       unsigned char *st, int *bdone, unsigned char *done) {
+                                       unsigned char *st, int *bdone, unsigned char *done, const avgpipe__sitem *it) {
     long long items = (long long)d->rounds * d->pipes * d->micro, batches = (long long)d->rounds * d->pipes, head = 0, left = g->n, i;
     int S = d->stages, stage[2], n = 0;
     avgpipe_op *o = s->ops[r];
@@ -3893,7 +3957,7 @@ static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched
             if (done[i]) continue;
             me = &st[x->chunk * items + x->item];
             if (x->kind == AVGPIPE_OP_F) {
-                long long b = x->item / d->micro;
+                long long b = it[x->item].batch;
                 if (x->chunk == 1 && !(st[x->item] & VS_F)) continue; /* stage r's forward feeds stage 2S-1-r */
                 if (d->continuous && b >= d->pipes && bdone[x->chunk * batches + b - d->pipes] != d->micro) continue;
             } else if (x->kind == AVGPIPE_OP_W) {
@@ -3908,11 +3972,10 @@ static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched
         if (!t) return avgpipe__fail(ctx, AVGPIPE_UNSUPPORTED, "generator: rank %d of %s cannot continue (%lld ops left)", r,
                                      avgpipe_sched_kind_name(d->kind), left);
         for (;;) { /* the op, and the op it overlaps when that one can run with it */
-            int pipe, micro, c = t->chunk;
-            long long b, ti = t - g->t;
+            int pipe = it[t->item].pipe, c = t->chunk;
+            long long b = it[t->item].batch, ti = t - g->t;
             unsigned char *me = &st[c * items + t->item];
-            avgpipe__stream_item(d, t->item, &pipe, &micro, &b);
-            o[n] = avgpipe__op(t->kind, pipe, stage[c], micro);
+            o[n] = avgpipe__op(t->kind, pipe, stage[c], it[t->item].micro);
             done[ti] = 1;
             left--;
             *me |= t->kind == AVGPIPE_OP_F ? VS_F : t->kind == AVGPIPE_OP_W ? VS_W : VS_B;
@@ -3939,18 +4002,26 @@ static avgpipe_result avgpipe__vsettle(avgpipe_context *ctx, const avgpipe_sched
 }
 
 static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_desc *d, avgpipe_schedule *out) {
-    long long T = (long long)d->pipes * d->micro, items = T * d->rounds, batches = (long long)d->rounds * d->pipes, t;
+    long long T = (long long)d->pipes * d->micro, items = T * d->rounds, batches = (long long)d->rounds * d->pipes, t, k;
     avgpipe__vgen g;
     unsigned char *st = NULL, *done = NULL;
-    int *bdone = NULL, r;
+    int *bdone = NULL, r, m;
     long long *wq = NULL;
+    avgpipe__sitem *it = NULL;
     avgpipe_result res = AVGPIPE_OK;
     memset(&g, 0, sizeof g);
     g.ctx = ctx;
     st = (unsigned char *)avgpipe_alloc(ctx, (size_t)(2 * items));
     bdone = (int *)avgpipe_alloc(ctx, (size_t)(2 * batches) * sizeof(int));
     wq = (long long *)avgpipe_alloc(ctx, (size_t)(2 * items + 1) * sizeof(long long));
-    if (!st || !bdone || !wq) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    it = (avgpipe__sitem *)avgpipe_alloc(ctx, (size_t)items * sizeof *it);
+    if (!st || !bdone || !wq || !it) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_generate: out of memory");
+    for (t = 0, k = 0; t < batches && !res; t++) /* batch t: pipeline t % N of round t / N */
+        for (m = 0; m < d->micro; m++, k++) {
+            it[k].micro = (int32_t)(t / d->pipes * d->micro + m);
+            it[k].batch = (int32_t)t;
+            it[k].pipe = (int16_t)(t % d->pipes);
+        }
     for (r = 0; r < d->stages && !res; r++) {
         g.n = 0;
         for (t = 0; t < (d->continuous ? 1 : d->rounds); t++) { /* continuous: one stream over every round */
@@ -3967,13 +4038,14 @@ static avgpipe_result avgpipe__gen_v(avgpipe_context *ctx, const avgpipe_sched_d
         }
         memset(st, 0, (size_t)(2 * items));
         memset(bdone, 0, (size_t)(2 * batches) * sizeof(int));
-        res = avgpipe__vsettle(ctx, d, r, &g, out, st, bdone, done);
+        res = avgpipe__vsettle(ctx, d, r, &g, out, st, bdone, done, it);
     }
     avgpipe_free(ctx, g.t);
     avgpipe_free(ctx, st);
     avgpipe_free(ctx, bdone);
     avgpipe_free(ctx, wq);
     avgpipe_free(ctx, done);
+    avgpipe_free(ctx, it);
     return res;
 }
 
@@ -4059,7 +4131,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
     k = avgpipe__kind_row_of(&d);
     res = avgpipe__shape_sched(ctx, &d, out);
     if (res) return res;
-    per_rank = 3LL * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
+    /* per micro-batch and chunk a forward and a B, or I and W where the kind splits the backward; a STEP and
+       an AVG per batch and chunk (untouched reserve costs no page, but an exact one keeps the mapping small) */
+    per_rank = (2LL + avgpipe_sched_kind_query(d.kind)->split) * d.rounds * d.pipes * d.micro * d.chunks + 2LL * d.rounds * d.pipes * d.chunks;
     for (r = 0; r < d.stages && !res; r++) res = avgpipe__sched_reserve(ctx, out, r, (size_t)per_rank);
     if (!res) res = k->generate(ctx, k->warmup, &d, out);
     if (res) avgpipe_sched_free(ctx, out);
@@ -4873,6 +4947,8 @@ typedef struct avgpipe__sim {
     int stuck_rank, stuck_pos; /* after a deadlock: the first stuck rank and its op */
     int kind_cost_ready;       /* costs depend on the kind only: kind_cost holds them */
     double kind_cost[AVGPIPE_OP_KIND_COUNT];
+    int xfer_ready;            /* no stage_bytes: every transfer takes xfer (a division less per transfer) */
+    double xfer;
     /* TIE and AGREE rendezvous: a TIE pair (lo, hi) starts when both sides have arrived, an AGREE
        group when every rank holding a stage has */
     int T, npairs, agree_ranks;
@@ -4910,7 +4986,9 @@ static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
 
 static double avgpipe__xfer_time(const avgpipe__sim *m, int boundary) {
     const avgpipe_sim_desc *d = m->d;
-    double bytes = d->stage_bytes ? d->stage_bytes[boundary] : d->bytes;
+    double bytes;
+    if (m->xfer_ready) return m->xfer;
+    bytes = d->stage_bytes ? d->stage_bytes[boundary] : d->bytes;
     return d->latency + (d->bandwidth > 0 ? bytes / d->bandwidth : 0);
 }
 
@@ -4948,7 +5026,7 @@ static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int t
 }
 
 /* A transfer on channel ch (src -> dst), ready at `ready`. Returns its end. */
-static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
+AVGPIPE__FORCE_INLINE double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, double ready, int boundary, int *ok) {
     avgpipe__chan *c = &m->chan[ch];
     double xs = ready > c->link_free ? ready : c->link_free, xe = xs + avgpipe__xfer_time(m, boundary);
     int flow = (int)(m->flows++ & 0x7fffffff);
@@ -4964,7 +5042,7 @@ static double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op *op, int ch, d
 }
 
 /* Deliver data produced at `end` by op on rank r to the stage that consumes it. */
-static void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
+AVGPIPE__FORCE_INLINE void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
     avgpipe__cell *c;
     if (g2 < 0 || g2 >= m->G) return;
@@ -5247,7 +5325,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     avgpipe__sim m;
     avgpipe_result res;
     size_t cells;
-    int r, N;
+    int r, N, nsync;
     long long U, i;
     double busy = 0;
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: NULL argument");
@@ -5280,7 +5358,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
-    res = avgpipe__sched_scan(ctx, s, m.pl.rank, &N, &U);
+    res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
         return res;
@@ -5311,7 +5389,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         goto done;
     }
     for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
-    if ((res = avgpipe__sim_sync_tables(&m)) != AVGPIPE_OK) goto done;
+    if (nsync && (res = avgpipe__sim_sync_tables(&m)) != AVGPIPE_OK) goto done;
     if (desc->record_events) { /* room for every event at once: one per op, two per transfer */
         size_t ne = 0;
         int j;
@@ -5337,6 +5415,10 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
             m.kind_cost[k] = avgpipe__cost(&m, &probe);
         }
         m.kind_cost_ready = 1;
+    }
+    if (!desc->stage_bytes) {
+        m.xfer = avgpipe__xfer_time(&m, 0);
+        m.xfer_ready = 1;
     }
     for (r = m.S - 1; r >= 0; r--) m.stack[m.nstack++] = r;
     while (m.nstack > 0) {
@@ -5499,7 +5581,9 @@ static avgpipe_result avgpipe__check_sync_op(avgpipe__vstate *v, int r, int i) {
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
+/* One op of the static pass, inlined into check_static's loop: a call per op (a large frame, for
+   the error paths) was a fifth of the pass. */
+AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
     const avgpipe_op *op = &v->s->ops[r][i];
     int k = op->kind, g = op->stage, p = op->pipe, u = op->micro, G = v->G, MR = v->M * v->R;
     uint8_t *x;
@@ -5775,18 +5859,26 @@ static avgpipe_result avgpipe__check_static(avgpipe__vstate *v) {
     return res;
 }
 
-/* Peak stashed activations per rank: forward +1, B or W -1 (I keeps the activation for W). */
-static void avgpipe__static_peaks(const avgpipe_schedule *s, int *peak, int nmax) {
-    int r, i;
-    for (r = 0; r < s->nranks && r < nmax; r++) {
+/* What the validator counts before its checks, in one pass over the ops (there were three): the
+   ops that are not idle (for the size check), whether any is a TIE or AGREE (vsync_prepare has
+   nothing to do otherwise), and the peak stashed activations of each rank r < nmax: forward +1, B
+   or W -1 (I keeps the activation for W). */
+static long long avgpipe__vprescan(const avgpipe_schedule *s, int *peak, int nmax, int *any_sync) {
+    long long nops = 0;
+    int r, i, sync = 0;
+    for (r = 0; r < s->nranks; r++) {
         int cur = 0, best = 0;
         for (i = 0; i < s->len[r]; i++) {
             int k = s->ops[r][i].kind;
+            nops += k != AVGPIPE_OP_IDLE;
+            sync |= avgpipe__is_sync(k);
             if (k == AVGPIPE_OP_F && ++cur > best) best = cur;
             if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) cur--;
         }
-        peak[r] = best;
+        if (r < nmax) peak[r] = best;
     }
+    *any_sync = sync;
+    return nops;
 }
 
 static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
@@ -6150,7 +6242,7 @@ static int avgpipe__xput(avgpipe_context *ctx, avgpipe__xrank *x, int ck, int k)
 }
 
 /* The POSTs of post_acts: the activations of the next unit holding a forward, from x->look on. */
-static int avgpipe__xacts(const avgpipe__vstate *v, const avgpipe_op *o, int n, avgpipe__xrank *x) {
+AVGPIPE__FORCE_INLINE int avgpipe__xacts(const avgpipe__vstate *v, const avgpipe_op *o, int n, avgpipe__xrank *x) {
     int i = x->look, hasf = 0, j, end, ok = 1;
     while (!hasf) {
         while (i < n && o[i].kind == AVGPIPE_OP_IDLE) i++;
@@ -6340,8 +6432,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     avgpipe__vstate v;
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
-    long long nops = 0;
-    int c, i, oom = 0;
+    long long nops;
+    int c, oom = 0, any_sync, peaks[256] = {0};
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -6362,8 +6454,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     cells = (size_t)v.N * v.G * v.M * v.R;
     if ((double)v.N * v.G * v.M * v.R > 4e8)
         return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
-    for (c = 0; c < v.S; c++)
-        for (i = 0; i < s->len[c]; i++) nops += s->ops[c][i].kind != AVGPIPE_OP_IDLE;
+    nops = avgpipe__vprescan(s, peaks, 256, &any_sync);
     if (!avgpipe__cells_ok((double)v.N * v.G * v.M * v.R, nops)) /* not allocated for: some cell surely has no forward */
         return avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
                               "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
@@ -6387,9 +6478,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
         if (v.pl.rank[c] < 0)
             res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
                                  s->nplace);
-    if (!res) res = avgpipe__vsync_prepare(&v);
+    if (!res && any_sync) res = avgpipe__vsync_prepare(&v);
     if (!res) res = avgpipe__check_static(&v);
-    avgpipe__static_peaks(s, report->peak_stash, 256);
+    memcpy(report->peak_stash, peaks, sizeof peaks);
     if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
     if (!res && !(desc && desc->skip_replay)) res = avgpipe__replay(&v);
     if (v.sendq)
