@@ -2132,9 +2132,8 @@ AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tu
 #endif
 
 /* A function the compiler should inline although its size argues against it: bodies of hot loops
-   whose rare paths (errors, events) make them big, the validator's op check and the simulator's
-   transfers. Section 10 defines it again for the averaging kernels, token for token the same (an
-   identical redefinition is valid C and C++): keep the two alike, or drop that one. */
+   whose rare paths (errors, events) make them big: the validator's op check, the simulator's
+   transfers, the averaging kernels (section 10). */
 #if defined(__GNUC__) || defined(__clang__)
 #define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
 #elif defined(_MSC_VER)
@@ -6840,14 +6839,6 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
 #endif
 #else
 #define AVGPIPE__RESTRICT restrict
-#endif
-
-#if defined(__GNUC__) || defined(__clang__)
-#define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
-#elif defined(_MSC_VER)
-#define AVGPIPE__FORCE_INLINE static __forceinline
-#else
-#define AVGPIPE__FORCE_INLINE static inline
 #endif
 
 typedef struct avgpipe__cpu_device {
