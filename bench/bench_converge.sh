@@ -49,8 +49,9 @@ setting() {
             tr="$tr $t"
             wa="$wa $(echo "$line" | sed -n 's/.*, \([0-9.]*\) s wall.*/\1/p')"
         fi
-        # per seed: training seconds to the target, the choice (N), the tuning time
+        # per seed: training seconds to the target, the choice (N), the tuning time, predicted and measured samples/s
         seeds="$seeds;$t,$(sed -n 's/.*tuner: chose [^:]*N = \([0-9]*\).*/\1/p' "$TMP/out" | tail -n 1),$(sed -n 's/.*tuning took \([0-9.]*\) s.*/\1/p' "$TMP/out" | tail -n 1)"
+        seeds="$seeds,$(sed -n 's/.*tuner: chose .*predicted \([0-9]*\) samples\/s.*/\1/p' "$TMP/out" | tail -n 1),$(grep '^trained' "$TMP/out" | sed -n 's/.*(\([0-9][0-9]*\) samples\/s).*/\1/p')"
         rt="$rt $(grep '^trained' "$TMP/out" | sed -n 's/.*(\([0-9][0-9]*\) samples\/s).*/\1/p')"
         s=$((s + 1))
     done
@@ -90,7 +91,8 @@ awk -F '|' -v seeds="$SEEDS" '
             split(s[i], f, ",")
             if (f[1] == "-") { line = line sprintf("  seed %d: N = %s, did not reach the target\n", i - 1, f[2]); miss++; continue }
             r[++k] = f[1] / best - 1
-            line = line sprintf("  seed %d: N = %s, %s s training (tuning %s s): regret %+.1f%%\n", i - 1, f[2], f[1], f[3], 100 * r[k])
+            line = line sprintf("  seed %d: N = %s, %s s training (tuning %s s): regret %+.1f%%; predicted %s samples/s, measured %s (%+.0f%%)\n",
+                                i - 1, f[2], f[1], f[3], 100 * r[k], f[4], f[5], f[5] > 0 ? 100 * (f[4] / f[5] - 1) : 0)
         }
         printf "tuner: time to the target against the grid'"'"'s best, %s (median %s s):\n%s", bestname, best, line
         if (miss) { printf "tuner: regret target (<= 10%%) NOT met: %d seed(s) missed the target\n", miss; exit }

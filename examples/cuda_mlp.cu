@@ -1149,7 +1149,7 @@ static int tune(app *A, avgpipe_context *ctx) {
 
     if (tune_noise(ctx, o, &A->model, &A->train, 1, &noise) != 0) goto done;
     tune_desc_init(&td, o, A->train.n, min_micro, &noise);
-    if (tune_choose(ctx, o, &cm, &td, t0) != 0) goto done;
+    if (tune_choose(ctx, o, &cm, &td, A->train.n, 1, t0) != 0) goto done;
     rc = 0;
 done:
     if (path == tmp) remove(tmp);

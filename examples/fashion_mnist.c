@@ -127,11 +127,12 @@ static const char usage_tuning[] =
     "fitted, and every setting (schedule, M, N <= 4, K, round mode) is simulated; what the command line\n"
     "fixes (--micro, --pipes, --schedule, --sync) stays fixed. With N auto, a plain-loop probe trains\n"
     "half an epoch on throwaway weights and measures the gradient noise scale B_noise: N pipelines take\n"
-    "1 + N x batch / B_noise times the epochs of a small batch. The setting predicted to reach a target\n"
-    "loss soonest (samples/s x that; --objective throughput: the most samples/s) within --mem-limit is\n"
-    "trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the choice and the\n"
-    "best alternatives (one per M and N) go to stderr. --split auto: the profile times every layer and\n"
-    "the partitioner picks the split with the setting (also with M and N fixed).\n";
+    "1 + N x batch / B_noise times the epochs of a small batch (Adam's preconditioned noise). Without\n"
+    "--batch it also tries 2x and 4x the batch (N x batch at most 4x the batch). The setting predicted to\n"
+    "reach a target loss soonest (samples/s x that; --objective throughput: the most samples/s) within\n"
+    "--mem-limit is trained (near-ties, within 0.5%: fewer pipelines, then less memory). The fit, the\n"
+    "choice and the best alternatives (one per batch, M and N) go to stderr. --split auto: the profile\n"
+    "times every layer and the partitioner picks the split with the setting (also with M and N fixed).\n";
 
 /* Contiguous splits of the model's layers into its stage partitions: C(L-1, G-1). */
 static double split_count(const options *o) {
@@ -1092,7 +1093,7 @@ static int tune(app *A, avgpipe_context *ctx) {
         rc = 0;
         goto done;
     }
-    if (tune_choose(ctx, o, use, &td, t0) != 0) goto done;
+    if (tune_choose(ctx, o, use, &td, A->train.n, o->batch_set || o->pipes != AUTO ? 1 : TUNE_BATCHES, t0) != 0) goto done;
     rc = 0;
 done:
     if (path == tmp) remove(tmp);
@@ -1125,20 +1126,20 @@ static int start_mpi(app *A, avgpipe_context *ctx, int *argc, char ***argv) {
 /* Rank 0 tuned alone: everyone trains with its choice (or stops with it). Bounded: rank 0 has 10 minutes. */
 static int share_choice(app *A, int rc) {
     options *o = &A->opt;
-    int v[9 + MLP_MAX_LAYERS], done = 0, g;
+    int v[10 + MLP_MAX_LAYERS], done = 0, g;
     MPI_Request req;
     double t0 = MPI_Wtime();
     struct timespec nap = {0, 1000000L};
     v[0] = rc, v[1] = (int)o->schedule, v[2] = o->micro, v[3] = o->pipes, v[4] = o->continuous, v[5] = o->advance, v[6] = o->chunks,
-    v[7] = o->rounds, v[8] = o->nsplit;
-    for (g = 0; g < MLP_MAX_LAYERS; g++) v[9 + g] = o->split[g];
-    if (MPI_Ibcast(v, 9 + MLP_MAX_LAYERS, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
+    v[7] = o->rounds, v[8] = o->nsplit, v[9] = o->batch;
+    for (g = 0; g < MLP_MAX_LAYERS; g++) v[10 + g] = o->split[g];
+    if (MPI_Ibcast(v, 10 + MLP_MAX_LAYERS, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
     while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && MPI_Wtime() - t0 < 600) nanosleep(&nap, NULL);
     if (!done) return fail("--backend mpi: rank 0 did not finish tuning within 10 minutes");
     if (v[0] != 0) return A->me == 0 ? -1 : fail("rank 0 failed to tune (see its message)");
     o->schedule = (avgpipe_sched_kind)v[1], o->micro = v[2], o->pipes = v[3], o->continuous = v[4], o->advance = v[5], o->chunks = v[6];
-    o->rounds = v[7], o->nsplit = v[8];
-    for (g = 0; g < MLP_MAX_LAYERS; g++) o->split[g] = v[9 + g];
+    o->rounds = v[7], o->nsplit = v[8], o->batch = v[9];
+    for (g = 0; g < MLP_MAX_LAYERS; g++) o->split[g] = v[10 + g];
     return 0;
 }
 #endif

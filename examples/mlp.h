@@ -283,6 +283,7 @@ typedef struct mlp_reference {
     float *act[MLP_MAX_LAYERS];  /* boundary g|g+1 activation, mb * out width */
     float *grad[MLP_MAX_LAYERS]; /* boundary g|g+1 gradient */
     float *one[MLP_MAX_LAYERS];  /* mlp_reference_batch_noise: one micro-batch's gradient of stage g (lazily) */
+    float *pw[MLP_MAX_LAYERS];   /* and its preconditioner's squared weights */
     mlp_perm perm;
 } mlp_reference;
 
@@ -302,14 +303,17 @@ void mlp_reference_free(mlp_reference *r);
 int mlp_reference_batch(mlp_reference *r, int64_t round, double *loss, int *correct);
 
 /* mlp_reference_batch, measuring the gradient noise as well: *micro_sq gets the mean over the batch's
-   micro-batches of |g_u|^2 (g_u: the mean gradient over micro-batch u's samples, all stages' parameters),
-   *batch_sq |g|^2 of the batch's mean gradient (what the step uses): the two averages a gradient noise
-   scale is estimated from (avgpipe_tune_noise_scale with b_small = batch / micro, b_big = batch). Needs
-   micro >= 2 and the gradients zero (after mlp_reference_step or init). The gradients accumulate in
+   micro-batches of |P g_u|^2 (g_u: the mean gradient over micro-batch u's samples, all stages' parameters),
+   *batch_sq |P g|^2 of the batch's mean gradient (what the step uses): the two averages a gradient noise
+   scale is estimated from (avgpipe_tune_noise_scale with b_small = batch / micro, b_big = batch). P is
+   the identity with pre NULL, else Adam's preconditioner in the state of pre (a net over the same model:
+   1 / (sqrt(v / (1 - beta2^t)) + eps) per parameter, hp's beta2 and eps): the noise in the geometry Adam
+   steps in, which is what decides how much a larger batch helps it (Pollux, OSDI'21, does the same).
+   Needs micro >= 2 and the gradients zero (after mlp_reference_step or init). The gradients accumulate in
    r->net.grad as with mlp_reference_batch, summed in another order (equal up to rounding). Returns 0, or
    -1 on a non-finite loss, out of memory, or micro < 2. */
-int mlp_reference_batch_noise(mlp_reference *r, int64_t round, double *loss, int *correct, double *micro_sq,
-                              double *batch_sq);
+int mlp_reference_batch_noise(mlp_reference *r, int64_t round, const mlp_net *pre, const mlp_adam_hp *hp, double *loss,
+                              int *correct, double *micro_sq, double *batch_sq);
 
 /* One Adam step on every stage (zeroes the gradients), at the learning rate of step r->steps. */
 void mlp_reference_step(mlp_reference *r);
@@ -1204,6 +1208,7 @@ void mlp_reference_free(mlp_reference *r) {
         free(r->act[g]);
         free(r->grad[g]);
         free(r->one[g]);
+        free(r->pw[g]);
     }
     mlp_perm_free(&r->perm);
     memset(r, 0, sizeof *r);
@@ -1270,15 +1275,24 @@ int mlp_reference_batch(mlp_reference *r, int64_t round, double *loss, int *corr
     return 0;
 }
 
-int mlp_reference_batch_noise(mlp_reference *r, int64_t round, double *loss, int *correct, double *micro_sq,
-                              double *batch_sq) {
+
+int mlp_reference_batch_noise(mlp_reference *r, int64_t round, const mlp_net *pre, const mlp_adam_hp *hp, double *loss,
+                              int *correct, double *micro_sq, double *batch_sq) {
     const mlp_model *m = r->model;
     double sum = 0, l = 0, usq = 0, bsq = 0;
     int hits = 0, u, c = 0, g;
     size_t i;
-    if (r->micro < 2) return -1;
-    for (g = 0; g < m->stages; g++)
+    if (r->micro < 2 || (pre && !hp)) return -1;
+    for (g = 0; g < m->stages; g++) {
         if (!r->one[g] && !(r->one[g] = (float *)malloc(sizeof(float) * m->count[g]))) return -1;
+        if (!r->pw[g] && !(r->pw[g] = (float *)malloc(sizeof(float) * m->count[g]))) return -1;
+        for (i = 0; i < m->count[g]; i++) { /* the squared weight of each parameter in |P x|^2 */
+            const mlp_adam *a = pre ? &pre->adam[g] : NULL;
+            double bc = a && a->t > 0 ? 1 - pow((double)hp->beta2, (double)a->t) : 1;
+            double w = a ? 1 / (sqrt((double)a->v[i] / bc) + (double)hp->eps) : 1;
+            r->pw[g][i] = (float)(w * w);
+        }
+    }
     for (u = 0; u < r->micro; u++) {
         for (g = 0; g < m->stages; g++) memset(r->one[g], 0, sizeof(float) * m->count[g]);
         if (mlp__reference_micro(r, round, u, r->one, &l, &c) != 0) return -1;
@@ -1287,12 +1301,12 @@ int mlp_reference_batch_noise(mlp_reference *r, int64_t round, double *loss, int
         for (g = 0; g < m->stages; g++)
             for (i = 0; i < m->count[g]; i++) { /* one[] holds g_u / micro: the step's share of it */
                 double x = r->one[g][i];
-                usq += x * x;
+                usq += x * x * r->pw[g][i];
                 r->net.grad[g][i] += r->one[g][i];
             }
     }
     for (g = 0; g < m->stages; g++)
-        for (i = 0; i < m->count[g]; i++) bsq += (double)r->net.grad[g][i] * r->net.grad[g][i];
+        for (i = 0; i < m->count[g]; i++) bsq += (double)r->net.grad[g][i] * r->net.grad[g][i] * r->pw[g][i];
     if (loss) *loss = sum / r->micro;
     if (correct) *correct = hits;
     *micro_sq = usq * r->micro; /* mean over u of |micro * one_u|^2 */

@@ -45,6 +45,7 @@ typedef struct options {
     int procs;                        /* --backend mpi (fashion_mnist) or nccl (cuda_mlp): one rank per process */
     int schedule_set, sync_set;       /* the user fixed --schedule / --sync: the tuner keeps them */
     int objective_set;                /* --objective given (it applies only to the tuner) */
+    int batch_set;                    /* --batch given: the tuner keeps it (else it may take 2x or 4x, see tune_choose) */
     avgpipe_sched_kind schedule;
     double alpha, lr;
     double mem_limit;                 /* --mem-limit: bytes per rank for the tuner; 0: none */
@@ -212,7 +213,7 @@ static void mlp_cli_value(const mlp_cli_program *p, options *o, const char *f, c
     if (!strcmp(f, "--stages")) o->stages = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
     else if (!strcmp(f, "--pipes")) o->pipes = !strcmp(v, "auto") ? AUTO : (int)parse_long(f, v, 1, 256);
     else if (!strcmp(f, "--micro")) o->micro = !strcmp(v, "auto") ? AUTO : (int)parse_long(f, v, 1, 4096);
-    else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 1 << 20);
+    else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 1 << 20), o->batch_set = 1;
     else if (!strcmp(f, "--epochs")) o->epochs = (int)parse_long(f, v, 1, 100000);
     else if (!strcmp(f, "--rounds")) o->rounds = (int)parse_long(f, v, 1, 100000);
     else if (!strcmp(f, "--chunks")) o->chunks = (int)parse_long(f, v, 1, MLP_MAX_LAYERS);
@@ -318,7 +319,8 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
     "  --pipes N|auto      parallel pipelines = parallel models (default auto: the tuner picks 1..4)\n" \
     "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n" \
     "                      at least 16 samples)\n" \
-    "  --batch B           samples per batch per pipeline (default 128; a multiple of M)\n" \
+    "  --batch B           samples per batch per pipeline (default 128, or with N auto the tuner's 2x or 4x;\n" \
+    "                      a multiple of M)\n" \
     "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 | zbv | dualpipev (default advance;\n" \
     "                      with --micro or --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1,\n" \
     "                      or only KIND); zbv and dualpipev hold two stages per rank in a V (ranks = G / 2)\n" \
@@ -361,6 +363,7 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
 #define TUNE_TIE 0.005  /* settings predicted within 0.5% of the best are ties (see tune_choose) */
 #define TUNE_NOISE_EPOCHS 0.5 /* the noise probe trains this share of an epoch, then measures (tune_noise_probe) */
 #define TUNE_NOISE_BATCHES 32 /* batches the noise scale is measured on */
+#define TUNE_BATCHES 4        /* with --batch not given, the tuner also tries batches of 2x and 4x (tune_choose) */
 
 static double now_s(void) {
     struct timespec t;
@@ -451,7 +454,7 @@ static int tune_noise_probe(avgpipe_context *ctx, const options *o, const mlp_mo
     }
     for (g = 0; g < m->stages; g++) memcpy(q.net.params[g], r.net.params[g], sizeof(float) * m->count[g]);
     for (i = 0; i < TUNE_NOISE_BATCHES; i++) { /* at fixed weights: the gradients of the next batches */
-        if (mlp_reference_batch_noise(&q, steps + i, &l, &c, &small[i], &big[i]) != 0) {
+        if (mlp_reference_batch_noise(&q, steps + i, &r.net, &r.adam, &l, &c, &small[i], &big[i]) != 0) {
             fail("tuner: noise probe: non-finite loss or out of memory");
             goto out;
         }
@@ -506,8 +509,8 @@ static const char *round_mode(int continuous) { return continuous ? "continuous"
 static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chosen) {
     char k[16] = "-";
     if (c->sched.kind == AVGPIPE_SCHED_ADVANCE) snprintf(k, sizeof k, "%d", c->sched.advance);
-    fprintf(stderr, "  %2s %-8s %3d %3d %4s %-10s %4d %10.0f %6.2f %9.2f %9.2f%s\n", chosen ? "->" : "",
-            avgpipe_sched_kind_name(c->sched.kind), c->sched.micro, c->sched.pipes, k, round_mode(c->sched.continuous),
+    fprintf(stderr, "  %2s %-8s %5d %3d %3d %4s %-10s %4d %10.0f %6.2f %9.2f %9.2f%s\n", chosen ? "->" : "",
+            avgpipe_sched_kind_name(c->sched.kind), batch, c->sched.micro, c->sched.pipes, k, round_mode(c->sched.continuous),
             batch / c->sched.micro, 1.0 / c->time_per_sample, c->efficiency, c->time_to_target, c->peak_bytes / (1024.0 * 1024.0),
             c->fits ? "" : "  over --mem-limit");
 }
@@ -538,73 +541,127 @@ static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, 
     td->kinds = o->schedule_set ? 1u << o->schedule : 0;
 }
 
+/* A candidate of tune_choose's search, with the batch it was searched at. */
+typedef struct tune_cand {
+    avgpipe_tune_candidate c;
+    int batch;
+} tune_cand;
+
+static const options *g_tune_o; /* what tune_cmp ranks by (qsort has no user pointer) */
+static int tune_cmp(const void *x, const void *y) {
+    const tune_cand *a = (const tune_cand *)x, *b = (const tune_cand *)y;
+    double ka = tune_key(g_tune_o, &a->c), kb = tune_key(g_tune_o, &b->c);
+    if (a->c.fits != b->c.fits) return b->c.fits - a->c.fits;
+    return (ka > kb) - (ka < kb);
+}
+
 /* Search model `m` as td says, choose, report on stderr, and set o's schedule, micro, pipes, advance,
-   round mode and chunks to the choice. The choice: the best predicted (least time to target, or with
-   --objective throughput least time per sample) within --mem-limit among the settings with the M and N
-   the user fixed; those within TUNE_TIE of it are ties, broken toward fewer pipelines (progress per
-   sample), then less memory. t0: when tuning began, for the report. 0, or -1 with a message (nothing
-   fits: what the smallest setting needs). */
-static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, double t0) {
-    avgpipe_tune_candidate *cand = NULL;
-    int i, ncand = 0, nok = 0, shown = 0, chosen = -1, best;
+   round mode, chunks and batch to the choice. The choice: the best predicted (least time to target, or
+   with --objective throughput least time per sample) within --mem-limit among the settings with the M
+   and N the user fixed; those within TUNE_TIE of it are ties, broken toward fewer pipelines (progress
+   per sample), then less memory. batches > 1: also at 2x, 4x, ... up to `batches` x td->batch samples
+   per batch (one pipeline with a larger batch against more pipelines: the same efficiency from the noise
+   scale, often more samples/s), micro-batches no smaller than td's times as much, and N x batch at most
+   `batches` x td->batch: the learning rate was set for td->batch, and the noise scale measured half an
+   epoch in is no forecast of how far beyond that a round can grow (for the default model the raw
+   estimate is ~200 samples, Adam's preconditioned one 1e5-1e6 +-70%; the grid of bench_converge puts
+   the real one between, in the thousands). Only when ranking by time to target with a measured noise
+   scale (by samples/s alone the largest batch would always win).
+   t0: when tuning began, for the report. 0, or -1 with a message (nothing fits: what the smallest
+   setting needs). */
+static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, int ntrain,
+                       int batches, double t0) {
+    tune_cand *cand = NULL;
+    int i, k, ncand = 0, nok = 0, shown = 0, chosen = -1, best;
     double t1 = now_s();
-    avgpipe_result r = avgpipe_tune_search(ctx, m, td, &cand, &ncand);
-    if (r != AVGPIPE_OK) return fail("tuner: search failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
-    t1 = now_s() - t1;
-    for (i = 0; i < ncand; i++) { /* drop what the user fixed away; the list stays fitting first, fastest first */
-        const avgpipe_tune_candidate *c = &cand[i];
-        if ((o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes)) cand[nok++] = *c;
+    if (o->objective == AVGPIPE_TUNE_THROUGHPUT || !(td->noise_scale > 0)) batches = 1;
+    for (k = 1; k <= batches; k *= 2) { /* one search per batch size; the candidates of all of them */
+        avgpipe_tune_desc tk = *td;
+        avgpipe_tune_candidate *c = NULL;
+        tune_cand *grown;
+        int n = 0, feed = ntrain / (td->batch * k * o->replicas);
+        avgpipe_result r;
+        tk.batch = td->batch * k;
+        tk.min_micro = td->min_micro * k;
+        if (feed < 1) break;
+        if (tk.max_pipes > feed) tk.max_pipes = feed;
+        if (k > 1 && tk.max_pipes > batches / k) tk.max_pipes = batches / k; /* N x batch <= batches x td->batch */
+        r = avgpipe_tune_search(ctx, m, &tk, &c, &n);
+        if (r != AVGPIPE_OK) {
+            free(cand);
+            return fail("tuner: search failed (batch %d): %s: %s", tk.batch, avgpipe_result_string(r), avgpipe_last_error(ctx));
+        }
+        if (!(grown = (tune_cand *)realloc(cand, (size_t)(ncand + n + 1) * sizeof *cand))) {
+            avgpipe_free(ctx, c);
+            free(cand);
+            return fail("tuner: out of memory");
+        }
+        cand = grown;
+        for (i = 0; i < n; i++) cand[ncand + i].c = c[i], cand[ncand + i].batch = tk.batch;
+        ncand += n;
+        avgpipe_free(ctx, c);
     }
-    best = nok > 0 && cand[0].fits ? 0 : -1;
-    for (i = 0; best >= 0 && i < nok && cand[i].fits; i++)
-        if (tune_key(o, &cand[i]) <= tune_key(o, &cand[best]) * (1 + TUNE_TIE) &&
-            (chosen < 0 || cand[i].sched.pipes < cand[chosen].sched.pipes ||
-             (cand[i].sched.pipes == cand[chosen].sched.pipes && cand[i].peak_bytes < cand[chosen].peak_bytes)))
+    t1 = now_s() - t1;
+    for (i = 0; i < ncand; i++) { /* drop what the user fixed away */
+        const avgpipe_tune_candidate *c = &cand[i].c;
+        if ((o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes)) cand[nok++] = cand[i];
+    }
+    g_tune_o = o;
+    if (nok > 1) qsort(cand, (size_t)nok, sizeof *cand, tune_cmp); /* fitting first, best first */
+    best = nok > 0 && cand[0].c.fits ? 0 : -1;
+    for (i = 0; best >= 0 && i < nok && cand[i].c.fits; i++)
+        if (tune_key(o, &cand[i].c) <= tune_key(o, &cand[best].c) * (1 + TUNE_TIE) &&
+            (chosen < 0 || cand[i].c.sched.pipes < cand[chosen].c.sched.pipes ||
+             (cand[i].c.sched.pipes == cand[chosen].c.sched.pipes && cand[i].c.peak_bytes < cand[chosen].c.peak_bytes)))
             chosen = i;
     if (chosen < 0) {
         int small = 0;
         for (i = 1; i < nok; i++)
-            if (cand[i].peak_bytes < cand[small].peak_bytes) small = i;
+            if (cand[i].c.peak_bytes < cand[small].c.peak_bytes) small = i;
         if (nok == 0) fail("tuner: no setting to choose from (batch %d, micro-batches of >= %d samples)", o->batch, td->min_micro);
         else fail("tuner: no setting fits --mem-limit %.0f bytes (%.2f MiB) per rank: the smallest, %s with M = %d, N = %d, "
                   "needs %.0f bytes (%.2f MiB); raise the limit or lower --batch or --hidden", o->mem_limit,
-                  o->mem_limit / (1024.0 * 1024.0), avgpipe_sched_kind_name(cand[small].sched.kind), cand[small].sched.micro,
-                  cand[small].sched.pipes, cand[small].peak_bytes, cand[small].peak_bytes / (1024.0 * 1024.0));
-        avgpipe_free(ctx, cand);
+                  o->mem_limit / (1024.0 * 1024.0), avgpipe_sched_kind_name(cand[small].c.sched.kind), cand[small].c.sched.micro,
+                  cand[small].c.sched.pipes, cand[small].c.peak_bytes, cand[small].c.peak_bytes / (1024.0 * 1024.0));
+        free(cand);
         return -1;
     }
     fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
     if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d samples", td->min_micro);
     else fprintf(stderr, "M = %d", o->micro);
-    fprintf(stderr, "%s); predicted, %s first, the best setting of each M and N", o->mem_limit > 0 ? ", within --mem-limit" : "",
+    if (batches > 1) fprintf(stderr, ", batches of %d to %d samples", td->batch, td->batch * batches);
+    fprintf(stderr, "%s); predicted, %s first, the best setting of each batch, M and N", o->mem_limit > 0 ? ", within --mem-limit" : "",
             o->objective == AVGPIPE_TUNE_THROUGHPUT ? "fastest" : "soonest to target");
     if (td->noise_scale > 0)
-        fprintf(stderr, " (efficiency: epochs to a target relative to a batch far below the noise scale, %.0f samples;\n"
+        fprintf(stderr, " (eff: epochs to a target relative to a batch far below the noise scale, %.0f samples;\n"
                         "     to target: seconds per such epoch)", td->noise_scale);
-    fprintf(stderr, ":\n     schedule   M   N    K rounds       mb  samples/s    eff to target  peak MiB\n");
+    fprintf(stderr, ":\n     schedule batch   M   N    K rounds       mb  samples/s    eff to target  peak MiB\n");
     for (i = 0; i < nok && (shown < TUNE_SHOW || i <= chosen); i++) {
-        int j, dup = 0; /* one line per (M, N): the schedules, K and round modes of one are often tied */
-        for (j = 0; j < i && !dup; j++) dup = cand[j].sched.micro == cand[i].sched.micro && cand[j].sched.pipes == cand[i].sched.pipes;
+        int j, dup = 0; /* one line per (batch, M, N): the schedules, K and round modes of one are often tied */
+        for (j = 0; j < i && !dup; j++)
+            dup = cand[j].batch == cand[i].batch && cand[j].c.sched.micro == cand[i].c.sched.micro && cand[j].c.sched.pipes == cand[i].c.sched.pipes;
         if (i == chosen || (!dup && shown < TUNE_SHOW)) {
             if (i == chosen && shown >= TUNE_SHOW) fprintf(stderr, "     ...\n");
-            print_candidate(&cand[i], o->batch, i == chosen);
+            print_candidate(&cand[i].c, cand[i].batch, i == chosen);
             shown++;
         }
     }
-    o->schedule = cand[chosen].sched.kind;
-    o->micro = cand[chosen].sched.micro;
-    o->pipes = cand[chosen].sched.pipes;
-    o->continuous = cand[chosen].sched.continuous;
-    o->advance = o->schedule == AVGPIPE_SCHED_ADVANCE ? cand[chosen].sched.advance : ADVANCE_AUTO;
+    o->schedule = cand[chosen].c.sched.kind;
+    o->micro = cand[chosen].c.sched.micro;
+    o->pipes = cand[chosen].c.sched.pipes;
+    o->continuous = cand[chosen].c.sched.continuous;
+    o->advance = o->schedule == AVGPIPE_SCHED_ADVANCE ? cand[chosen].c.sched.advance : ADVANCE_AUTO;
     o->chunks = 1;
-    fprintf(stderr, PROG ": tuner: chose %s, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), o->micro, o->pipes);
+    o->batch = cand[chosen].batch;
+    fprintf(stderr, PROG ": tuner: chose %s, batch %d, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), o->batch, o->micro, o->pipes);
     if (o->schedule == AVGPIPE_SCHED_ADVANCE) fprintf(stderr, ", K = %d", o->advance);
-    fprintf(stderr, ", %s rounds: predicted %.0f samples/s", round_mode(o->continuous), 1.0 / cand[chosen].time_per_sample);
-    if (td->noise_scale > 0) fprintf(stderr, ", efficiency %.2f: %.2f s per epoch of ideal progress", cand[chosen].efficiency, cand[chosen].time_to_target);
-    fprintf(stderr, ", %.2f MiB per rank", cand[chosen].peak_bytes / (1024.0 * 1024.0));
+    fprintf(stderr, ", %s rounds: predicted %.0f samples/s", round_mode(o->continuous), 1.0 / cand[chosen].c.time_per_sample);
+    if (td->noise_scale > 0)
+        fprintf(stderr, ", efficiency %.2f: %.2f s per epoch of ideal progress", cand[chosen].c.efficiency, cand[chosen].c.time_to_target);
+    fprintf(stderr, ", %.2f MiB per rank", cand[chosen].c.peak_bytes / (1024.0 * 1024.0));
     if (chosen != best) fprintf(stderr, " (of the ties within %.1f%%: fewest pipelines, least memory)", 100 * TUNE_TIE);
     fprintf(stderr, "; tuning took %.2f s\n", now_s() - t0);
-    avgpipe_free(ctx, cand);
+    free(cand);
     return 0;
 }
 
