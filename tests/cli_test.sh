@@ -279,6 +279,19 @@ eq "tune tsv fits" "$(column fits)" "1 1 1 1 1"
 sorted=$(column pred_time_per_sample | tr ' ' '\n' | sort -g | tr '\n' ' ')
 eq "tune tsv fastest first" "$(column pred_time_per_sample) " "$sorted"
 cp "$OUT" "$TMP/tune_1M.tsv"
+# --noise-scale: by time to target. At 16 samples N pipelines of 32 take 1 + 2N times the epochs: the
+# most pipelines (fastest per sample) lose to one, and each row's efficiency and time to target say why.
+t "tune --noise-scale" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --max-pipes 3 --top 0 --summary tsv --noise-scale 16
+has "tune --noise-scale header" "$OUT" "pred_time_to_target"
+eq "tune --noise-scale best pipes" "$(column pipes | cut -d' ' -f1)" "1"
+eq "tune --noise-scale efficiency" "$(awk -F '\t' 'NR > 1 && $12 != 1 + 2 * $4 { bad = bad " " $1 } END { print bad == "" ? "ok" : bad }' "$OUT")" "ok"
+eq "tune --noise-scale time to target" "$(awk -F '\t' 'NR > 1 { d = $13 - $8 * $12; if (d < -1e-8 * $13 || d > 1e-8 * $13) bad = bad " " $1 }
+        END { print bad == "" ? "ok" : bad }' "$OUT")" "ok"
+sorted=$(column pred_time_to_target | tr ' ' '\n' | sort -g | tr '\n' ' ')
+eq "tune --noise-scale soonest first" "$(column pred_time_to_target) " "$sorted"
+t "tune --noise-scale table" 0 tune --profile "$PROF" --batch 32 --mem-limit 1M --max-pipes 3 --noise-scale 16
+has "tune --noise-scale table: columns" "$OUT" "efficiency  us_to_target"
+has "tune --noise-scale table: best" "$OUT" "efficiency 3: "
 # sizes: 1M = 1024K = 1048576 bytes
 t "tune --mem-limit 1024K" 0 tune --profile "$PROF" --batch 32 --mem-limit 1024K --max-pipes 3 --top 5 --summary tsv
 if cmp -s "$OUT" "$TMP/tune_1M.tsv"; then ok; else bad "tune: --mem-limit 1024K differs from 1M"; fi

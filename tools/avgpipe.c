@@ -60,6 +60,7 @@ typedef struct cli_opts {
     const char *profile;
     int batch, top, max_pipes, no_continuous, max_advance, min_micro;
     double mem_limit, opt_bytes, cores;
+    double noise_scale; /* --noise-scale: > 0 ranks by predicted time to target */
 } cli_opts;
 
 /* One evaluated schedule: a row of the compare table or of the TSV summary. */
@@ -275,6 +276,8 @@ static const cli_flag cli_flags[] = {
     {"--no-continuous", set_switch, OFF(no_continuous), 0, 0, T, NULL, "synchronous rounds only (default: both round modes)"},
     {"--max-advance", set_int, OFF(max_advance), 0, INT_MAX, T, "K", "largest K of advance tried (default 0: up to all forwards first)"},
     {"--cores", set_num, OFF(cores), 0, 1e6, T, "C", "cores the ranks' stage threads share (CPU); 0 = one per rank (default)"},
+    {"--noise-scale", set_num, OFF(noise_scale), 0, 1e18, T, "B", "the model's gradient noise scale in samples: rank by predicted time to\n"
+     "                           target, time per sample x (1 + N x batch / B) (default 0: by time per sample)"},
     {"--min-micro", set_int, OFF(min_micro), 1, CLI_MAX_BATCH, T, "SAMPLES", "smallest micro-batch tried, in samples (default 1)"},
     {"--schedule", set_schedule, 0, 0, 0, SC | T, "NAME", "afab|1f1b|advance|interleaved|zbh1|zbv|dualpipev; compare and tune take a comma list"},
     {"--stages", set_int, OFF(stages), 1, INT_MAX, SC | T, "S", "pipeline stages = ranks (default 4; tune: the profile's, and with\n"
@@ -350,8 +353,10 @@ static const cli_command cli_commands[] = {
      "splits bounded out by their least possible time), prints it and what bounds the model: the busiest\n"
      "stage's share of the work; the ranking is that split's.\n"
      "TSV columns: rank schedule micro pipes advance continuous samples pred_time_per_sample pred_seconds\n"
-     "pred_peak_bytes fits (times in seconds; pred_seconds is one iteration of R rounds), and with 'layer'\n"
-     "lines split (layers per stage, e.g. 1,3).\n"
+     "pred_peak_bytes fits (times in seconds; pred_seconds is one iteration of R rounds), with --noise-scale\n"
+     "efficiency pred_time_to_target (per sample of ideal progress), and with 'layer' lines split (layers\n"
+     "per stage, e.g. 1,3). --noise-scale B (the model's, e.g. from avgpipe_tune_noise_scale on its gradient\n"
+     "norms) ranks by predicted time to target instead: time per sample x (1 + N x batch / B).\n"
      "Exit status: 0 ok, 1 no setting fits the memory limit, 2 bad arguments, a profile that cannot be\n"
      "read or parsed (the message names the line), or a library error.\n"},
 };
@@ -869,13 +874,16 @@ static void print_cost_model(const cli_opts *o, const avgpipe_profile *p, const 
 static void print_tune_row(const cli_opts *o, int rank, const avgpipe_tune_candidate *c, const char *split) {
     const avgpipe_sched_desc *d = &c->sched;
     if (o->tsv) {
-        printf("%d\t%s\t%d\t%d\t%d\t%d\t%.10g\t%.9g\t%.9g\t%.0f\t%d%s%s\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
-               d->advance, d->continuous, c->samples, c->time_per_sample, c->seconds, c->peak_bytes, c->fits, split ? "\t" : "",
-               split ? split : "");
+        printf("%d\t%s\t%d\t%d\t%d\t%d\t%.10g\t%.9g\t%.9g\t%.0f\t%d", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
+               d->advance, d->continuous, c->samples, c->time_per_sample, c->seconds, c->peak_bytes, c->fits);
+        if (o->noise_scale > 0) printf("\t%.9g\t%.9g", c->efficiency, c->time_to_target);
+        printf("%s%s\n", split ? "\t" : "", split ? split : "");
         return;
     }
-    printf("%4d  %-8s %5d %5d %7d %10s %14.4f %12.4f %14.0f  %s\n", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
-           d->advance, d->continuous ? "yes" : "no", 1e6 * c->time_per_sample, 1e3 * c->seconds, c->peak_bytes, c->fits ? "yes" : "NO");
+    printf("%4d  %-8s %5d %5d %7d %10s %14.4f %12.4f %14.0f  %s", rank, avgpipe_sched_kind_name(d->kind), d->micro, d->pipes,
+           d->advance, d->continuous ? "yes" : "no", 1e6 * c->time_per_sample, 1e3 * c->seconds, c->peak_bytes, c->fits ? "yes" : "NO ");
+    if (o->noise_scale > 0) printf(" %10.4f %13.4f", c->efficiency, 1e6 * c->time_to_target);
+    printf("\n");
 }
 
 /* The search description from the options; kinds from --schedule (interleaved is refused: the
@@ -891,6 +899,7 @@ static int make_tune_desc(const cli_opts *o, avgpipe_tune_desc *td) {
     td->no_continuous = o->no_continuous;
     td->max_advance = o->max_advance;
     td->min_micro = o->min_micro;
+    td->noise_scale = o->noise_scale; /* 0: every efficiency 1, the ranking by time per sample */
     for (i = 0; i < o->nkinds; i++) {
         if (avgpipe_sched_kind_query(o->kinds[i])->chunks != 1) /* several stages per rank */
             return cli_error("--schedule: tune does not search %s (the profile fixes one stage partition per rank)",
@@ -1012,15 +1021,19 @@ static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
     for (i = 0; !rc && i < n; i++) nfit += c[i].fits;
     shown = o->top > 0 && o->top < n ? o->top : n;
     if (!rc && o->tsv) {
-        printf("rank\tschedule\tmicro\tpipes\tadvance\tcontinuous\tsamples\tpred_time_per_sample\tpred_seconds\tpred_peak_bytes\tfits%s\n",
-               split[0] ? "\tsplit" : "");
+        printf("rank\tschedule\tmicro\tpipes\tadvance\tcontinuous\tsamples\tpred_time_per_sample\tpred_seconds\tpred_peak_bytes\tfits%s%s\n",
+               o->noise_scale > 0 ? "\tefficiency\tpred_time_to_target" : "", split[0] ? "\tsplit" : "");
         for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i], split[0] ? split : NULL);
     } else if (!rc) {
         printf("\nbatch %d per pipeline, %d round%s per iteration, memory limit %s per rank, optimizer %g bytes/param: "
                "%d settings, %d fit\n", o->batch, o->rounds, o->rounds == 1 ? "" : "s", human_bytes(o->mem_limit, b1, sizeof b1),
                o->opt_bytes, n, nfit);
-        printf("%4s  %-8s %5s %5s %7s %10s %14s %12s %14s  %s\n", "rank", "schedule", "micro", "pipes", "advance", "continuous",
-               "us_per_sample", "iteration_ms", "peak_bytes", "fits");
+        if (o->noise_scale > 0)
+            printf("ranked by predicted time to target with a noise scale of %g samples: efficiency = 1 + N x %d / %g (the samples a\n"
+                   "target takes relative to a batch far below it), us_to_target = us_per_sample x efficiency\n", o->noise_scale, o->batch,
+                   o->noise_scale);
+        printf("%4s  %-8s %5s %5s %7s %10s %14s %12s %14s  %s%s\n", "rank", "schedule", "micro", "pipes", "advance", "continuous",
+               "us_per_sample", "iteration_ms", "peak_bytes", "fits", o->noise_scale > 0 ? "  efficiency  us_to_target" : "");
         for (i = 0; i < shown; i++) print_tune_row(o, i + 1, &c[i], NULL);
         if (shown < n) printf("  ... %d more (--top 0 lists all)\n", n - shown);
         if (nfit > 0)
@@ -1029,6 +1042,8 @@ static int cmd_tune(avgpipe_context *ctx, const cli_opts *o) {
                    c[0].sched.advance, c[0].sched.continuous ? "continuous" : "synchronous", c[0].samples,
                    1e6 * c[0].time_per_sample, 1 / c[0].time_per_sample, human_bytes(c[0].peak_bytes, b1, sizeof b1),
                    human_bytes(o->mem_limit, b2, sizeof b2));
+        if (nfit > 0 && o->noise_scale > 0)
+            printf("      efficiency %.4g: %.4g us per sample of ideal progress\n", c[0].efficiency, 1e6 * c[0].time_to_target);
         if (n > 0 && (c[0].samples < m.samples_lo || c[0].samples > m.samples_hi))
             printf("note: %g samples per micro-batch is outside the profiled %g..%g: its op times are extrapolated\n",
                    c[0].samples, m.samples_lo, m.samples_hi);
