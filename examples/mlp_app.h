@@ -350,7 +350,8 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
     "                      averaging state and Adam state) at the end, and every --checkpoint-every K\n" \
     "                      iterations; the directory is created if missing\n" \
     "  --resume DIR        continue from the checkpoint in DIR: give the flags it was made with (with\n" \
-    "                      --micro/--pipes auto the tuner must choose the same: fix them to be sure)\n" \
+    "                      --micro/--pipes auto the tuner must choose the same M, N and batch: fix them,\n" \
+    "                      and --batch, to be sure; a different choice is refused, naming the field)\n" \
     "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
 
 /* ---- 2. The tuner's choice (--micro auto, --pipes auto) --------------------------------------------- */
