@@ -319,8 +319,7 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
     "  --pipes N|auto      parallel pipelines = parallel models (default auto: the tuner picks 1..4)\n" \
     "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n" \
     "                      at least 16 samples)\n" \
-    "  --batch B           samples per batch per pipeline (default 128, or with N auto the tuner's 2x or 4x;\n" \
-    "                      a multiple of M)\n" \
+    "  --batch B           samples per batch per pipeline, a multiple of M (default 128; N auto: maybe 4x)\n" \
     "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 | zbv | dualpipev (default advance;\n" \
     "                      with --micro or --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1,\n" \
     "                      or only KIND); zbv and dualpipev hold two stages per rank in a V (ranks = G / 2)\n" \
@@ -350,8 +349,7 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
     "                      averaging state and Adam state) at the end, and every --checkpoint-every K\n" \
     "                      iterations; the directory is created if missing\n" \
     "  --resume DIR        continue from the checkpoint in DIR: give the flags it was made with (with\n" \
-    "                      --micro/--pipes auto the tuner must choose the same M, N and batch: fix them,\n" \
-    "                      and --batch, to be sure; a different choice is refused, naming the field)\n" \
+    "                      --micro/--pipes auto the tuner must choose the same: fix them and --batch)\n" \
     "  --stop-after E      stop after epoch E of --epochs (to resume later; default: run them all)\n"
 
 /* ---- 2. The tuner's choice (--micro auto, --pipes auto) --------------------------------------------- */
