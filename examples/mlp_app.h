@@ -319,7 +319,7 @@ static void parse_options(const mlp_cli_program *p, int argc, char **argv, optio
     "  --pipes N|auto      parallel pipelines = parallel models (default auto: the tuner picks 1..4)\n" \
     "  --micro M|auto      micro-batches per batch (default auto: the tuner picks M, micro-batches of\n" \
     "                      at least 16 samples)\n" \
-    "  --batch B           samples per batch per pipeline, a multiple of M (default 128; N auto: maybe 4x)\n" \
+    "  --batch B           samples per batch per pipeline, a multiple of M (default 128, or the tuner's 2x/4x)\n" \
     "  --schedule KIND     afab | 1f1b | advance | interleaved | zbh1 | zbv | dualpipev (default advance;\n" \
     "                      with --micro or --pipes auto the tuner's pick among afab, 1f1b, advance, zbh1,\n" \
     "                      or only KIND); zbv and dualpipev hold two stages per rank in a V (ranks = G / 2)\n" \
