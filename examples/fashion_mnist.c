@@ -1028,7 +1028,7 @@ static int tune(app *A, avgpipe_context *ctx) {
     options *o = &A->opt;
     char tmp[512];
     const char *path;
-    int sizes[2], nsizes, i, min_micro = tune_min_micro(o), rc = -1;
+    int sizes[2], nsizes, i, min_micro = tune_min_micro(o), rc = -1, two = 0;
     double t0 = now_s(), t1, meas[3][TUNE_PROFILED];
     avgpipe_profile prof;
     avgpipe_cost_model cm, sm, *use = &cm;
@@ -1053,13 +1053,15 @@ static int tune(app *A, avgpipe_context *ctx) {
     for (i = 0; i < nsizes; i++)
         if (profile_run(A, ctx, sizes[i], 1, i, path, i > 0, meas[i]) != 0) goto done;
     /* and 2 pipelines at the first size: how much of the cores the stage threads get when there is
-       little bubble (the cost model's busy_cores; with N fixed at 1 there is nothing to learn from it) */
-    if (o->pipes != 1 && profile_run(A, ctx, sizes[0], 2, -1, path, 1, meas[nsizes]) != 0) goto done;
+       little bubble (the cost model's busy_cores; nothing to learn from it when N is fixed at 1 or the
+       data cannot feed 2 pipelines) */
+    two = o->pipes != 1 && A->train.n >= 2 * o->batch;
+    if (two && profile_run(A, ctx, sizes[0], 2, -1, path, 1, meas[nsizes]) != 0) goto done;
     if (append_layer_costs(A, ctx, path, sizes, nsizes) != 0) goto done;
     t1 = now_s();
     r = avgpipe_profile_load(ctx, path, &prof);
-    if (r == AVGPIPE_OK && prof.nsections != (nsizes + (o->pipes != 1)) * TUNE_PROFILED) {
-        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, (nsizes + (o->pipes != 1)) * TUNE_PROFILED);
+    if (r == AVGPIPE_OK && prof.nsections != (nsizes + two) * TUNE_PROFILED) {
+        fail("tuner: the profile %s holds %d sections, %d were written", path, prof.nsections, (nsizes + two) * TUNE_PROFILED);
         goto done;
     }
     if (r == AVGPIPE_OK) r = avgpipe_tune_fit(ctx, &prof, &cm);
@@ -1076,11 +1078,11 @@ static int tune(app *A, avgpipe_context *ctx) {
     fprintf(stderr, PROG ": tuner: profiled 1 pipeline (advance, K = %d, %d rounds/iteration) at M = %d", o->stages - 1,
             prof.sections[0].shape.rounds, sizes[0]);
     if (nsizes > 1) fprintf(stderr, " and M = %d", sizes[1]);
-    if (o->pipes != 1) fprintf(stderr, ", and 2 pipelines at M = %d", sizes[0]);
+    if (two) fprintf(stderr, ", and 2 pipelines at M = %d", sizes[0]);
     fprintf(stderr, ", %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", TUNE_PROFILED,
             TUNE_WARMUP, t1 - t0, o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
     print_cost_model(&cm);
-    for (i = 0; i < nsizes + (o->pipes != 1); i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
+    for (i = 0; i < nsizes + two; i++) print_check(ctx, &cm, &prof, i * TUNE_PROFILED, meas[i]);
 
     /* Search: the flags the user fixed (schedule, --sync) narrow it; M and N fixed narrow the choice. */
     if (tune_noise(ctx, o, &A->model, &A->train, (int)cm.cores, &noise) != 0) goto done;
