@@ -416,12 +416,15 @@ static int tune_profile_path(const options *o, char *tmp, size_t cap, const char
    and order from o->seed, thrown away) trains TUNE_NOISE_EPOCHS of an epoch at the run's learning rate,
    then, at the weights it reached, takes TUNE_NOISE_BATCHES more batches and sums the squares of each
    micro-batch's gradient (micro-batches of batch / M samples, M the largest of 2..8 dividing the batch)
-   and of the batch's. Why train first: the noise scale grows as the loss falls (McCandlish et al. 2018).
-   For the default model it is ~80 samples at the first steps, ~200 by half an epoch, ~450 in the third
-   epoch; measured at the start it would make every pipeline beyond the first look wasted. Half an epoch
-   is a compromise between the probe's cost (~1 s here) and how early in the run it looks: the estimate
-   stays below the run's mean, so the choice leans toward fewer pipelines. ns->scale 0 (not measured)
-   when the batch cannot be cut (a batch of 1). *seconds: the probe's time. 0, or -1 with a message. */
+   and of the batch's, both preconditioned as the probe's Adam would step them (mlp_reference_batch_noise
+   with its second moments). Why Adam's geometry: the raw noise scale of the default model is ~80 samples
+   at the first steps, ~200 by half an epoch, ~450 in the third epoch, which would make every pipeline
+   beyond the first look wasted, while bench_converge measures 4.0-5.0 epochs to its target for every
+   round size up to 4x the batch; the preconditioned one (1e5-1e6, +-60-90%) agrees with that (Adam's
+   critical batch is far above SGD's). Why train first: the noise scale grows as the loss falls
+   (McCandlish et al. 2018), and the first steps are not the run. Half an epoch keeps the probe at ~1 s
+   here. ns->scale 0 (not measured) when the batch cannot be cut (a batch of 1) or the noise hid the
+   gradient. *seconds: the probe's time. 0, or -1 with a message. */
 static int tune_noise_probe(avgpipe_context *ctx, const options *o, const mlp_model *m, const mlp_data *train,
                             avgpipe_noise_scale *ns, double *seconds) {
     mlp_reference r, q;
