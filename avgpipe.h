@@ -12424,6 +12424,12 @@ static int avgpipe__cmp_dbl(const void *x, const void *y) {
     return (a > b) - (a < b);
 }
 
+/* The median of v[0 .. n-1], n >= 1 (sorts v): the middle one, or the mean of the middle two. */
+static double avgpipe__median(double *v, size_t n) {
+    qsort(v, n, sizeof *v, avgpipe__cmp_dbl);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
 /* A producer's end time, found by (section's pipeline, stage, micro-batch, forward or backward):
    sorted keys, so the fit's memory follows the ops a profile holds, not the cells its shape names. */
 typedef struct avgpipe__prod {
@@ -12596,10 +12602,7 @@ static void avgpipe__fit_iteration(const avgpipe_profile *p, avgpipe_cost_model 
         if (any && sec->seconds > 0 && sec->seconds - (hi - lo) >= 0 && sec->seconds - (hi - lo) <= 0.25 * sec->seconds)
             gap[n++] = sec->seconds - (hi - lo);
     }
-    if (n) {
-        qsort(gap, (size_t)n, sizeof gap[0], avgpipe__cmp_dbl);
-        m->iter_overhead = n % 2 ? gap[n / 2] : (gap[n / 2 - 1] + gap[n / 2]) / 2;
-    }
+    if (n) m->iter_overhead = avgpipe__median(gap, (size_t)n);
 }
 
 static double avgpipe__op_time(const avgpipe_cost_model *m, int g, int kind, double samples, double util);
@@ -12642,10 +12645,7 @@ static avgpipe_result avgpipe__fit_busy_cores(avgpipe_context *ctx, const avgpip
             used[t] = 1;
             if (rate[t] > 0 && n < 64) v[n++] = rate[t];
         }
-        if (!n) continue;
-        qsort(v, (size_t)n, sizeof v[0], avgpipe__cmp_dbl);
-        med = n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-        if (med > m->busy_cores) m->busy_cores = med;
+        if (n && (med = avgpipe__median(v, (size_t)n)) > m->busy_cores) m->busy_cores = med;
     }
     avgpipe_free(ctx, rate);
     avgpipe_free(ctx, used);
