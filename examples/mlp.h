@@ -1275,7 +1275,6 @@ int mlp_reference_batch(mlp_reference *r, int64_t round, double *loss, int *corr
     return 0;
 }
 
-
 int mlp_reference_batch_noise(mlp_reference *r, int64_t round, const mlp_net *pre, const mlp_adam_hp *hp, double *loss,
                               int *correct, double *micro_sq, double *batch_sq) {
     const mlp_model *m = r->model;
@@ -1284,11 +1283,11 @@ int mlp_reference_batch_noise(mlp_reference *r, int64_t round, const mlp_net *pr
     size_t i;
     if (r->micro < 2 || (pre && !hp)) return -1;
     for (g = 0; g < m->stages; g++) {
+        const mlp_adam *a = pre ? &pre->adam[g] : NULL;
+        double bc = a && a->t > 0 ? 1 - pow((double)hp->beta2, (double)a->t) : 1; /* Adam's bias correction */
         if (!r->one[g] && !(r->one[g] = (float *)malloc(sizeof(float) * m->count[g]))) return -1;
         if (!r->pw[g] && !(r->pw[g] = (float *)malloc(sizeof(float) * m->count[g]))) return -1;
         for (i = 0; i < m->count[g]; i++) { /* the squared weight of each parameter in |P x|^2 */
-            const mlp_adam *a = pre ? &pre->adam[g] : NULL;
-            double bc = a && a->t > 0 ? 1 - pow((double)hp->beta2, (double)a->t) : 1;
             double w = a ? 1 / (sqrt((double)a->v[i] / bc) + (double)hp->eps) : 1;
             r->pw[g][i] = (float)(w * w);
         }
