@@ -517,11 +517,6 @@ static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chos
             c->fits ? "" : "  over --mem-limit");
 }
 
-/* What tune_choose ranks by: the predicted time to target, or per sample (--objective throughput). */
-static double tune_key(const options *o, const avgpipe_tune_candidate *c) {
-    return o->objective == AVGPIPE_TUNE_THROUGHPUT ? c->time_per_sample : c->time_to_target;
-}
-
 /* The search the command line asks for: the flags the user fixed (schedule, --sync, N) narrow it; N up to
    TUNE_MAX_PIPES and what `ntrain` samples can feed (every model needs a batch of its own per round).
    noise: the model's gradient noise scale (tune_noise_probe; NULL or scale 0: not measured); the time to
@@ -543,18 +538,18 @@ static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, 
     td->kinds = o->schedule_set ? 1u << o->schedule : 0;
 }
 
-/* A candidate of tune_choose's search, with the batch it was searched at. */
+/* A candidate of tune_choose's search, with the batch it was searched at and what it is ranked by: the
+   predicted time to target, or per sample (--objective throughput). */
 typedef struct tune_cand {
     avgpipe_tune_candidate c;
     int batch;
+    double key;
 } tune_cand;
 
-static const options *g_tune_o; /* what tune_cmp ranks by (qsort has no user pointer) */
-static int tune_cmp(const void *x, const void *y) {
+static int tune_cmp(const void *x, const void *y) { /* fitting first, best first */
     const tune_cand *a = (const tune_cand *)x, *b = (const tune_cand *)y;
-    double ka = tune_key(g_tune_o, &a->c), kb = tune_key(g_tune_o, &b->c);
     if (a->c.fits != b->c.fits) return b->c.fits - a->c.fits;
-    return (ka > kb) - (ka < kb);
+    return (a->key > b->key) - (a->key < b->key);
 }
 
 /* Search model `m` as td says, choose, report on stderr, and set o's schedule, micro, pipes, advance,
@@ -599,7 +594,11 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
             return fail("tuner: out of memory");
         }
         cand = grown;
-        for (i = 0; i < n; i++) cand[ncand + i].c = c[i], cand[ncand + i].batch = tk.batch;
+        for (i = 0; i < n; i++) {
+            cand[ncand + i].c = c[i];
+            cand[ncand + i].batch = tk.batch;
+            cand[ncand + i].key = o->objective == AVGPIPE_TUNE_THROUGHPUT ? c[i].time_per_sample : c[i].time_to_target;
+        }
         ncand += n;
         avgpipe_free(ctx, c);
     }
@@ -608,11 +607,10 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
         const avgpipe_tune_candidate *c = &cand[i].c;
         if ((o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes)) cand[nok++] = cand[i];
     }
-    g_tune_o = o;
-    if (nok > 1) qsort(cand, (size_t)nok, sizeof *cand, tune_cmp); /* fitting first, best first */
+    if (nok > 1) qsort(cand, (size_t)nok, sizeof *cand, tune_cmp);
     best = nok > 0 && cand[0].c.fits ? 0 : -1;
     for (i = 0; best >= 0 && i < nok && cand[i].c.fits; i++)
-        if (tune_key(o, &cand[i].c) <= tune_key(o, &cand[best].c) * (1 + TUNE_TIE) &&
+        if (cand[i].key <= cand[best].key * (1 + TUNE_TIE) &&
             (chosen < 0 || cand[i].c.sched.pipes < cand[chosen].c.sched.pipes ||
              (cand[i].c.sched.pipes == cand[chosen].c.sched.pipes && cand[i].c.peak_bytes < cand[chosen].c.peak_bytes)))
             chosen = i;
