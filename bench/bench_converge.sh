@@ -15,7 +15,8 @@
 # target over the seeds that reached it. Seconds: training time (iterations) and wall time (with the
 # evaluations); the machine is shared, so the others column says how many cores other programs used
 # during the runs (runs are redone while they use >= BENCH_MAX_OTHERS, default 0.15, up to 3 times).
-# Default run: 8 settings x 3 seeds, about 12-18 minutes on 2 cores. Not part of the tests.
+# Default run: 8 settings x 3 seeds, about 4 minutes on a quiet 2-core machine (longer when runs are
+# redone). Not part of the tests.
 # Usage: sh bench/bench_converge.sh [BUILD_DIR] [SEEDS] [MAX_EPOCHS] [TARGET]
 set -eu
 B=${1:-build}
@@ -50,10 +51,11 @@ setting() {
             tr="$tr $t"
             wa="$wa $(echo "$line" | sed -n 's/.*, \([0-9.]*\) s wall.*/\1/p')"
         fi
+        sps=$(grep '^trained' "$TMP/out" | sed -n 's/.*(\([0-9][0-9]*\) samples\/s).*/\1/p')
+        rt="$rt $sps"
         # per seed: training seconds to the target, the choice (N), the tuning time, predicted and measured samples/s
         seeds="$seeds;$t,$(sed -n 's/.*tuner: chose [^:]*N = \([0-9]*\).*/\1/p' "$TMP/out" | tail -n 1),$(sed -n 's/.*tuning took \([0-9.]*\) s.*/\1/p' "$TMP/out" | tail -n 1)"
-        seeds="$seeds,$(sed -n 's/.*tuner: chose .*predicted \([0-9]*\) samples\/s.*/\1/p' "$TMP/out" | tail -n 1),$(grep '^trained' "$TMP/out" | sed -n 's/.*(\([0-9][0-9]*\) samples\/s).*/\1/p')"
-        rt="$rt $(grep '^trained' "$TMP/out" | sed -n 's/.*(\([0-9][0-9]*\) samples\/s).*/\1/p')"
+        seeds="$seeds,$(sed -n 's/.*tuner: chose .*predicted \([0-9]*\) samples\/s.*/\1/p' "$TMP/out" | tail -n 1),$sps"
         s=$((s + 1))
     done
     med() { if [ -n "$1" ]; then echo $1 | bench_list | bench_median; else echo "-"; fi; }
@@ -83,7 +85,7 @@ awk -F '|' -v seeds="$SEEDS" '
 # The tuner's regret: its time to the target per seed over the best median of the grid (every row but the
 # tuner's that reached the target in every seed).
 awk -F '|' -v seeds="$SEEDS" '
-    $1 ~ /^tuner/ { tuner = $5; tok = $2; next }
+    $1 ~ /^tuner/ { tuner = $5; next }
     $2 == seeds && $3 != "-" && (best == "" || $3 + 0 < best + 0) { best = $3; bestname = $1; bestseeds = $5 }
     END {
         if (best == "") { print "tuner: no setting of the grid reached the target in every seed: no regret to report"; exit }

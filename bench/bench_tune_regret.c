@@ -512,8 +512,8 @@ static void load(void) {
     printf(PROG ": model %s\n", desc);
     printf("S=%d stage threads on %ld cores%s, batch %d per pipeline, R=%d %s rounds per iteration, %d training samples; %d passes in random "
            "order, %d + %d iterations per visit, visits redone while other programs use >= %.2f cores\n",
-           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.stages > sysconf(_SC_NPROCESSORS_ONLN) ? " (more stage threads than cores)" : "", O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, O.passes,
-           O.warmup, O.iters, O.max_others);
+           O.stages, sysconf(_SC_NPROCESSORS_ONLN), O.stages > sysconf(_SC_NPROCESSORS_ONLN) ? " (more stage threads than cores)" : "",
+           O.batch, O.rounds, O.continuous ? "continuous" : "synchronous", TRAIN.n, O.passes, O.warmup, O.iters, O.max_others);
 }
 
 static void print_model(const avgpipe_cost_model *m) {

@@ -794,9 +794,10 @@ static void print_header(const app *A) {
      gradient noise scale gives each N (tune_noise_probe: N pipelines of batch B take 1 + N B / B_noise
      times the epochs of a small batch; --objective throughput: the fastest predicted). Settings within
      TUNE_TIE of it are ties (here stage 0 holds 2/3 of the work, so the best settings of one N are all
-     stage-0 bound and predicted alike), broken toward fewer pipelines, then less memory. The tie is kept narrow on purpose: the simulator
-     gives every rank its own core, so with more ranks than cores it over-predicts settings with little
-     work in flight (M = 1, N = 2: predicted 2% below the fastest, measured 25-35% below it here). */
+     stage-0 bound and predicted alike), broken toward fewer pipelines, then less memory. The tie is kept
+     narrow on purpose: with more ranks than cores one figure (the fitted busy_cores) bounds every setting,
+     while the machine gives some schedules more of its cores than others (bench_tune_regret --stages 4:
+     within 7% for the profiled advance, 18-24% optimistic for 1F1B and AFAB at N = 2). */
 
 /* One profile run: `pipes` pipelines of `micro` micro-batches, advance forward with K = S-1 (1F1B when
    S = 1), on nets initialised from the seed and freed afterwards. TUNE_PROFILED iterations after
@@ -1095,7 +1096,7 @@ static int tune(app *A, avgpipe_context *ctx) {
         rc = 0;
         goto done;
     }
-    if (tune_choose(ctx, o, use, &td, A->train.n, o->batch_set || o->pipes != AUTO ? 1 : TUNE_BATCHES, t0) != 0) goto done;
+    if (tune_choose(ctx, o, use, &td, A->train.n, o->batch_set ? 1 : TUNE_BATCHES, t0) != 0) goto done; /* (N fixed: no noise scale, 1 batch) */
     rc = 0;
 done:
     if (path == tmp) remove(tmp);
