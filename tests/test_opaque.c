@@ -12,6 +12,7 @@
    gathered reference and parameters; a profile. And the device-aware in-process comm on its own:
    device-ordered transfers with events, a mismatch between a device and a host message, the allreduce
    of device memory. That the memory really is opaque is checked too (a host read dies of SIGSEGV).
+   Ties and step agreement on this device are tests/test_tie_run.c's (their model lives there).
 
    Build and run from the repository root (meson: test_opaque):
      gcc -std=c11 -O2 -Wall -Wextra -Werror -I. tests/test_opaque.c -o /tmp/test_opaque -lcriterion -lm -pthread */

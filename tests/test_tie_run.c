@@ -2,7 +2,8 @@
    trained by the runtime under every schedule kind, against a plain loop that sums each tie at the
    step and clips by the same global norm (parameters bit for bit); the tied copies identical after
    every iteration; ranks split over several runs sharing one comm backend, as processes do (the
-   threads' bits); checkpoint and resume; a non-finite gradient skipping one pipeline's step on every
+   threads' bits); on an asynchronous device, and on one whose memory the host cannot touch
+   (tests/opaque_device.h); checkpoint and resume; a non-finite gradient skipping one pipeline's step on every
    partition and nothing else; the user's contribution summed in partition order; bad descriptions
    refused naming the field.
 
@@ -17,6 +18,7 @@
    rows, 1 .. BS; each forward sets output_bytes to its rows and each consumer takes its row count
    from input_bytes / grad_output_bytes (checked against rows()), so a size lost on the way fails. */
 #define _POSIX_C_SOURCE 200809L
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS (tests/opaque_device.h) */
 #define AVGPIPE_IMPLEMENTATION
 #include "avgpipe.h"
 
@@ -29,7 +31,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "tests/async_device.h"
+#include "tests/opaque_device.h" /* and tests/async_device.h, which it builds on */
 
 #define D 6
 #define BS 3
@@ -616,20 +618,30 @@ Test(tie_run, bad_sizes_are_refused_naming_the_op) {
     cr_assert(strstr(avgpipe_last_error(&ctx), "variable_bytes: 2") != NULL, "%s", avgpipe_last_error(&ctx));
 }
 
-/* ---- on a device with asynchronous streams (tests/async_device.h) ------------------------------- */
+/* ---- on a device with asynchronous streams (tests/async_device.h, tests/opaque_device.h) --------- */
 
 /* The same callbacks as tasks on op->stream; the step checks what it was given on the host and enqueues
    its update on st->stream. The gradients then live in "device memory": the runtime must bring each
    tied range and each partition's gradients to the host after the backward work on the stream, and the
-   sums back before the step's task runs, or the bits differ from the plain loop's. */
-static int dev_task_failed;
+   sums back before the step's task runs, or the bits differ from the plain loop's. On the opaque device
+   the partitions and gradients the runtime is given are PROT_NONE pages over T's arrays, the slot
+   buffers too: a task sees them through the device's mirror (as a kernel would), and any host access of
+   them by the runtime faults. */
+static int dev_task_failed, dev_opaque;
+static float *dev_params[MAXN][MAXG], *dev_grads[MAXN][MAXG]; /* the addresses the runtime was given */
 typedef struct dev_task {
     int (*fn)(avgpipe_op_ctx *);
     avgpipe_op_ctx op;
 } dev_task;
 static void dev_task_run(void *p) {
     dev_task *t = (dev_task *)p;
-    if (t->fn(&t->op)) __atomic_store_n(&dev_task_failed, 1, __ATOMIC_SEQ_CST);
+    avgpipe_op_ctx *op = &t->op;
+    op->params = (float *)odev_mirror(op->params); /* host pointers come back unchanged */
+    op->input = odev_mirror(op->input);
+    op->output = odev_mirror(op->output);
+    op->grad_output = odev_mirror(op->grad_output);
+    op->grad_input = odev_mirror(op->grad_input);
+    if (t->fn(op)) __atomic_store_n(&dev_task_failed, 1, __ATOMIC_SEQ_CST);
 }
 static int dev_enqueue(int (*fn)(avgpipe_op_ctx *), avgpipe_op_ctx *op) {
     dev_task t;
@@ -654,30 +666,46 @@ typedef struct dev_step {
 } dev_step;
 static void dev_step_run(void *p) {
     const dev_step *t = (const dev_step *)p;
-    sgd(t->params, t->grads, t->scale, t->skip);
+    sgd((float *)odev_mirror(t->params), (float *)odev_mirror(t->grads), t->scale, t->skip);
 }
 static int dev_step_agreed(const avgpipe_step_ctx *st) {
     int m = st->replica * T.N + st->pipe, g = st->stage;
     dev_step t;
     if (!st->stream) return bad(g, 89, "a device step without a stream");
-    if (st->params != T.w[m][g] || st->grads != T.grad[m][g] || st->count != PC) return bad(g, 94, "step got another partition");
+    if (st->params != dev_params[m][g] || st->grads != dev_grads[m][g] || st->count != PC) return bad(g, 94, "step got another partition");
+    if (dev_opaque && (!odev_is_device(st->params) || !odev_is_device(st->grads))) return bad(g, 88, "step got host memory");
     if (st->round >= 0 && st->round < MAXR) T.skipped[m][g][st->round] = (unsigned char)(st->skip ? 1 : 2);
     T.nstep[m][g]++;
     t.params = st->params, t.grads = st->grads, t.scale = st->scale, t.skip = st->skip;
     return adev_enqueue(st->stream, dev_step_run, &t, sizeof t) ? 1 : 0;
 }
 
-static void device_equal_to_plain_loop(avgpipe_sched_kind kind, int S, int V, int M, int N, const char *name) {
+/* opaque: the partitions, gradients and the runtime's buffers are memory the host cannot touch. nan: a
+   NaN into model 0's gradient of stage nan at round 1 (-1: none), which must skip that step on every
+   partition of the pipeline, the other pipelines' steps not. */
+static void device_equal_to_plain_loop_ex(avgpipe_sched_kind kind, int S, int V, int M, int N, int opaque, int nan, const char *name) {
     static float ref[MAXN][MAXG][PC];
     setup s;
     avgpipe_context ctx;
     avgpipe_run *run = NULL;
-    avgpipe_device dev = adev_open(20);
+    avgpipe_device dev;
     avgpipe_run_stats st;
     int it, m, g;
-    char nm[96];
+    long long skipped = 0;
+    char nm[128];
     setup_init(&s, kind, S, V, M, N);
-    snprintf(nm, sizeof nm, "%s S=%d M=%d N=%d on the async device", name, S, M, N);
+    snprintf(nm, sizeof nm, "%s S=%d M=%d N=%d on the %s device%s", name, S, M, N, opaque ? "opaque" : "async", nan >= 0 ? ", a NaN" : "");
+    if (nan >= 0) T.nan_model = 0, T.nan_stage = nan, T.nan_round = 1;
+    dev = opaque ? odev_open(20) : adev_open(20);
+    if (opaque) ADEV.allocs = ADEV.frees = 0, odev_guard();
+    dev_opaque = opaque;
+    for (m = 0; m < N; m++)
+        for (g = 0; g < T.G; g++) {
+            dev_params[m][g] = opaque ? (float *)odev_alloc_over(T.w[m][g], sizeof T.w[m][g]) : T.w[m][g];
+            dev_grads[m][g] = opaque ? (float *)odev_alloc_over(T.grad[m][g], sizeof T.grad[m][g]) : T.grad[m][g];
+            cr_assert(dev_params[m][g] && dev_grads[m][g], "%s: device memory for model %d, stage %d", nm, m, g);
+            s.params[m * T.G + g] = dev_params[m][g], s.grads[m * T.G + g] = dev_grads[m][g];
+        }
     s.d.device = &dev;
     s.d.cb.forward = dev_forward, s.d.cb.backward = dev_backward, s.d.cb.step_agreed = dev_step_agreed;
     dev_task_failed = 0;
@@ -688,6 +716,8 @@ static void device_equal_to_plain_loop(avgpipe_sched_kind kind, int S, int V, in
         cr_assert_eq(avgpipe_run_iteration(run, &st), AVGPIPE_OK, "%s: iteration %d: %s", nm, it, avgpipe_last_error(&ctx));
         no_callback_error(nm);
         cr_assert(!dev_task_failed, "%s: a task failed", nm);
+        skipped += st.skipped;
+        /* the iteration returned: its work has finished on the device, and T's arrays are the mirrors */
         for (m = 0; m < N; m++) reference_round(ref[m], T.G, M, m, it, 1);
         for (m = 0; m < N; m++)
             for (g = 0; g < T.G; g++)
@@ -695,8 +725,24 @@ static void device_equal_to_plain_loop(avgpipe_sched_kind kind, int S, int V, in
                           nm, it, m, g);
         ties_identical(nm, it);
     }
+    if (nan >= 0) {
+        cr_assert_eq(skipped, 1, "%s: %lld pipeline steps skipped (one expected)", nm, skipped);
+        for (g = 0; g < T.G; g++) cr_assert_eq(T.skipped[0][g][1], 1, "%s: stage %d of model 0 took round 1's step", nm, g);
+        for (m = 1; m < N; m++) cr_assert_eq(T.skipped[m][0][1], 2, "%s: model %d skipped round 1's step", nm, m);
+    }
     avgpipe_run_destroy(run);
-    adev_close();
+    if (opaque) {
+        for (m = 0; m < N; m++)
+            for (g = 0; g < T.G; g++) odev_free_over(dev_params[m][g]), odev_free_over(dev_grads[m][g]);
+        cr_assert_eq(ODEV.bad_kinds, 0, "%s: %ld copies of the wrong kind (%s)", nm, ODEV.bad_kinds, ODEV.error);
+        cr_assert(ADEV.allocs > 0 && ADEV.allocs == ADEV.frees, "%s: %ld device allocations, %ld frees", nm, ADEV.allocs, ADEV.frees);
+        cr_assert_eq(ODEV.live, 0, "%s: %ld device allocations still live", nm, ODEV.live);
+        odev_close();
+    } else
+        adev_close();
+}
+static void device_equal_to_plain_loop(avgpipe_sched_kind kind, int S, int V, int M, int N, const char *name) {
+    device_equal_to_plain_loop_ex(kind, S, V, M, N, 0, -1, name);
 }
 
 /* Ties and the agreement with gradients in device memory: across ranks (1F1B), on one rank (ZB-V puts
@@ -706,6 +752,17 @@ Test(tie_run, on_a_device_with_asynchronous_streams) {
     device_equal_to_plain_loop(AVGPIPE_SCHED_1F1B, 4, 0, 4, 2, "1f1b");
     device_equal_to_plain_loop(AVGPIPE_SCHED_ZBV, 2, 0, 4, 1, "zbv");
     device_equal_to_plain_loop(AVGPIPE_SCHED_DUALPIPEV, 3, 0, 6, 1, "dualpipev");
+}
+
+/* The same on memory the host cannot touch (issue 17's device): the tie's exchange across ranks goes
+   through the device-aware in-process comm, the sums through host copies made by the device; a
+   non-finite gradient found there skips its pipeline's step on every partition. */
+Test(tie_run, on_a_device_whose_memory_the_host_cannot_touch) {
+    device_equal_to_plain_loop_ex(AVGPIPE_SCHED_1F1B, 2, 0, 2, 1, 1, -1, "1f1b");
+    device_equal_to_plain_loop_ex(AVGPIPE_SCHED_1F1B, 4, 0, 4, 2, 1, -1, "1f1b");
+    device_equal_to_plain_loop_ex(AVGPIPE_SCHED_ZBV, 2, 0, 4, 1, 1, -1, "zbv");
+    device_equal_to_plain_loop_ex(AVGPIPE_SCHED_DUALPIPEV, 3, 0, 6, 1, 1, -1, "dualpipev");
+    device_equal_to_plain_loop_ex(AVGPIPE_SCHED_1F1B, 4, 0, 4, 2, 1, 2, "1f1b");
 }
 
 /* ---- checkpoints ------------------------------------------------------------------------------- */
