@@ -110,7 +110,7 @@ static void step_task_run(void *p) {
     int rc;
     if (AVGPIPE_TEST_SKIP_WAIT == 3) adev_nap(5000); /* a slow optimizer: the averaging must wait for it */
     rc = cb_step(t->rank, t->pipe, t->stage, t->round, t->params, NULL);
-    if (rc) __atomic_compare_exchange_n(&async_failed, &(int){0}, rc, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
+    failed_step(rc);
 }
 static int async_step(int rank, int pipe, int stage, int round, float *params, avgpipe_device_stream stream, void *user) {
     step_task t = {rank, pipe, stage, round, params};
