@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.8.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.9.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -137,9 +137,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 8
+#define AVGPIPE_VERSION_MINOR 9
 #define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.8.0"
+#define AVGPIPE_VERSION_STRING "0.9.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.8.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.9.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -1978,6 +1978,17 @@ typedef struct avgpipe_noise_scale {
    naming it. Thread-safe. */
 AVGPIPE_API avgpipe_result avgpipe_tune_noise_scale(avgpipe_context *ctx, const double *small_sq, const double *big_sq, int n,
                                                     double b_small, double b_big, avgpipe_noise_scale *out);
+
+/* The noise scale that explains a measured ratio of samples: a probe trained from one state with batch
+   `batch` and with k times the batch for the same samples, and the larger batch needed `ratio` times the
+   samples the smaller needed for the same progress (e.g. ratio = loss decrease of the small batch / that
+   of the large, over the same samples). The model of avgpipe_tune_efficiency gives ratio
+   (1 + k batch / B_noise) / (1 + batch / B_noise), so B_noise = batch (k - ratio) / (ratio - 1). This
+   measures what the run will see, at its own learning rate (gradient norms measure the noise alone and
+   assume the learning rate grows with the batch). ratio is clamped to 1 + (k - 1) [0.001, 0.999]: a ratio
+   at or below 1 (the larger batch lost nothing) gives 999 x batch, one at or above k (it gained nothing per
+   step) gives batch / 999. -1 when batch is not >= 1, k not > 1, or any argument not finite. */
+AVGPIPE_API double avgpipe_tune_noise_from_ratio(double batch, double k, double ratio);
 
 /* The samples a target takes with `samples_per_round` samples per round (N pipelines x batch, x replica
    groups), relative to E_min: 1 + samples_per_round / noise_scale; 1 when noise_scale is 0 (not
@@ -13053,6 +13064,14 @@ AVGPIPE_API avgpipe_result avgpipe_tune_noise_scale(avgpipe_context *ctx, const 
         }
     out->rel_err = sqrt(var * (n - 1) / n) / out->scale;
     return AVGPIPE_OK;
+}
+
+AVGPIPE_API double avgpipe_tune_noise_from_ratio(double batch, double k, double ratio) {
+    double lo, hi;
+    if (!avgpipe__finite(batch) || !avgpipe__finite(k) || !avgpipe__finite(ratio) || !(batch >= 1) || !(k > 1)) return -1;
+    lo = 1 + 0.001 * (k - 1), hi = 1 + 0.999 * (k - 1);
+    ratio = ratio < lo ? lo : ratio > hi ? hi : ratio;
+    return batch * (k - ratio) / (ratio - 1);
 }
 
 AVGPIPE_API double avgpipe_tune_efficiency(double noise_scale, double samples_per_round) {

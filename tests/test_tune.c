@@ -1669,6 +1669,28 @@ Test(noise, least_squares_noise_scale_is_recovered) {
     cr_expect(strstr(avgpipe_last_error(&ctx), "b_big") != NULL, "%s", avgpipe_last_error(&ctx));
 }
 
+/* The noise scale from a measured ratio of samples (McCandlish et al. 2018, eq. 2.11: E(B) = E_min (1 +
+   B / B_noise)): the ratio the model gives for a noise scale comes back as that noise scale, for small,
+   medium and large ones and k = 2, 4; a ratio at or below 1, or at or above k, is clamped to the ends
+   (999 x batch, batch / 999); bad arguments give -1. */
+Test(noise, noise_scale_from_a_ratio_of_samples_round_trips) {
+    static const double scales[] = {0.5, 3, 41, 500, 9000}, ks[] = {2, 4};
+    int i, j;
+    for (i = 0; i < 5; i++)
+        for (j = 0; j < 2; j++) {
+            double B = 16, k = ks[j], bn = scales[i];
+            double ratio = avgpipe_tune_efficiency(bn, k * B) / avgpipe_tune_efficiency(bn, B);
+            double got = avgpipe_tune_noise_from_ratio(B, k, ratio);
+            cr_expect(fabs(got / bn - 1) < 1e-9, "B_noise %g, k %g: ratio %.12g gives %.12g", bn, k, ratio, got);
+        }
+    cr_expect(fabs(avgpipe_tune_noise_from_ratio(16, 2, 1.0) - 999 * 16) < 1e-6, "%g", avgpipe_tune_noise_from_ratio(16, 2, 1.0));
+    cr_expect(fabs(avgpipe_tune_noise_from_ratio(16, 2, 0.7) - 999 * 16) < 1e-6);
+    cr_expect(fabs(avgpipe_tune_noise_from_ratio(16, 4, 4.0) - 16.0 / 999) < 1e-9, "%g", avgpipe_tune_noise_from_ratio(16, 4, 4.0));
+    cr_expect(fabs(avgpipe_tune_noise_from_ratio(16, 4, 7.5) - 16.0 / 999) < 1e-9);
+    cr_expect(avgpipe_tune_noise_from_ratio(0.5, 2, 1.5) == -1 && avgpipe_tune_noise_from_ratio(16, 1, 1.5) == -1);
+    cr_expect(avgpipe_tune_noise_from_ratio(16, 2, NAN) == -1 && avgpipe_tune_noise_from_ratio(INFINITY, 2, 1.5) == -1);
+}
+
 /* Time to target ranks a synthetic case the throughput ranking gets wrong: per-op overhead makes more
    pipelines the most samples per second, a small noise scale makes their extra samples per round cost
    more samples to the target than they gain; every candidate's time_to_target is its time per sample
