@@ -66,14 +66,16 @@ trap 'rm -rf "$TMP"' EXIT
 BATCH=16
 K=$(awk -v s="$SCALE" 'BEGIN { k = int(640 * s / 32 + 0.5) * 32; print (k < 64 ? 64 : k) }')
 E=$(awk -v k="$K" 'BEGIN { e = int(k / 10 / 32 + 0.5) * 32; print (e < 32 ? 32 : e) }')
-NCFG=5
+NCFG=6
 PIPE="--stages 2 --split 3,3 --schedule zbh1 --micro 8"
+TUNED="--stages 2" # the tuner's row: split, schedule, M, N and the batch (16, 32 or 64) its choice
 # cfg_* I: label, flags, divisor of the steps (N for N pipelines: each model's own steps; k for batch kB)
 cfg_label() { case $1 in 1) echo "N=1, batch $BATCH" ;; 2) echo "N=2, batch $BATCH each" ;; 3) echo "N=4, batch $BATCH each" ;;
-    4) echo "N=1, batch $((2 * BATCH)) (2x)" ;; 5) echo "N=1, batch $((4 * BATCH)) (4x)" ;; esac; }
+    4) echo "N=1, batch $((2 * BATCH)) (2x)" ;; 5) echo "N=1, batch $((4 * BATCH)) (4x)" ;; 6) echo "tuner (N auto)" ;; esac; }
 cfg_flags() { case $1 in 1) echo "--pipes 1 --batch $BATCH" ;; 2) echo "--pipes 2 --batch $BATCH" ;; 3) echo "--pipes 4 --batch $BATCH" ;;
-    4) echo "--pipes 1 --batch $((2 * BATCH))" ;; 5) echo "--pipes 1 --batch $((4 * BATCH))" ;; esac; }
-cfg_own() { case $1 in 1) echo 1 ;; 2) echo 2 ;; 3) echo 4 ;; 4) echo 2 ;; 5) echo 4 ;; esac; } # models' steps = K / this
+    4) echo "--pipes 1 --batch $((2 * BATCH))" ;; 5) echo "--pipes 1 --batch $((4 * BATCH))" ;; 6) echo "$TUNED" ;; esac; }
+cfg_pipe() { [ "$1" = 6 ] || echo "$PIPE"; }
+cfg_own() { case $1 in 1) echo 1 ;; 2) echo 2 ;; 3) echo 4 ;; 4) echo 2 ;; 5) echo 4 ;; 6) echo 1 ;; esac; } # models' steps = K / this
 cfg_steps() { case $1 in 4) echo $((K / 2)) ;; 5) echo $((K / 4)) ;; *) echo "$K" ;; esac; }
 cfg_eval() { case $1 in 4) echo $((E / 2)) ;; 5) echo $((E / 4)) ;; *) echo "$E" ;; esac; }
 
@@ -98,7 +100,7 @@ run_one() {
     out="$TMP/out.$i.$rs"
     bench_wait_quiet "${CONVERGE_WAIT:-120}" # a build takes minutes: wait longer than bench_run's 30 s
     # shellcheck disable=SC2046
-    bench_run "$out" "$B/gpt" $PIPE $(cfg_flags "$i") --steps "$st" --warmup "$wu" --eval-every "$ev" --log-every "$ev" --sample-len 0 --seed "$rs"
+    bench_run "$out" "$B/gpt" $(cfg_pipe "$i") $(cfg_flags "$i") --steps "$st" --warmup "$wu" --eval-every "$ev" --log-every "$ev" --sample-len 0 --seed "$rs"
     if [ -n "${CONVERGE_KEEP:-}" ]; then
         mkdir -p "$CONVERGE_KEEP" && cp "$out" "$CONVERGE_KEEP/run.cfg$i.seed$rs.txt" && echo "$BENCH_OTHERS" >"$CONVERGE_KEEP/run.cfg$i.seed$rs.others"
     fi
@@ -111,6 +113,7 @@ run_one() {
 # parse_out FILE I SEED OTHERS: the curve of one run's output to $TMP/curves, its summary to $TMP/runs
 parse_out() {
     [ "$kernel" = "(see the first run)" ] && kernel=$(sed -n 's/^BLAS: \(.*\), 1 thread per.*/\1/p' "$1" | head -n 1)
+    [ "$2" = 6 ] && sed -n "s/^gpt: tuner: chose \([^:]*\): predicted \([0-9]*\) windows.*tuning took \([0-9.]*\) s.*/$3 \1|\2|\3/p" "$1" >>"$TMP/chose"
     awk -v i="$2" -v s="$3" -v oth="$4" -v runs="$TMP/runs" '
         /^step +[0-9]+\/[0-9]+ \|/ { split($2, a, "/"); t[a[1] + 0] = $(NF - 1) }
         /^step +[0-9]+ \| validation/ { n++; st[n] = $2 + 0; for (f = 1; f <= NF; f++) if ($f == "bits/byte") v[n] = $(f - 1) }
@@ -125,6 +128,7 @@ parse_out() {
 
 : >"$TMP/curves"
 : >"$TMP/runs"
+: >"$TMP/chose"
 s=1
 while [ "$s" -le "$SEEDS" ]; do
     j=0
@@ -141,16 +145,16 @@ while [ "$s" -le "$SEEDS" ]; do
     s=$((s + 1))
 done
 
-L1=$(cfg_label 1); L2=$(cfg_label 2); L3=$(cfg_label 3); L4=$(cfg_label 4); L5=$(cfg_label 5)
+L1=$(cfg_label 1); L2=$(cfg_label 2); L3=$(cfg_label 3); L4=$(cfg_label 4); L5=$(cfg_label 5); L6=$(cfg_label 6)
 echo
 echo "validation bits/byte (60 micro-batches) by training tokens: median over $SEEDS seeds, and the median training seconds"
-awk -v n="$NCFG" -v S="$SEEDS" -v l1="$L1" -v l2="$L2" -v l3="$L3" -v l4="$L4" -v l5="$L5" '
+awk -v n="$NCFG" -v S="$SEEDS" -v l1="$L1" -v l2="$L2" -v l3="$L3" -v l4="$L4" -v l5="$L5" -v l6="$L6" '
     function med(arr, cnt,   a, b, x, k) { for (a = 1; a <= cnt; a++) x[a] = arr[a]
         for (a = 2; a <= cnt; a++) for (b = a; b > 1 && x[b - 1] > x[b]; b--) { k = x[b]; x[b] = x[b - 1]; x[b - 1] = k }
         return cnt % 2 ? x[(cnt + 1) / 2] : (x[cnt / 2] + x[cnt / 2 + 1]) / 2 }
     { c = $1; s = $2; p = ++np[c, s]; tk[c, p] += $5; tn[c, p]++; B[c, p, s] = $6; T[c, p, s] = $4; if (p > P) P = p }
     END {
-        lab[1] = l1; lab[2] = l2; lab[3] = l3; lab[4] = l4; lab[5] = l5
+        lab[1] = l1; lab[2] = l2; lab[3] = l3; lab[4] = l4; lab[5] = l5; lab[6] = l6
         printf "%9s", "Mtokens"; for (c = 1; c <= n; c++) printf "  %-24s", lab[c]; printf "\n"
         for (p = 1; p <= P; p++) {
             printf "%9.3f", tn[1, p] ? tk[1, p] / tn[1, p] / 1e6 : 0
@@ -175,7 +179,7 @@ for th in $(echo "$THRESHOLDS" | tr ',' ' '); do
     echo
     echo "to $th bits/byte (60 validation micro-batches):"
     printf '%-24s %7s %8s %7s %8s %8s %11s %9s %9s %8s\n' configuration reached train_s spread Mtokens "vs N=1" "vs Nx batch" final_bpb tokens/s others
-    awk -v n="$NCFG" -v S="$SEEDS" -v th="$th" -v runs="$TMP/runs" -v l1="$L1" -v l2="$L2" -v l3="$L3" -v l4="$L4" -v l5="$L5" '
+    awk -v n="$NCFG" -v S="$SEEDS" -v th="$th" -v runs="$TMP/runs" -v l1="$L1" -v l2="$L2" -v l3="$L3" -v l4="$L4" -v l5="$L5" -v l6="$L6" -v chose="$TMP/chose" '
         function med(arr, cnt,   a, b, x, k) { for (a = 1; a <= cnt; a++) x[a] = arr[a]
             for (a = 2; a <= cnt; a++) for (b = a; b > 1 && x[b - 1] > x[b]; b--) { k = x[b]; x[b] = x[b - 1]; x[b - 1] = k }
             return cnt % 2 ? x[(cnt + 1) / 2] : (x[cnt / 2] + x[cnt / 2 + 1]) / 2 }
@@ -188,7 +192,7 @@ for th in $(echo "$THRESHOLDS" | tr ',' ' '); do
         END {
             INF = 1e30
             while ((getline line < runs) > 0) { split(line, r, " "); fin[r[1], r[2]] = r[3]; tps[r[1], r[2]] = r[6]; oth[r[1], r[2]] = oth[r[1], r[2]] (oth[r[1], r[2]] == "" ? "" : ",") r[8] }
-            lab[1] = l1; lab[2] = l2; lab[3] = l3; lab[4] = l4; lab[5] = l5
+            lab[1] = l1; lab[2] = l2; lab[3] = l3; lab[4] = l4; lab[5] = l5; lab[6] = l6
             for (c = 1; c <= n; c++) {
                 ok = 0; m = 0; lo = INF; hi = 0; os = ""
                 for (s = 1; s <= S; s++) {
@@ -205,6 +209,24 @@ for th in $(echo "$THRESHOLDS" | tr ',' ' '); do
                 printf "%-24s %7s %8s %7s %8s %8s %11s %9s %9s %8s\n", lab[c], rc[c] "/" cn[c], mt[c] < INF ? sprintf("%.1f", mt[c]) : "-", sp[c],
                     mk[c] < INF ? sprintf("%.3f", mk[c] / 1e6) : "-", vs1, vsb, cn[c] ? sprintf("%.3f", mf[c]) : "-", cn[c] ? sprintf("%.0f", mr[c]) : "-", ot[c]
             }
+            if (n < 6 || !cn[6]) exit
+            best = 0 # the best of the grid: the least median time among configurations 1-5
+            for (c = 1; c <= 5; c++) if (cn[c] && mt[c] < INF && (!best || mt[c] < mt[best])) best = c
+            while ((getline line < chose) > 0) { k = index(line, " "); ch[substr(line, 1, k - 1)] = substr(line, k + 1) }
+            if (!best) { print "tuner: no configuration of the grid reached it"; exit }
+            bs = ""; for (s = 1; s <= S; s++) if ((best, s) in fin) bs = bs (bs == "" ? "" : ", ") ((best, s) in hit ? sprintf("%.1f", ht[best, s]) : "-")
+            printf "tuner: time to %s against the grid'"'"'s best, %s (median %.1f s; its seeds: %s):\n", th, lab[best], mt[best], bs
+            m = 0
+            for (s = 1; s <= S; s++) {
+                if (!((6, s) in fin)) continue
+                split(ch[s], q, "|")
+                if ((6, s) in hit) { x[++m] = 100 * (ht[6, s] / mt[best] - 1); rg = sprintf("%.1f s: regret %+.1f%%", ht[6, s], x[m]) } else { x[++m] = INF; rg = "not reached" }
+                printf "  seed %d: %s (predicted %s windows/s; tuning %s s): %s\n", s, q[1], q[2], q[3], rg
+            }
+            w = x[1]; for (k = 2; k <= m; k++) if (x[k] > w) w = x[k]
+            v = med(x, m)
+            printf "tuner: median regret %s, worst %s (target <= 10%%: %s)\n", v < INF ? sprintf("%+.1f%%", v) : "-", w < INF ? sprintf("%+.1f%%", w) : "-",
+                v < INF && v <= 10 ? "met" : "not met"
         }' "$TMP/curves"
 done
 echo

@@ -6,7 +6,10 @@
    What runs where. Each rank is a stage thread of this process (OpenBLAS single-threaded inside it), or,
    with --backend mpi, one MPI process (avgpipe_mpi.h; mpirun -np <replicas x ranks>). The model's L + 2
    layers (embedding, blocks, head) are cut into G contiguous partitions; by default the tuner picks the
-   cut (--split auto), the schedule, M, N and K from a short profiled run, as examples/fashion_mnist.c does.
+   cut (--split auto), the schedule, M, N, K and (without --batch) a batch of 1x, 2x or 4x from a short
+   profiled run, as examples/fashion_mnist.c does, ranked by the predicted time to a target loss: windows/s
+   x the efficiency 1 + N x batch / B_noise of the gradient noise scale (TUNE_NOISE_RATIO: measured for this
+   model, not in the run).
    The two copies of the token embedding (partition 0's input table and the last partition's LM head) are
    one parameter for the runtime: desc.ties sums their gradients each round (a + b in both), so they stay
    bit-identical. Global-norm clipping (1.0) is the runtime's step agreement: desc.agree.clip_norm, with
@@ -91,12 +94,19 @@ void openblas_set_num_threads(int num_threads); /* also in OpenBLAS's cblas.h; n
 #define TUNE_MAX_PIPES 4
 #define TUNE_MIN_ROWS 2     /* the smallest micro-batch the tuner considers, in windows */
 #define TUNE_TIE 0.005      /* settings predicted within 0.5% of the best are ties: fewer pipelines win */
-/* What a pipeline beyond the first costs in learning, as a factor on its time per sample: each of N models
-   takes 1/N of the steps, which the averaging does not make up on this model. Measured (default model, 2
-   stages, ZB-H1 M = 8): N = 2 over 3.1M tokens reached 2.679 bits per byte, N = 1 over 2.07M tokens 2.628
-   and over 3.1M 2.546: a second pipeline needs more than 1.5x the tokens, so it must be predicted 1.5x faster
-   per sample to be chosen (N = 3: 2x, ...). */
-#define TUNE_PIPE_COST 0.5
+/* The default gradient noise scale, in windows, for ranking by time to target (--noise-scale): the value
+   that explains what bench_gpt_converge measured for the default model at --lr 3e-3 (2026-12-03: tokens to
+   3.80 bits per byte with batch 16 windows 0.14M, with batch 32 0.20M, with batch 64 0.32M: ratios 1.43 and
+   2.29, which avgpipe_tune_noise_from_ratio turns into 21.2 and 21.2 windows; N = 2 and N = 4 pipelines of
+   16 give 28 and 9), so the tuner's efficiency 1 + N x batch / B_noise reproduces it. Not measured in the
+   run: on this model a probe's estimates moved by 10x between neighbouring points of one run (gradient
+   norms at 64 and 200 steps: raw 21 to 954 windows, preconditioned by AdamW's moments 16 or not
+   measurable; loss decrease of 32 batches of 16 against 16 of 32 from one state: 73 to 513 windows at the
+   end of the warm-up over 3 seeds, 15 to 16,000 later, where 32 steps of progress are within the loss's
+   own noise), while fashion_mnist's gradient-norm probe is steady enough to use. */
+#define TUNE_NOISE_BATCH 16    /* the measurement: batch 2 x TUNE_NOISE_BATCH windows took TUNE_NOISE_RATIO */
+#define TUNE_NOISE_RATIO 1.43  /* times the tokens of TUNE_NOISE_BATCH to the same loss */
+#define TUNE_BATCHES 4 /* with --batch not given, the tuner also tries batches of 2x and 4x (tune_choose) */
 #define TUNE_SHOW 5
 #define LSAMP_CAP 4096      /* per-layer times kept per (size, layer, kind) */
 
@@ -106,11 +116,13 @@ typedef struct options {
     gpt_config cfg;                  /* C, L, H, Tmax (B follows from batch / micro) */
     int stages, chunks, micro, pipes, batch, rounds, replicas, advance, continuous;
     int schedule_set, sync_set, alpha_set, split_given, split_planned, deterministic, procs;
+    int batch_set, objective, objective_set; /* --batch given; --objective (avgpipe_tune_objective), given */
     avgpipe_sched_kind schedule;
     int split[GPT_MAX_PARTS], nsplit; /* --split LIST: layers per partition; nsplit 0: auto */
     long steps, warmup, stop_after, log_every, eval_every;
     int checkpoint_every, sample_len;
     double lr, wd, clip, alpha, temperature, mem_limit;
+    double noise_scale;              /* --noise-scale: B_noise in windows (-1: the default, TUNE_NOISE_RATIO's) */
     unsigned long long seed;
     const char *data, *save, *trace, *profile, *profile_tune, *checkpoint, *resume;
 } options;
@@ -151,6 +163,9 @@ static const char usage[] =
     "  --deterministic     every averaging waits for the previous round's reference (reproducible)\n"
     "  --mem-limit SIZE    tuner: bytes per rank, suffix K, M or G (default: no limit)\n"
     "  --profile-tune FILE tuner: keep its profile (default: a temporary file, removed)\n"
+    "  --objective OBJ     tuner: time (to a target loss; default) | throughput (windows/s alone)\n"
+    "  --noise-scale W     tuner: the gradient noise scale in windows (default 21: measured for the default\n"
+    "                      model and --lr; 0: rank by windows/s)\n"
     "Output:\n"
     "  --log-every K       a progress line every K steps (default 250)\n"
     "  --eval-every K      validation loss every K steps on 60 validation micro-batches (default 1000; 0: only\n"
@@ -167,9 +182,11 @@ static const char usage[] =
     "  --stop-after K      stop after K of the --steps batches (rounded up to a whole iteration)\n";
 static const char usage_tuning[] =
     "Tuning (--micro auto or --pipes auto, the default; or --split auto with a split to choose): the model is\n"
-    "profiled for a few iterations of 1 pipeline at two micro-batch sizes on throwaway weights, every layer\n"
-    "timed; the tuner fits its cost model, the partitioner picks the split, and every setting (schedule, M,\n"
-    "N <= 4, K, round mode) is simulated; what the command line fixes stays fixed. Its report goes to stderr.\n";
+    "profiled for a few iterations of 1 pipeline at two micro-batch sizes (and of 2 pipelines at one) on\n"
+    "throwaway weights, every layer timed; the tuner fits its cost model, the partitioner picks the split,\n"
+    "and every setting (schedule, M, N <= 4, K, round mode; without --batch also 2x and 4x the batch, N x batch\n"
+    "<= 4x, --steps then counting the larger batches: the same windows) is simulated and ranked by its time to\n"
+    "target (--objective); what the command line fixes stays fixed. Its report goes to stderr.\n";
 
 static int g_rank = -1; /* one rank per process: this process's rank, for messages */
 
@@ -285,7 +302,7 @@ static void defaults(options *o) {
     o->stages = 2, o->micro = AUTO, o->pipes = AUTO, o->batch = 16, o->rounds = 8, o->replicas = 1, o->advance = ADVANCE_AUTO;
     o->continuous = 1, o->schedule = AVGPIPE_SCHED_ADVANCE, o->alpha = 0.1, o->seed = 1;
     o->steps = 2000, o->warmup = 100, o->lr = 3e-3, o->wd = 0.1, o->clip = 1.0, o->temperature = 0.8, o->sample_len = 200;
-    o->log_every = 250, o->eval_every = 1000;
+    o->log_every = 250, o->eval_every = 1000, o->noise_scale = -1;
     o->data = "/usr/share/games/fortunes";
 }
 
@@ -293,7 +310,7 @@ static const char *const value_flags[] = {
     "--layers", "--channels", "--heads", "--seq", "--steps", "--batch", "--lr", "--warmup", "--wd", "--clip", "--seed", "--data",
     "--stages", "--split", "--schedule", "--micro", "--pipes", "--advance", "--chunks", "--rounds", "--alpha", "--replicas",
     "--backend", "--mem-limit", "--profile-tune", "--log-every", "--eval-every", "--sample-len", "--temperature", "--save",
-    "--trace", "--profile", "--checkpoint", "--checkpoint-every", "--resume", "--stop-after", NULL};
+    "--trace", "--profile", "--checkpoint", "--checkpoint-every", "--resume", "--stop-after", "--objective", "--noise-scale", NULL};
 
 /* One flag of value_flags with its value; *advance_flag keeps --advance's text for the checks. */
 static void set_value(options *o, const char *f, const char *v, const char **advance_flag) {
@@ -303,7 +320,7 @@ static void set_value(options *o, const char *f, const char *v, const char **adv
     else if (!strcmp(f, "--heads")) o->cfg.H = (int)parse_long(f, v, 1, 16384);
     else if (!strcmp(f, "--seq")) o->cfg.Tmax = (int)parse_long(f, v, 1, 4096);
     else if (!strcmp(f, "--steps")) o->steps = parse_long(f, v, 1, 100000000L);
-    else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 65536);
+    else if (!strcmp(f, "--batch")) o->batch = (int)parse_long(f, v, 1, 65536), o->batch_set = 1;
     else if (!strcmp(f, "--lr")) o->lr = parse_double(f, v, 1e-9, 10);
     else if (!strcmp(f, "--warmup")) o->warmup = parse_long(f, v, 0, 100000000L);
     else if (!strcmp(f, "--wd")) o->wd = parse_double(f, v, 0, 10);
@@ -345,6 +362,12 @@ static void set_value(options *o, const char *f, const char *v, const char **adv
     else if (!strcmp(f, "--checkpoint-every")) o->checkpoint_every = (int)parse_long(f, v, 1, 1 << 30);
     else if (!strcmp(f, "--resume")) o->resume = v;
     else if (!strcmp(f, "--stop-after")) o->stop_after = parse_long(f, v, 1, 100000000L);
+    else if (!strcmp(f, "--objective")) {
+        if (!strcmp(v, "time")) o->objective = AVGPIPE_TUNE_TIME_TO_TARGET;
+        else if (!strcmp(v, "throughput")) o->objective = AVGPIPE_TUNE_THROUGHPUT;
+        else bad_usage("--objective expects time or throughput, got '%s'", v);
+        o->objective_set = 1;
+    } else if (!strcmp(f, "--noise-scale")) o->noise_scale = parse_double(f, v, 0, 1e12);
 }
 
 /* The checks across flags; sets the chunks per rank. */
@@ -371,6 +394,8 @@ static void check_options(options *o, const char *advance_flag) {
     if (!profiles(o) && (o->mem_limit > 0 || o->profile_tune))
         bad_usage("%s applies only to the tuner (--micro auto or --pipes auto, or --split auto with a split to choose)",
                   o->mem_limit > 0 ? "--mem-limit" : "--profile-tune");
+    if (!tuning(o) && (o->objective_set || o->noise_scale >= 0))
+        bad_usage("%s applies only to the tuner (--micro auto or --pipes auto)", o->objective_set ? "--objective" : "--noise-scale");
     if (o->checkpoint_every && !o->checkpoint) bad_usage("--checkpoint-every needs --checkpoint DIR");
     if (o->stop_after > o->steps) bad_usage("--stop-after %ld is past --steps %ld", o->stop_after, o->steps);
     o->chunks = interleaved ? (o->chunks ? o->chunks : 2) : k->chunks;
@@ -993,19 +1018,19 @@ out:
 
 /* ---- Tuning ----------------------------------------------------------------------------------------------- */
 
-/* One profile run: 1 pipeline of `micro` micro-batches, advance forward with K = S - 1, throwaway weights
-   from the seed; TUNE_PROFILED iterations after TUNE_WARMUP go to `path` (written when !append, else
-   appended), every layer timed (record_layers). */
-static int profile_run(app *A, avgpipe_context *ctx, int micro, int size, const char *path, int append, double *seconds) {
+/* One profile run: `pipes` pipelines of `micro` micro-batches, advance forward with K = S - 1, throwaway
+   weights from the seed; TUNE_PROFILED iterations after TUNE_WARMUP go to `path` (written when !append,
+   else appended), every layer timed (record_layers) as layer-profile size `size` (-1: not timed). */
+static int profile_run(app *A, avgpipe_context *ctx, int micro, int pipes, int size, const char *path, int append, double *seconds) {
     options saved = A->opt;
     avgpipe_run *run = NULL;
     avgpipe_run_desc d;
     avgpipe_result r;
     int i, rc = -1, me = A->me;
     A->me = -1; /* rank 0 of an MPI job profiles on its own threads */
-    A->opt.replicas = 1, A->opt.pipes = 1, A->opt.micro = micro, A->opt.schedule = AVGPIPE_SCHED_ADVANCE, A->opt.chunks = 1;
-    A->opt.advance = A->opt.stages - 1, A->opt.alpha = 0;
-    A->opt.steps = (long)(TUNE_WARMUP + TUNE_PROFILED) * A->opt.rounds;
+    A->opt.replicas = 1, A->opt.pipes = pipes, A->opt.micro = micro, A->opt.schedule = AVGPIPE_SCHED_ADVANCE, A->opt.chunks = 1;
+    A->opt.advance = A->opt.stages - 1, A->opt.alpha = pipes > 1 ? A->opt.alpha : 0;
+    A->opt.steps = (long)(TUNE_WARMUP + TUNE_PROFILED) * A->opt.rounds * pipes;
     A->opt.trace = A->opt.profile = NULL;
     if (setup_model(A)) goto out;
     d = make_run_desc(A);
@@ -1018,7 +1043,7 @@ static int profile_run(app *A, avgpipe_context *ctx, int micro, int size, const 
     A->lsize = size;
     for (i = 0; i < TUNE_WARMUP + TUNE_PROFILED; i++) {
         avgpipe_run_stats st;
-        A->lprof = i >= TUNE_WARMUP; /* between iterations: the callbacks see it */
+        A->lprof = i >= TUNE_WARMUP && size >= 0; /* between iterations: the callbacks see it */
         if ((r = avgpipe_run_iteration(run, &st)) != AVGPIPE_OK) {
             fail("tuner: profile run (M = %d), iteration %d: %s: %s", micro, i + 1, avgpipe_result_string(r), avgpipe_last_error(ctx));
             goto out;
@@ -1118,6 +1143,9 @@ static void print_cost_model(const avgpipe_cost_model *m) {
     fprintf(stderr, "  transfer latency %.1f us, runtime overhead %.1f us per op and %.1f us per iteration, averaging %.2f ns per "
             "parameter, STEP %.1f us + %.2f ns per parameter\n", 1e6 * m->latency, 1e6 * m->op_overhead, 1e6 * m->iter_overhead,
             1e9 * m->avg_per_float, 1e6 * m->step_a, 1e9 * m->step_b);
+    if (m->cores > 0 && m->busy_cores > 0)
+        fprintf(stderr, "  %g cores; the profile's stage threads got through %.2f cores' worth of work at most (busy_cores)%s\n", m->cores,
+                m->busy_cores, m->busy_cores < m->cores ? ": the bound once ranks outnumber cores" : "");
 }
 
 /* The partitioner's filter: the M and N the command line fixed. */
@@ -1176,72 +1204,122 @@ static int tune_split(app *A, avgpipe_context *ctx, const avgpipe_cost_model *cm
 static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chosen) {
     char k[16] = "-";
     if (c->sched.kind == AVGPIPE_SCHED_ADVANCE) snprintf(k, sizeof k, "%d", c->sched.advance);
-    fprintf(stderr, "  %2s %-8s %3d %3d %4s %-10s %4d %10.0f %9.2f%s\n", chosen ? "->" : "", avgpipe_sched_kind_name(c->sched.kind), c->sched.micro,
-            c->sched.pipes, k, c->sched.continuous ? "continuous" : "sync", batch / c->sched.micro, 1.0 / c->time_per_sample,
-            c->peak_bytes / (1024.0 * 1024.0), c->fits ? "" : "  over --mem-limit");
+    fprintf(stderr, "  %2s %-8s %5d %3d %3d %4s %-10s %4d %10.0f %6.2f %9.1f %9.2f%s\n", chosen ? "->" : "", avgpipe_sched_kind_name(c->sched.kind),
+            batch, c->sched.micro, c->sched.pipes, k, c->sched.continuous ? "continuous" : "sync", batch / c->sched.micro, 1.0 / c->time_per_sample,
+            c->efficiency, c->time_to_target, c->peak_bytes / (1024.0 * 1024.0), c->fits ? "" : "  over --mem-limit");
 }
 
-/* A candidate's predicted time per sample with the learning cost of its extra pipelines (TUNE_PIPE_COST). */
-static double learning_time(const avgpipe_tune_candidate *c) { return c->time_per_sample * (1 + TUNE_PIPE_COST * (c->sched.pipes - 1)); }
+/* A candidate of tune_choose's search, with the batch it was searched at and what it is ranked by. */
+typedef struct tune_cand {
+    avgpipe_tune_candidate c;
+    int batch;
+    double key; /* time to target, or per window (--objective throughput) */
+} tune_cand;
 
-/* Search `m` as td says and set o's schedule, M, N, K, round mode and chunks to the choice: with what the user
-   fixed and within --mem-limit, the least learning_time (the predicted time per sample, a pipeline beyond the
-   first counted TUNE_PIPE_COST slower each); within TUNE_TIE of it, fewer pipelines, then less memory. */
+static int tune_cmp(const void *x, const void *y) { /* fitting first, best first */
+    const tune_cand *a = (const tune_cand *)x, *b = (const tune_cand *)y;
+    if (a->c.fits != b->c.fits) return b->c.fits - a->c.fits;
+    return (a->key > b->key) - (a->key < b->key);
+}
+
+/* Batches of `batch` windows instead of o->batch (a multiple of it, k times): the run's counts of batches
+   (--steps, --warmup, --log-every, --eval-every, --stop-after) divided by k, rounded up (warm-up down), so
+   that it trains on as many windows with the same learning-rate curve over them. */
+static void adopt_batch(options *o, int batch) {
+    long k = o->batch > 0 ? batch / o->batch : 1;
+    if (k <= 1) return;
+    o->steps = (o->steps + k - 1) / k, o->warmup /= k, o->log_every = (o->log_every + k - 1) / k;
+    o->eval_every = (o->eval_every + k - 1) / k, o->stop_after = (o->stop_after + k - 1) / k;
+    o->batch = batch;
+}
+
+/* Search `m` as td says and set o's schedule, M, N, K, round mode, chunks and batch to the choice: with what
+   the user fixed and within --mem-limit, the least predicted time to target (the time per window x the
+   efficiency 1 + N x batch / B_noise, x the run's windows), or with --objective throughput the least time
+   per window; within TUNE_TIE of it, fewer pipelines, then less memory. Without --batch (and ranking by
+   time to target) also at 2x and 4x the batch, N x batch <= 4x (adopt_batch keeps the run's windows). */
 static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, double t0) {
-    avgpipe_tune_candidate *cand = NULL;
-    int i, j, ncand = 0, nok = 0, shown = 0, chosen = -1, best;
+    tune_cand *cand = NULL;
+    int i, j, k, ncand = 0, nok = 0, shown = 0, chosen = -1, best, batches = TUNE_BATCHES, thr = o->objective == AVGPIPE_TUNE_THROUGHPUT;
     double t1 = now_s();
-    avgpipe_result r = avgpipe_tune_search(ctx, m, td, &cand, &ncand);
-    if (r != AVGPIPE_OK) return fail("tuner: search failed: %s: %s", avgpipe_result_string(r), avgpipe_last_error(ctx));
+    if (o->batch_set || thr || !(td->noise_scale > 0)) batches = 1;
+    for (k = 1; k <= batches; k *= 2) { /* one search per batch size; the candidates of all of them */
+        avgpipe_tune_desc tk = *td;
+        avgpipe_tune_candidate *c = NULL;
+        tune_cand *grown;
+        int n = 0;
+        avgpipe_result r;
+        tk.batch = td->batch * k, tk.min_micro = td->min_micro * k;
+        if (k > 1 && tk.max_pipes > batches / k) tk.max_pipes = batches / k; /* N x batch <= batches x td->batch */
+        if ((r = avgpipe_tune_search(ctx, m, &tk, &c, &n)) != AVGPIPE_OK) {
+            free(cand);
+            return fail("tuner: search failed (batch %d): %s: %s", tk.batch, avgpipe_result_string(r), avgpipe_last_error(ctx));
+        }
+        if (!(grown = (tune_cand *)realloc(cand, (size_t)(ncand + n + 1) * sizeof *cand))) {
+            avgpipe_free(ctx, c);
+            free(cand);
+            return fail("tuner: out of memory");
+        }
+        cand = grown;
+        for (i = 0; i < n; i++)
+            if (keep_fixed(&c[i], o)) cand[ncand].c = c[i], cand[ncand].batch = tk.batch, cand[ncand++].key = thr ? c[i].time_per_sample : c[i].time_to_target;
+        avgpipe_free(ctx, c);
+    }
     t1 = now_s() - t1;
-    for (i = 0; i < ncand; i++)
-        if (keep_fixed(&cand[i], o)) cand[nok++] = cand[i];
-    best = nok > 0 && cand[0].fits ? 0 : -1;
-    for (i = 1; best >= 0 && i < nok && cand[i].fits; i++)
-        if (learning_time(&cand[i]) < learning_time(&cand[best])) best = i;
-    for (i = 0; best >= 0 && i < nok && cand[i].fits; i++)
-        if (learning_time(&cand[i]) <= learning_time(&cand[best]) * (1 + TUNE_TIE) &&
-            (chosen < 0 || cand[i].sched.pipes < cand[chosen].sched.pipes ||
-             (cand[i].sched.pipes == cand[chosen].sched.pipes && cand[i].peak_bytes < cand[chosen].peak_bytes)))
+    nok = ncand;
+    if (nok > 1) qsort(cand, (size_t)nok, sizeof *cand, tune_cmp);
+    best = nok > 0 && cand[0].c.fits ? 0 : -1;
+    for (i = 0; best >= 0 && i < nok && cand[i].c.fits; i++)
+        if (cand[i].key <= cand[best].key * (1 + TUNE_TIE) &&
+            (chosen < 0 || cand[i].c.sched.pipes < cand[chosen].c.sched.pipes ||
+             (cand[i].c.sched.pipes == cand[chosen].c.sched.pipes && cand[i].c.peak_bytes < cand[chosen].c.peak_bytes)))
             chosen = i;
     if (chosen < 0) {
         int small = 0;
         for (i = 1; i < nok; i++)
-            if (cand[i].peak_bytes < cand[small].peak_bytes) small = i;
+            if (cand[i].c.peak_bytes < cand[small].c.peak_bytes) small = i;
         if (nok == 0) fail("tuner: no setting to choose from (batch %d, micro-batches of >= %d windows)", o->batch, td->min_micro);
         else fail("tuner: no setting fits --mem-limit %.0f bytes per rank: the smallest, %s with M = %d, N = %d, needs %.0f bytes (%.2f MiB)",
-                  o->mem_limit, avgpipe_sched_kind_name(cand[small].sched.kind), cand[small].sched.micro, cand[small].sched.pipes,
-                  cand[small].peak_bytes, cand[small].peak_bytes / (1024.0 * 1024.0));
-        avgpipe_free(ctx, cand);
+                  o->mem_limit, avgpipe_sched_kind_name(cand[small].c.sched.kind), cand[small].c.sched.micro, cand[small].c.sched.pipes,
+                  cand[small].c.peak_bytes, cand[small].c.peak_bytes / (1024.0 * 1024.0));
+        free(cand);
         return -1;
     }
     fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
     if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d windows", td->min_micro);
     else fprintf(stderr, "M = %d", o->micro);
-    fprintf(stderr, "%s); predicted, fastest first, the best setting of each M and N:\n"
-                    "     schedule   M   N    K rounds     rows  windows/s  peak MiB\n", o->mem_limit > 0 ? ", within --mem-limit" : "");
+    if (batches > 1) fprintf(stderr, ", batches of %d to %d windows", td->batch, td->batch * batches);
+    fprintf(stderr, "%s); predicted, %s first, the best setting of each batch, M and N", o->mem_limit > 0 ? ", within --mem-limit" : "",
+            thr ? "fastest" : "soonest to target");
+    if (td->noise_scale > 0)
+        fprintf(stderr, " (eff: windows to a target relative to a batch far below the noise scale, %.1f windows;\n"
+                        "     to target: seconds for the run's %.0f windows of such progress)", td->noise_scale, td->target_samples);
+    fprintf(stderr, ":\n     schedule batch   M   N    K rounds     rows  windows/s    eff to target  peak MiB\n");
     for (i = 0; i < nok && (shown < TUNE_SHOW || i <= chosen); i++) {
-        int dup = 0;
-        for (j = 0; j < i && !dup; j++) dup = cand[j].sched.micro == cand[i].sched.micro && cand[j].sched.pipes == cand[i].sched.pipes;
+        int dup = 0; /* one line per (batch, M, N): the schedules, K and round modes of one are often tied */
+        for (j = 0; j < i && !dup; j++)
+            dup = cand[j].batch == cand[i].batch && cand[j].c.sched.micro == cand[i].c.sched.micro && cand[j].c.sched.pipes == cand[i].c.sched.pipes;
         if (i == chosen || (!dup && shown < TUNE_SHOW)) {
             if (i == chosen && shown >= TUNE_SHOW) fprintf(stderr, "     ...\n");
-            print_candidate(&cand[i], o->batch, i == chosen);
+            print_candidate(&cand[i].c, cand[i].batch, i == chosen);
             shown++;
         }
     }
-    o->schedule = cand[chosen].sched.kind, o->micro = cand[chosen].sched.micro, o->pipes = cand[chosen].sched.pipes;
-    o->continuous = cand[chosen].sched.continuous, o->chunks = 1;
-    o->advance = o->schedule == AVGPIPE_SCHED_ADVANCE ? cand[chosen].sched.advance : ADVANCE_AUTO;
-    fprintf(stderr, PROG ": tuner: chose %s, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), o->micro, o->pipes);
+    o->schedule = cand[chosen].c.sched.kind, o->micro = cand[chosen].c.sched.micro, o->pipes = cand[chosen].c.sched.pipes;
+    o->continuous = cand[chosen].c.sched.continuous, o->chunks = 1;
+    o->advance = o->schedule == AVGPIPE_SCHED_ADVANCE ? cand[chosen].c.sched.advance : ADVANCE_AUTO;
+    fprintf(stderr, PROG ": tuner: chose %s, batch %d, M = %d, N = %d", avgpipe_sched_kind_name(o->schedule), cand[chosen].batch, o->micro, o->pipes);
     if (o->schedule == AVGPIPE_SCHED_ADVANCE) fprintf(stderr, ", K = %d", o->advance);
-    fprintf(stderr, ", %s rounds: predicted %.0f windows/s, %.2f MiB per rank", o->continuous ? "continuous" : "sync", 1.0 / cand[chosen].time_per_sample,
-            cand[chosen].peak_bytes / (1024.0 * 1024.0));
-    if (o->pipes == AUTO)
-        fprintf(stderr, " (the fastest once each pipeline beyond the first counts %.0f%% slower for what it costs in learning%s)", 100 * TUNE_PIPE_COST,
-                chosen != best ? "; of the ties, fewest pipelines, least memory" : "");
-    else if (chosen != best) fprintf(stderr, " (of the ties within %.1f%%: fewest pipelines, least memory)", 100 * TUNE_TIE);
+    fprintf(stderr, ", %s rounds: predicted %.0f windows/s", o->continuous ? "continuous" : "sync", 1.0 / cand[chosen].c.time_per_sample);
+    if (td->noise_scale > 0) fprintf(stderr, ", efficiency %.2f: %.1f s to target", cand[chosen].c.efficiency, cand[chosen].c.time_to_target);
+    fprintf(stderr, ", %.2f MiB per rank", cand[chosen].c.peak_bytes / (1024.0 * 1024.0));
+    if (chosen != best) fprintf(stderr, " (of the ties within %.1f%%: fewest pipelines, least memory)", 100 * TUNE_TIE);
+    if (cand[chosen].batch != o->batch) {
+        adopt_batch(o, cand[chosen].batch);
+        fprintf(stderr, "; --steps %ld of these batches (the same windows), warm-up %ld", o->steps, o->warmup);
+    }
     fprintf(stderr, "; tuning took %.2f s\n", now_s() - t0);
-    avgpipe_free(ctx, cand);
+    free(cand);
     return 0;
 }
 
@@ -1282,14 +1360,19 @@ static void print_checks(avgpipe_context *ctx, const avgpipe_cost_model *cm, con
         const avgpipe_profile_section *sec = &prof->sections[i * TUNE_PROFILED];
         double pred = 0, a = meas[i][0], b = meas[i][1], c = meas[i][2], med = a > b ? (b > c ? b : (a > c ? c : a)) : (a > c ? a : (b > c ? c : b));
         if (avgpipe_tune_predict_sync(ctx, cm, &sec->shape, sec->samples, td, &pred) == AVGPIPE_OK && med > 0)
-            fprintf(stderr, "  check M = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sec->shape.micro, 1e3 * med, 1e3 * pred,
-                    100 * (pred / med - 1));
+            fprintf(stderr, "  check M = %d, N = %d: measured %.1f ms/iteration, predicted %.1f ms (%+.0f%%)\n", sec->shape.micro, sec->shape.pipes,
+                    1e3 * med, 1e3 * pred, 100 * (pred / med - 1));
     }
 }
 
 /* The search the command line asks for: what it fixed (schedule, --sync, N) narrows it. */
 static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int min_rows) {
+    double noise = o->noise_scale >= 0 ? o->noise_scale : avgpipe_tune_noise_from_ratio(TUNE_NOISE_BATCH, 2, TUNE_NOISE_RATIO);
     memset(td, 0, sizeof *td);
+    td->objective = o->objective;
+    /* with N and the batch fixed every candidate has the same efficiency; by windows/s alone none is used */
+    td->noise_scale = o->objective != AVGPIPE_TUNE_THROUGHPUT && (o->pipes == AUTO || !o->batch_set) ? noise / o->replicas : 0;
+    td->target_samples = (double)o->steps * o->batch; /* the run's windows */
     td->batch = o->batch;
     td->max_pipes = o->pipes != AUTO ? o->pipes : TUNE_MAX_PIPES;
     td->rounds = o->rounds;
@@ -1306,8 +1389,8 @@ static int tune(app *A, avgpipe_context *ctx) {
     options *o = &A->opt;
     char tmp[512];
     const char *path = NULL;
-    int sizes[2], rows[2], min_rows, nsizes = profile_sizes(o, sizes, &min_rows), i, rc = -1;
-    double t0 = now_s(), t1, meas[2][TUNE_PROFILED];
+    int sizes[2], rows[2], min_rows, nsizes = profile_sizes(o, sizes, &min_rows), i, rc = -1, two = o->pipes != 1;
+    double t0 = now_s(), t1, meas[3][TUNE_PROFILED];
     avgpipe_profile prof;
     avgpipe_cost_model cm, sm, *use = &cm;
     avgpipe_tune_desc td;
@@ -1324,8 +1407,12 @@ static int tune(app *A, avgpipe_context *ctx) {
     if (tune_profile_path(o, tmp, sizeof tmp, &path)) goto done;
     for (i = 0; i < nsizes; i++) {
         rows[i] = o->batch / sizes[i];
-        if (profile_run(A, ctx, sizes[i], i, path, i > 0, meas[i])) goto done;
+        if (profile_run(A, ctx, sizes[i], 1, i, path, i > 0, meas[i])) goto done;
     }
+    /* and 2 pipelines at the first size: how much of the cores the stage threads get when there is little
+       bubble (the cost model's busy_cores, the bound once ranks outnumber cores; nothing to learn from it
+       when N is fixed at 1) */
+    if (two && profile_run(A, ctx, sizes[0], 2, -1, path, 1, meas[nsizes])) goto done;
     if (append_layer_costs(A, ctx, path, rows, nsizes)) goto done;
     t1 = now_s();
     r = avgpipe_profile_load(ctx, path, &prof);
@@ -1335,15 +1422,18 @@ static int tune(app *A, avgpipe_context *ctx) {
         goto done;
     }
     cm.cores = cores > 0 ? (double)cores : 0; /* the stage threads share this machine's cores */
+    cm.overlap = 0; /* the ops of a CPU rank run on its one thread: they never overlap (what the fit saw is noise) */
     fprintf(stderr, PROG ": tuner: profiled 1 pipeline (advance, K = %d, %d rounds/iteration) at M = %d", o->stages - 1, o->rounds, sizes[0]);
     if (nsizes > 1) fprintf(stderr, " and M = %d", sizes[1]);
-    fprintf(stderr, " (%d and %d windows), %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", rows[0], rows[nsizes - 1],
-            TUNE_PROFILED, TUNE_WARMUP, t1 - t0, o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
+    fprintf(stderr, " (%d and %d windows)", rows[0], rows[nsizes - 1]);
+    if (two) fprintf(stderr, ", and 2 pipelines at M = %d", sizes[0]);
+    fprintf(stderr, ", %d iterations each after %d warm-up, in %.2f s (throwaway weights)%s%s\n", TUNE_PROFILED, TUNE_WARMUP, t1 - t0,
+            o->profile_tune ? "; profile: " : "", o->profile_tune ? o->profile_tune : "");
     print_cost_model(&cm);
     tune_desc_init(&td, o, min_rows);
     if (A->G > 1) td.ties = &A->tie, td.nties = 1; /* every setting is simulated with the run's TIE and AGREE ops */
     td.agree = 1;                                   /* (the clip and the non-finite skip agree every round) */
-    print_checks(ctx, &cm, &prof, &td, nsizes, meas);
+    print_checks(ctx, &cm, &prof, &td, nsizes + two, meas);
     if (cm.nlayers) {
         if (tune_split(A, ctx, &cm, &td, &sm)) goto done;
         use = &sm;
@@ -1378,23 +1468,26 @@ static int start_mpi(app *A, avgpipe_context *ctx, int *argc, char ***argv) {
     return 0;
 }
 
-/* Rank 0 tuned alone: everyone trains with its choice (or stops with it); rank 0 has 10 minutes. */
+/* Rank 0 tuned alone: everyone trains with its choice, batch included (or stops with it); rank 0 has 10
+   minutes. */
 static int share_choice(app *A, int rc) {
     options *o = &A->opt;
-    int v[9 + GPT_MAX_PARTS], done = 0, g;
+    int v[10 + GPT_MAX_PARTS], done = 0, g;
     MPI_Request req;
     double t0 = MPI_Wtime();
     struct timespec nap = {0, 1000000L};
     v[0] = rc, v[1] = (int)o->schedule, v[2] = o->micro, v[3] = o->pipes, v[4] = o->continuous, v[5] = o->advance, v[6] = o->chunks;
     v[7] = o->rounds, v[8] = o->nsplit;
     for (g = 0; g < GPT_MAX_PARTS; g++) v[9 + g] = o->split[g];
-    if (MPI_Ibcast(v, 9 + GPT_MAX_PARTS, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
+    v[9 + GPT_MAX_PARTS] = o->batch;
+    if (MPI_Ibcast(v, 10 + GPT_MAX_PARTS, MPI_INT, 0, MPI_COMM_WORLD, &req) != MPI_SUCCESS) return fail("--backend mpi: MPI_Ibcast failed");
     while (MPI_Test(&req, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && !done && MPI_Wtime() - t0 < 600) nanosleep(&nap, NULL);
     if (!done) return fail("--backend mpi: rank 0 did not finish tuning within 10 minutes");
     if (v[0] != 0) return A->me == 0 ? -1 : fail("rank 0 failed to tune (see its message)");
     o->schedule = (avgpipe_sched_kind)v[1], o->micro = v[2], o->pipes = v[3], o->continuous = v[4], o->advance = v[5], o->chunks = v[6];
     o->rounds = v[7], o->nsplit = v[8];
     for (g = 0; g < GPT_MAX_PARTS; g++) o->split[g] = v[9 + g];
+    adopt_batch(o, v[9 + GPT_MAX_PARTS]); /* rank 0 has adopted it already */
     return 0;
 }
 #endif

@@ -55,6 +55,10 @@ bad "--split adds up to 4 layers; the model has 6" --split 2,2
 bad "--split: split '3,x'" --split 3,x
 bad "--mem-limit expects a size in bytes" --mem-limit 64Q
 bad "--mem-limit applies only to the tuner" --mem-limit 64M --micro 4 --pipes 1 --split 3,3
+bad "--objective expects time or throughput, got 'fast'" --objective fast
+bad "--objective applies only to the tuner" --objective throughput --micro 4 --pipes 1
+bad "--noise-scale applies only to the tuner" --noise-scale 100 --micro 4 --pipes 1
+bad "--noise-scale expects a number in [0," --noise-scale -3
 bad "--checkpoint-every needs --checkpoint DIR" --checkpoint-every 5
 bad "--stop-after 5000 is past --steps 2000" --stop-after 5000
 bad "--alpha expects a number in [0, 1]" --alpha 2
