@@ -70,6 +70,7 @@
 #include "examples/gpt_model.h"
 #define BLAS_KERNEL_IMPLEMENTATION
 #include "examples/blas_kernel.h"
+#include "examples/tune_rank.h" /* the candidates of every batch searched, and the choice among them */
 
 #include <errno.h>
 #include <math.h>
@@ -178,7 +179,7 @@ static const char usage[] =
     "  --checkpoint DIR    save a checkpoint there at the end and every --checkpoint-every K iterations\n"
     "  --checkpoint-every K\n"
     "  --resume DIR        continue from the checkpoint in DIR (give the flags it was made with; with the\n"
-    "                      tuner, fix --micro, --pipes and --split to be sure it chooses the same)\n"
+    "                      tuner, fix --micro, --pipes, --split and --batch: it might choose otherwise)\n"
     "  --stop-after K      stop after K of the --steps batches (rounded up to a whole iteration)\n";
 static const char usage_tuning[] =
     "Tuning (--micro auto or --pipes auto, the default; or --split auto with a split to choose): the model is\n"
@@ -1209,19 +1210,6 @@ static void print_candidate(const avgpipe_tune_candidate *c, int batch, int chos
             c->efficiency, c->time_to_target, c->peak_bytes / (1024.0 * 1024.0), c->fits ? "" : "  over --mem-limit");
 }
 
-/* A candidate of tune_choose's search, with the batch it was searched at and what it is ranked by. */
-typedef struct tune_cand {
-    avgpipe_tune_candidate c;
-    int batch;
-    double key; /* time to target, or per window (--objective throughput) */
-} tune_cand;
-
-static int tune_cmp(const void *x, const void *y) { /* fitting first, best first */
-    const tune_cand *a = (const tune_cand *)x, *b = (const tune_cand *)y;
-    if (a->c.fits != b->c.fits) return b->c.fits - a->c.fits;
-    return (a->key > b->key) - (a->key < b->key);
-}
-
 /* Batches of `batch` windows instead of o->batch (a multiple of it, k times): the run's counts of batches
    (--steps, --warmup, --log-every, --eval-every, --stop-after) divided by k, rounded up (warm-up down), so
    that it trains on as many windows with the same learning-rate curve over them. */
@@ -1240,44 +1228,15 @@ static void adopt_batch(options *o, int batch) {
    time to target) also at 2x and 4x the batch, N x batch <= 4x (adopt_batch keeps the run's windows). */
 static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, double t0) {
     tune_cand *cand = NULL;
-    int i, j, k, ncand = 0, nok = 0, shown = 0, chosen = -1, best, batches = TUNE_BATCHES, thr = o->objective == AVGPIPE_TUNE_THROUGHPUT;
+    int i, j, nok = 0, nsim = 0, shown = 0, chosen, best, batches = TUNE_BATCHES, thr = o->objective == AVGPIPE_TUNE_THROUGHPUT;
     double t1 = now_s();
+    char err[AVGPIPE_ERROR_MAX + 64];
     if (o->batch_set || thr || !(td->noise_scale > 0)) batches = 1;
-    for (k = 1; k <= batches; k *= 2) { /* one search per batch size; the candidates of all of them */
-        avgpipe_tune_desc tk = *td;
-        avgpipe_tune_candidate *c = NULL;
-        tune_cand *grown;
-        int n = 0;
-        avgpipe_result r;
-        tk.batch = td->batch * k, tk.min_micro = td->min_micro * k;
-        if (k > 1 && tk.max_pipes > batches / k) tk.max_pipes = batches / k; /* N x batch <= batches x td->batch */
-        if ((r = avgpipe_tune_search(ctx, m, &tk, &c, &n)) != AVGPIPE_OK) {
-            free(cand);
-            return fail("tuner: search failed (batch %d): %s: %s", tk.batch, avgpipe_result_string(r), avgpipe_last_error(ctx));
-        }
-        if (!(grown = (tune_cand *)realloc(cand, (size_t)(ncand + n + 1) * sizeof *cand))) {
-            avgpipe_free(ctx, c);
-            free(cand);
-            return fail("tuner: out of memory");
-        }
-        cand = grown;
-        for (i = 0; i < n; i++)
-            if (keep_fixed(&c[i], o)) cand[ncand].c = c[i], cand[ncand].batch = tk.batch, cand[ncand++].key = thr ? c[i].time_per_sample : c[i].time_to_target;
-        avgpipe_free(ctx, c);
-    }
+    if (tune_rank_search(ctx, m, td, batches, 0, keep_fixed, o, thr, &cand, &nok, &nsim, err, sizeof err)) return fail("tuner: %s", err);
     t1 = now_s() - t1;
-    nok = ncand;
-    if (nok > 1) qsort(cand, (size_t)nok, sizeof *cand, tune_cmp);
-    best = nok > 0 && cand[0].c.fits ? 0 : -1;
-    for (i = 0; best >= 0 && i < nok && cand[i].c.fits; i++)
-        if (cand[i].key <= cand[best].key * (1 + TUNE_TIE) &&
-            (chosen < 0 || cand[i].c.sched.pipes < cand[chosen].c.sched.pipes ||
-             (cand[i].c.sched.pipes == cand[chosen].c.sched.pipes && cand[i].c.peak_bytes < cand[chosen].c.peak_bytes)))
-            chosen = i;
+    chosen = tune_rank_pick(cand, nok, TUNE_TIE, &best);
     if (chosen < 0) {
-        int small = 0;
-        for (i = 1; i < nok; i++)
-            if (cand[i].c.peak_bytes < cand[small].c.peak_bytes) small = i;
+        int small = tune_rank_smallest(cand, nok);
         if (nok == 0) fail("tuner: no setting to choose from (batch %d, micro-batches of >= %d windows)", o->batch, td->min_micro);
         else fail("tuner: no setting fits --mem-limit %.0f bytes per rank: the smallest, %s with M = %d, N = %d, needs %.0f bytes (%.2f MiB)",
                   o->mem_limit, avgpipe_sched_kind_name(cand[small].c.sched.kind), cand[small].c.sched.micro, cand[small].c.sched.pipes,
@@ -1285,7 +1244,7 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
         free(cand);
         return -1;
     }
-    fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
+    fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", nsim, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
     if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d windows", td->min_micro);
     else fprintf(stderr, "M = %d", o->micro);
     if (batches > 1) fprintf(stderr, ", batches of %d to %d windows", td->batch, td->batch * batches);

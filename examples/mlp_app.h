@@ -26,6 +26,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "examples/tune_rank.h" /* the candidates of every batch searched, and the choice among them */
+
 #ifdef __cplusplus
 extern "C"
 #endif
@@ -538,18 +540,10 @@ static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, 
     td->kinds = o->schedule_set ? 1u << o->schedule : 0;
 }
 
-/* A candidate of tune_choose's search, with the batch it was searched at and what it is ranked by: the
-   predicted time to target, or per sample (--objective throughput). */
-typedef struct tune_cand {
-    avgpipe_tune_candidate c;
-    int batch;
-    double key;
-} tune_cand;
-
-static int tune_cmp(const void *x, const void *y) { /* fitting first, best first */
-    const tune_cand *a = (const tune_cand *)x, *b = (const tune_cand *)y;
-    if (a->c.fits != b->c.fits) return b->c.fits - a->c.fits;
-    return (a->key > b->key) - (a->key < b->key);
+/* tune_rank_search's filter: the M and N the user fixed. */
+static int tune_keep_fixed(const avgpipe_tune_candidate *c, void *user) {
+    const options *o = (const options *)user;
+    return (o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes);
 }
 
 /* Search model `m` as td says, choose, report on stderr, and set o's schedule, micro, pipes, advance,
@@ -569,55 +563,16 @@ static int tune_cmp(const void *x, const void *y) { /* fitting first, best first
 static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_model *m, const avgpipe_tune_desc *td, int ntrain,
                        int batches, double t0) {
     tune_cand *cand = NULL;
-    int i, k, ncand = 0, nok = 0, shown = 0, chosen = -1, best;
+    int i, nok = 0, nsim = 0, shown = 0, chosen, best, thr = o->objective == AVGPIPE_TUNE_THROUGHPUT;
     double t1 = now_s();
-    if (o->objective == AVGPIPE_TUNE_THROUGHPUT || !(td->noise_scale > 0)) batches = 1;
-    for (k = 1; k <= batches; k *= 2) { /* one search per batch size; the candidates of all of them */
-        avgpipe_tune_desc tk = *td;
-        avgpipe_tune_candidate *c = NULL;
-        tune_cand *grown;
-        int n = 0, feed = ntrain / (td->batch * k * o->replicas);
-        avgpipe_result r;
-        tk.batch = td->batch * k;
-        tk.min_micro = td->min_micro * k;
-        if (feed < 1) break;
-        if (tk.max_pipes > feed) tk.max_pipes = feed;
-        if (k > 1 && tk.max_pipes > batches / k) tk.max_pipes = batches / k; /* N x batch <= batches x td->batch */
-        r = avgpipe_tune_search(ctx, m, &tk, &c, &n);
-        if (r != AVGPIPE_OK) {
-            free(cand);
-            return fail("tuner: search failed (batch %d): %s: %s", tk.batch, avgpipe_result_string(r), avgpipe_last_error(ctx));
-        }
-        if (!(grown = (tune_cand *)realloc(cand, (size_t)(ncand + n + 1) * sizeof *cand))) {
-            avgpipe_free(ctx, c);
-            free(cand);
-            return fail("tuner: out of memory");
-        }
-        cand = grown;
-        for (i = 0; i < n; i++) {
-            cand[ncand + i].c = c[i];
-            cand[ncand + i].batch = tk.batch;
-            cand[ncand + i].key = o->objective == AVGPIPE_TUNE_THROUGHPUT ? c[i].time_per_sample : c[i].time_to_target;
-        }
-        ncand += n;
-        avgpipe_free(ctx, c);
-    }
+    char err[AVGPIPE_ERROR_MAX + 64];
+    if (thr || !(td->noise_scale > 0)) batches = 1;
+    if (tune_rank_search(ctx, m, td, batches, ntrain / o->replicas, tune_keep_fixed, o, thr, &cand, &nok, &nsim, err, sizeof err) != 0)
+        return fail("tuner: %s", err);
     t1 = now_s() - t1;
-    for (i = 0; i < ncand; i++) { /* drop what the user fixed away */
-        const avgpipe_tune_candidate *c = &cand[i].c;
-        if ((o->micro == AUTO || c->sched.micro == o->micro) && (o->pipes == AUTO || c->sched.pipes == o->pipes)) cand[nok++] = cand[i];
-    }
-    if (nok > 1) qsort(cand, (size_t)nok, sizeof *cand, tune_cmp);
-    best = nok > 0 && cand[0].c.fits ? 0 : -1;
-    for (i = 0; best >= 0 && i < nok && cand[i].c.fits; i++)
-        if (cand[i].key <= cand[best].key * (1 + TUNE_TIE) &&
-            (chosen < 0 || cand[i].c.sched.pipes < cand[chosen].c.sched.pipes ||
-             (cand[i].c.sched.pipes == cand[chosen].c.sched.pipes && cand[i].c.peak_bytes < cand[chosen].c.peak_bytes)))
-            chosen = i;
+    chosen = tune_rank_pick(cand, nok, TUNE_TIE, &best);
     if (chosen < 0) {
-        int small = 0;
-        for (i = 1; i < nok; i++)
-            if (cand[i].c.peak_bytes < cand[small].c.peak_bytes) small = i;
+        int small = tune_rank_smallest(cand, nok);
         if (nok == 0) fail("tuner: no setting to choose from (batch %d, micro-batches of >= %d samples)", o->batch, td->min_micro);
         else fail("tuner: no setting fits --mem-limit %.0f bytes (%.2f MiB) per rank: the smallest, %s with M = %d, N = %d, "
                   "needs %.0f bytes (%.2f MiB); raise the limit or lower --batch or --hidden", o->mem_limit,
@@ -626,7 +581,7 @@ static int tune_choose(avgpipe_context *ctx, options *o, const avgpipe_cost_mode
         free(cand);
         return -1;
     }
-    fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", ncand, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
+    fprintf(stderr, PROG ": tuner: %d settings simulated in %.2f s (N %s %d, ", nsim, t1, o->pipes == AUTO ? "<=" : "=", td->max_pipes);
     if (o->micro == AUTO) fprintf(stderr, "micro-batches >= %d samples", td->min_micro);
     else fprintf(stderr, "M = %d", o->micro);
     if (batches > 1) fprintf(stderr, ", batches of %d to %d samples", td->batch, td->batch * batches);
