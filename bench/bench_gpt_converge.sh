@@ -38,7 +38,8 @@
 # times (default here 1: the runs are long), after waiting up to CONVERGE_WAIT seconds (default 120) for a quiet
 # machine before each run (bench/bench_lib.sh); CONVERGE_KEEP=DIR keeps every run's output, CONVERGE_FROM=DIR
 # prints the tables again from such a directory without running anything (missing runs left out).
-# Default: 6 configurations x 3 seeds, about 17 (12-03) to 23 minutes (12-04) on 2 cores. Not part of the tests.
+# Default: 6 configurations x 3 seeds, about 10 minutes on 2 cores at 26k tokens/s (12-04; 5 took 17 at 11k on 12-03).
+# Not part of the tests.
 # Figures (2026-12-03, 06:14-06:44 UTC; 2 vCPUs, Xeon with AVX-512, OpenBLAS 0.3.21 kernel SkylakeX; the
 # defaults: 3 seeds, K = 640, 0.555M tokens per run; 6 runs redone, and 4 kept runs had other programs on 0.2-0.8
 # cores, so time spreads reach 1.8). Tokens/s are about equal (medians 11.2k N=1, 11.1k N=2, 11.5k N=4, 11.7k
@@ -54,7 +55,7 @@
 # The tuner's row: per threshold its time per seed against the grid's best configuration (the least median
 # time of the five), the regret (target <= 10%), its choice and predicted windows/s; and the noise scale the 2x
 # and 4x rows imply (avgpipe_tune_noise_from_ratio's formula on their tokens to the threshold over N=1's), which
-# is how gpt.c's TUNE_NOISE_RATIO was set. 2026-12-04 (21:43-22:06 UTC, 2 vCPUs, Haswell kernel, 26-27k tokens/s
+# is how gpt.c's TUNE_NOISE_RATIO was set. 2026-12-04 (21:43-21:53 UTC, 2 vCPUs, Haswell kernel, 26-27k tokens/s
 # for every configuration; the runs are deterministic, so the grid's tokens to each threshold equal the 12-03
 # run's): the tuner chose ZB-H1, batch 16, M = 8, N = 1 for all 3 seeds, the grid's best and fixed pipeline
 # (its final bits equal N=1's); regret to 3.80: -4.5%, +0.6%, -6.8% (median -4.5%); to 3.54: +3.2, +2.1, -2.7%;
