@@ -13404,7 +13404,8 @@ static double avgpipe__split_bound(const avgpipe_cost_model *sm, int S, double B
         if (w > worst) worst = w;
     }
     for (g = 0; g < sm->nstages; g++) total += avgpipe__avg_cost(sm, g);
-    bound = sm->cores > 0 && total / avgpipe__cores(sm, S) > worst ? total / avgpipe__cores(sm, S) : worst;
+    bound = sm->cores > 0 ? total / avgpipe__cores(sm, S) : 0; /* all the work over the cores the ranks get */
+    if (bound < worst) bound = worst;
     return bound / B * (1 - 1e-9);
 }
 
@@ -13513,7 +13514,10 @@ static avgpipe_result avgpipe__split_finish(avgpipe_context *ctx, const avgpipe_
     memcpy(out->split, split, (size_t)P * sizeof *split);
     out->slowest_share = avgpipe_tune_slowest_share(&sm, pd->stages, out->best.samples, desc->batch);
     out->bound = out->slowest_share > 0 ? 1 / out->slowest_share : 0;
-    if (m->cores > 0 && out->bound > avgpipe__cores(m, pd->stages)) out->bound = avgpipe__cores(m, pd->stages);
+    if (m->cores > 0) {
+        double cores = avgpipe__cores(m, pd->stages);
+        if (out->bound > cores) out->bound = cores;
+    }
     avgpipe_tune_cost_model_free(ctx, &sm);
     return AVGPIPE_OK;
 }
