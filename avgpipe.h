@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.9.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.9.1 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -138,8 +138,8 @@
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
 #define AVGPIPE_VERSION_MINOR 9
-#define AVGPIPE_VERSION_PATCH 0
-#define AVGPIPE_VERSION_STRING "0.9.0"
+#define AVGPIPE_VERSION_PATCH 1
+#define AVGPIPE_VERSION_STRING "0.9.1"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.9.0", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.9.1", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -2523,10 +2523,11 @@ static avgpipe_result avgpipe__fail_in_file(avgpipe_context *ctx, avgpipe_result
 /* The simulator, the lowering and the validator keep tables of one cell per (pipeline, stage,
    micro-batch) that a schedule's numbers name. A valid schedule has at least one op per cell (its
    forward); these tables may hold at most this many cells per op, plus a floor for small hand-made
-   schedules, so that a few bytes of text cannot ask for gigabytes. */
-#define AVGPIPE__TEXT_VERSION 1 /* the schedule text header's format version */
+   schedules, so that a few bytes of text cannot ask for gigabytes. The same bound holds the
+   simulator's per-round tables of TIE and AGREE ops to the number of those ops. */
 #define AVGPIPE__CELLS_PER_OP 8
 #define AVGPIPE__CELLS_FLOOR 4096
+#define AVGPIPE__TEXT_VERSION 1 /* the schedule text header's format version */
 
 static int avgpipe__cells_ok(double cells, long long nops) {
     return cells <= (double)AVGPIPE__CELLS_PER_OP * (double)nops + AVGPIPE__CELLS_FLOOR;
@@ -5287,6 +5288,13 @@ static avgpipe_result avgpipe__sim_sync_tables(avgpipe__sim *m) {
                 return avgpipe__fail(m->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
         }
     if (!nsync) return AVGPIPE_OK;
+    /* A valid schedule has every tie pair's two TIEs and an AGREE per (pipeline, round): tables of
+       more cells than that many ops allow come from a sparse numbering, not from a schedule. */
+    if (!avgpipe__cells_ok((double)m->N * m->T * (2.0 * m->npairs + 1), nsync))
+        return avgpipe__fail(m->ctx, AVGPIPE_INVALID_SCHEDULE,
+                             "schedule's TIE and AGREE rounds numbered too sparsely to simulate: %d pipelines x %d rounds x %d tie "
+                             "pairs for %d sync ops",
+                             m->N, m->T, m->npairs, nsync);
     for (r = 0; r < m->S; r++) {
         for (g = 0; g < m->G && m->pl.rank[g] != r; g++) {}
         m->agree_ranks += g < m->G;
