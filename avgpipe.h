@@ -6249,18 +6249,32 @@ typedef struct avgpipe__xrank {
     int wait_ck, wait_k; /* the entry it waits at (when waiting) */
 } avgpipe__xrank;
 
+/* Room for `more` entries after x->n. Returns 0 when out of memory. */
+static int avgpipe__xgrow(avgpipe_context *ctx, avgpipe__xrank *x, int more) {
+    int cap = x->cap ? x->cap : 256;
+    avgpipe__xent *p;
+    while (cap < x->n + more) cap *= 2;
+    if (cap == x->cap) return 1;
+    p = (avgpipe__xent *)avgpipe__realloc(ctx, x->e, (size_t)x->cap * sizeof *p, (size_t)cap * sizeof *p);
+    if (!p) return 0;
+    x->e = p;
+    x->cap = cap;
+    return 1;
+}
+
 static int avgpipe__xput(avgpipe_context *ctx, avgpipe__xrank *x, int ck, int k) {
-    if (x->n == x->cap) {
-        int cap = x->cap ? 2 * x->cap : 256;
-        avgpipe__xent *p = (avgpipe__xent *)avgpipe__realloc(ctx, x->e, (size_t)x->cap * sizeof *p, (size_t)cap * sizeof *p);
-        if (!p) return 0;
-        x->e = p;
-        x->cap = cap;
-    }
+    if (x->n == x->cap && !avgpipe__xgrow(ctx, x, 1)) return 0;
     x->e[x->n].ck = ck;
     x->e[x->n].k = k;
     x->n++;
     return 1;
+}
+
+/* An entry where avgpipe__xgrow has made room. */
+AVGPIPE__FORCE_INLINE void avgpipe__xpush(avgpipe__xrank *x, int ck, int k) {
+    x->e[x->n].ck = ck;
+    x->e[x->n].k = k;
+    x->n++;
 }
 
 /* The POSTs of post_acts: the activations of the next unit holding a forward, from x->look on. */
@@ -6299,6 +6313,27 @@ static int avgpipe__xfill(const avgpipe__vstate *v, int r, avgpipe__xrank *x) {
         while (pos < n && o[pos].kind == AVGPIPE_OP_IDLE) pos++;
         if (pos >= n) break;
         a = pos;
+        if (!(o[a].flags & AVGPIPE_OPF_OVERLAP_NEXT)) { /* a unit of one op (most units): the steps below, unrolled */
+            const avgpipe_op *op = &o[a];
+            int k = op->kind, g = op->stage;
+            pos = a + 1;
+            if (k != AVGPIPE_OP_F && !avgpipe__is_backward(k)) continue;
+            if (x->n + 3 > x->cap && !avgpipe__xgrow(ctx, x, 3)) {
+                ok = 0;
+                break;
+            }
+            if (k == AVGPIPE_OP_F) {
+                size_t ix = avgpipe__vix(v, op->pipe, g, op->micro);
+                if (g > 0 && up[g - 1] >= 0) avgpipe__xpush(x, up[g - 1] << 2 | AVGPIPE__XNEED, v->seqf[ix]);
+                if (up[g] >= 0) avgpipe__xpush(x, down[g + 1] << 2 | AVGPIPE__XPOST, v->seqb[ix]);
+                ok &= avgpipe__xacts(v, o, n, x);
+                if (up[g] >= 0) ok &= avgpipe__xput(ctx, x, up[g] << 2 | AVGPIPE__XSEND, 0);
+            } else {
+                if (up[g] >= 0) avgpipe__xpush(x, down[g + 1] << 2 | AVGPIPE__XNEED, v->seqb[avgpipe__vix(v, op->pipe, g, op->micro)]);
+                if (down[g] >= 0) avgpipe__xpush(x, down[g] << 2 | AVGPIPE__XSEND, 0);
+            }
+            continue;
+        }
         b = avgpipe__unit_end(o, n, pos);
         if (b - a > 1) /* post_unit_grads */
             for (j = a + 1; j < b; j++) {
