@@ -4942,7 +4942,9 @@ typedef struct avgpipe__cell {
     double act, grad;
 } avgpipe__cell;
 
-enum { AVGPIPE__RAN_F = 1, AVGPIPE__RAN_B = 2 };
+/* avgpipe__sim.ran bits per cell: its forward ran, its backward (B or I) ran, its activation has
+   arrived (cell.act is set), its gradient has (cell.grad is set): the times need no initial pass. */
+enum { AVGPIPE__RAN_F = 1, AVGPIPE__RAN_B = 2, AVGPIPE__RAN_A = 4, AVGPIPE__RAN_G = 8 };
 
 typedef struct avgpipe__sim {
     avgpipe_context *ctx;
@@ -5059,16 +5061,21 @@ AVGPIPE__FORCE_INLINE double avgpipe__transfer(avgpipe__sim *m, const avgpipe_op
 /* Deliver data produced at `end` by op on rank r to the stage that consumes it. */
 AVGPIPE__FORCE_INLINE void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *op, int r, double end, int *ok) {
     int fwd = op->kind == AVGPIPE_OP_F, g2 = op->stage + (fwd ? 1 : -1), r2;
+    size_t ix;
     avgpipe__cell *c;
     if (g2 < 0 || g2 >= m->G) return;
     r2 = m->pl.rank[g2];
-    c = &m->cell[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    ix = avgpipe__idx(m, op->pipe, g2, op->micro);
+    c = &m->cell[ix];
     if (r2 == r) *(fwd ? &c->act : &c->grad) = end;
     else if (!m->s->has_comm) {
         *(fwd ? &c->act : &c->grad) =
             avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
         avgpipe__wake(m, r2);
+    } else {
+        return; /* its SEND delivers it */
     }
+    m->ran[ix] |= fwd ? AVGPIPE__RAN_A : AVGPIPE__RAN_G;
 }
 
 /* A SEND op of rank r at time *t: 1 sent, 0 a blocking send finds no receive posted yet (wait), -1
@@ -5077,6 +5084,7 @@ static int avgpipe__sim_send(avgpipe__sim *m, int r, const avgpipe_op *op, doubl
     int fwd = op->kind == AVGPIPE_OP_SEND_F, g2 = op->stage + (fwd ? 1 : -1), c;
     avgpipe__chan *ch;
     avgpipe__cell *cl;
+    size_t ix;
     double ready = *t, xe;
     c = fwd ? m->pl.up[op->stage] : m->pl.down[op->stage];
     if (g2 < 0 || g2 >= m->G || c < 0) return -1;
@@ -5087,9 +5095,11 @@ static int avgpipe__sim_send(avgpipe__sim *m, int r, const avgpipe_op *op, doubl
     }
     ch->nsend++;
     xe = avgpipe__transfer(m, op, c, ready, fwd ? op->stage : g2, ok);
-    cl = &m->cell[avgpipe__idx(m, op->pipe, g2, op->micro)];
+    ix = avgpipe__idx(m, op->pipe, g2, op->micro);
+    cl = &m->cell[ix];
     if (fwd) cl->act = xe;
     else cl->grad = xe;
+    m->ran[ix] |= fwd ? AVGPIPE__RAN_A : AVGPIPE__RAN_G;
     avgpipe__wake(m, m->pl.rank[g2]);
     if (m->d->blocking_send) {
         m->res->rank[r].blocked += xe - *t;
@@ -5185,11 +5195,11 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             if (!avgpipe__sim_sync(m, r, pos, t, &dep, &xfer)) goto wait;
             break;
         case AVGPIPE_OP_F:
-            dep = op->stage > 0 ? m->cell[ix].act : 0;
+            dep = op->stage == 0 ? 0 : m->ran[ix] & AVGPIPE__RAN_A ? m->cell[ix].act : -1;
             break;
         case AVGPIPE_OP_B:
         case AVGPIPE_OP_I:
-            dep = op->stage < m->G - 1 ? m->cell[ix].grad : 0;
+            dep = op->stage == m->G - 1 ? 0 : m->ran[ix] & AVGPIPE__RAN_G ? m->cell[ix].grad : -1;
             if (!(m->ran[ix] & AVGPIPE__RAN_F)) dep = -1;
             break;
         case AVGPIPE_OP_W:
@@ -5348,7 +5358,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     avgpipe_result res;
     size_t cells;
     int r, N, nsync;
-    long long U, i;
+    long long U;
     double busy = 0;
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: NULL argument");
     memset(out, 0, sizeof *out);
@@ -5410,7 +5420,6 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
         goto done;
     }
-    for (i = 0; i < (long long)cells; i++) m.cell[i].act = m.cell[i].grad = -1;
     if (nsync && (res = avgpipe__sim_sync_tables(&m)) != AVGPIPE_OK) goto done;
     if (desc->record_events) { /* room for every event at once: one per op, two per transfer */
         size_t ne = 0;
