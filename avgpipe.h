@@ -703,7 +703,8 @@ typedef struct avgpipe_sim_desc {
     double bytes;               /* per transfer, every stage boundary */
     const double *stage_bytes;  /* optional per sending stage: bytes of its activation = of its input grad */
     double bandwidth;           /* bytes per time unit; 0: no bandwidth term */
-    int blocking_send;
+    int blocking_send;          /* 1: a send ends when its receive is posted; TIE and AGREE ops right after
+                                   it (past other sends) see the rank arrive when it issued the send */
     double act_bytes;           /* stashed activation bytes per micro-batch and stage, for peak_bytes */
     const double *stage_act_bytes; /* optional per stage */
     double tie_bytes;              /* bytes a TIE between stages on two ranks exchanges each way */
@@ -5175,6 +5176,24 @@ static int avgpipe__sim_sync(avgpipe__sim *m, int r, int pos, double t, double *
     return 1;
 }
 
+/* Rank r waits in the blocking send at pos, which it has issued: the TIE and AGREE ops right after it
+   (past other sends) see it arrive now, each at the end of the one before, as the runtime's worker
+   waits for them only after issuing every send before them. Without this a schedule the validator
+   accepts (it replays sync ops with asynchronous sends) could deadlock here: a rank blocked in a send
+   whose receiver posts the receive only after an AGREE that waits for the sender. Called again on
+   every wake-up: an arrival is recorded once (avgpipe__sim_sync). */
+static void avgpipe__sim_arrive_ahead(avgpipe__sim *m, int r, int pos, double t) {
+    const avgpipe_op *o = m->s->ops[r];
+    int n = m->s->len[r], j = pos + 1;
+    double start, xfer;
+    while (j < n && (o[j].kind == AVGPIPE_OP_SEND_F || o[j].kind == AVGPIPE_OP_SEND_B)) j++;
+    for (; j < n && avgpipe__is_sync(o[j].kind); j++) {
+        if (!avgpipe__sim_sync(m, r, j, t, &start, &xfer)) return;
+        if (start > t) t = start;
+        t += avgpipe__cost(m, &o[j]) + xfer;
+    }
+}
+
 /* Run rank r as far as it can go. Returns 0 on allocation failure. */
 static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     const avgpipe_op *ops = m->s->ops[r];
@@ -5213,7 +5232,10 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         }
         if (dep < 0) goto wait; /* input not there yet: sleep until a producer wakes us */
         if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
-            if ((how = avgpipe__sim_send(m, r, op, &t, &ok)) == 0) goto wait;
+            if ((how = avgpipe__sim_send(m, r, op, &t, &ok)) == 0) {
+                if (m->T) avgpipe__sim_arrive_ahead(m, r, pos, t);
+                goto wait;
+            }
             if (how < 0) goto stop;
             continue;
         }

@@ -1,6 +1,6 @@
 /* Tests of ties and step agreement in the schedule IR (avgpipe_sched_add_sync, TIE and AGREE ops):
    every generated kind takes them and the result validates (compute-only and lowered, both replays)
-   and simulates; the text format carries them; the validator refuses misplaced ones with the op's
+   and simulates (asynchronous and blocking sends); the text format carries them; the validator refuses misplaced ones with the op's
    position; the simulator charges a tie's bytes only when it crosses ranks. (tests/test_tie_run.c runs
    them.)
 
@@ -46,6 +46,7 @@ static void validate_ok(const avgpipe_schedule *s, const char *what) {
 
 Test(sync, every_kind_places_ties_and_agreement_that_validate_and_simulate) {
     int ki, S, M, N, cont, mode, cases = 0;
+    avgpipe_sim_desc blocking = {.blocking_send = 1, .latency = 0.25};
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (S = 2; S <= 4; S++)
             for (M = 1; M <= 4; M *= 2)
@@ -84,6 +85,10 @@ Test(sync, every_kind_places_ties_and_agreement_that_validate_and_simulate) {
                             cr_assert_eq(avgpipe_sim_run(NULL, &t, NULL, &r1), AVGPIPE_OK, "%s: sim: %s", what, avgpipe_last_error(NULL));
                             cr_assert_geq(r1.makespan, r0.makespan, "%s: the sync only adds waits", what);
                             avgpipe_sim_result_free(NULL, &r0);
+                            avgpipe_sim_result_free(NULL, &r1);
+                            /* blocking sends: a rank blocked in a send still reaches the sync ops after it */
+                            cr_assert_eq(avgpipe_sim_run(NULL, &t, &blocking, &r1), AVGPIPE_OK, "%s: blocking sim: %s", what,
+                                         avgpipe_last_error(NULL));
                             avgpipe_sim_result_free(NULL, &r1);
                             avgpipe_sched_free(NULL, &s);
                             avgpipe_sched_free(NULL, &t);
