@@ -1,8 +1,8 @@
 /* Tests of ties and step agreement in the schedule IR (avgpipe_sched_add_sync, TIE and AGREE ops):
    every generated kind takes them and the result validates (compute-only and lowered, both replays)
-   and simulates (asynchronous and blocking sends); the text format carries them; the validator refuses misplaced ones with the op's
-   position; the simulator charges a tie's bytes only when it crosses ranks. (tests/test_tie_run.c runs
-   them.)
+   and simulates (asynchronous and blocking sends); the text format carries them; the validator
+   refuses misplaced ones with the op's position; the simulator charges a tie's bytes only when it
+   crosses ranks. (tests/test_tie_run.c runs them.)
 
    Build and run from the repository root:
      gcc -std=c11 -O2 -Wall -Wextra -pedantic -Werror -I. tests/test_sync.c -o /tmp/test_sync \
