@@ -4959,6 +4959,8 @@ typedef struct avgpipe__sim {
     avgpipe__place pl;
     avgpipe__chan *chan;                      /* [pl.nchan] */
     int *pos, *waiting, *stack, nstack, *stash;
+    size_t *wait_ix;  /* [S]: the cell an asleep rank waits for, when wait_on says which arrival */
+    uint8_t *wait_on; /* [S]: AVGPIPE__RAN_A or _G of cell wait_ix; 0: woken by any producer */
     double *t, *bytes;
     long long flows;
     double makespan;
@@ -5022,6 +5024,17 @@ static void avgpipe__wake(avgpipe__sim *m, int r) {
     }
 }
 
+/* The arrival `bit` (AVGPIPE__RAN_A or _G) of cell ix, on rank r: wakes r only if that is what it
+   waits for (or it waits for something else than an arrival). In a 1F1B steady state a rank waiting
+   for a gradient from downstream meets every activation from upstream first: woken by each, it ran
+   no op on half of its turns. */
+AVGPIPE__FORCE_INLINE void avgpipe__wake_on(avgpipe__sim *m, int r, size_t ix, int bit) {
+    if ((m->waiting[r] & 1) && (!m->wait_on[r] || (m->wait_on[r] == bit && m->wait_ix[r] == ix))) {
+        m->waiting[r] &= ~1;
+        m->stack[m->nstack++] = r;
+    }
+}
+
 static int avgpipe__event(avgpipe__sim *m, const avgpipe_op *op, int rank, int track, int peer, int flow, double a, double b) {
     avgpipe_sim_result *R = m->res;
     avgpipe_event *e;
@@ -5072,7 +5085,7 @@ AVGPIPE__FORCE_INLINE void avgpipe__deliver(avgpipe__sim *m, const avgpipe_op *o
     else if (!m->s->has_comm) {
         *(fwd ? &c->act : &c->grad) =
             avgpipe__transfer(m, op, fwd ? m->pl.up[op->stage] : m->pl.down[op->stage], end, fwd ? op->stage : g2, ok);
-        avgpipe__wake(m, r2);
+        avgpipe__wake_on(m, r2, ix, fwd ? AVGPIPE__RAN_A : AVGPIPE__RAN_G);
     } else {
         return; /* its SEND delivers it */
     }
@@ -5101,7 +5114,7 @@ static int avgpipe__sim_send(avgpipe__sim *m, int r, const avgpipe_op *op, doubl
     if (fwd) cl->act = xe;
     else cl->grad = xe;
     m->ran[ix] |= fwd ? AVGPIPE__RAN_A : AVGPIPE__RAN_G;
-    avgpipe__wake(m, m->pl.rank[g2]);
+    avgpipe__wake_on(m, m->pl.rank[g2], ix, fwd ? AVGPIPE__RAN_A : AVGPIPE__RAN_G);
     if (m->d->blocking_send) {
         m->res->rank[r].blocked += xe - *t;
         *t = xe;
@@ -5201,6 +5214,8 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     avgpipe_rank_stats *st = &m->res->rank[r];
     const avgpipe_sim_desc *d = m->d;
     double t = m->t[r];
+    size_t wix = 0;
+    int need = 0; /* the arrival a wait below is for (AVGPIPE__RAN_A or _G of cell wix), 0: other */
     for (; pos < n && ok; pos++) {
         const avgpipe_op *op = &ops[pos];
         double dep = 0, c, end, xfer = 0;
@@ -5215,11 +5230,15 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             break;
         case AVGPIPE_OP_F:
             dep = op->stage == 0 ? 0 : m->ran[ix] & AVGPIPE__RAN_A ? m->cell[ix].act : -1;
+            need = AVGPIPE__RAN_A;
+            wix = ix;
             break;
         case AVGPIPE_OP_B:
         case AVGPIPE_OP_I:
             dep = op->stage == m->G - 1 ? 0 : m->ran[ix] & AVGPIPE__RAN_G ? m->cell[ix].grad : -1;
-            if (!(m->ran[ix] & AVGPIPE__RAN_F)) dep = -1;
+            need = AVGPIPE__RAN_G;
+            wix = ix;
+            if (!(m->ran[ix] & AVGPIPE__RAN_F)) dep = -1, need = 0; /* its forward has not run here: stuck */
             break;
         case AVGPIPE_OP_W:
         case AVGPIPE_OP_SEND_B: dep = m->ran[ix] & AVGPIPE__RAN_B ? t : -1; break;
@@ -5231,6 +5250,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         default: break;
         }
         if (dep < 0) goto wait; /* input not there yet: sleep until a producer wakes us */
+        need = 0;
         if (k == AVGPIPE_OP_SEND_F || k == AVGPIPE_OP_SEND_B) {
             if ((how = avgpipe__sim_send(m, r, op, &t, &ok)) == 0) {
                 if (m->T) avgpipe__sim_arrive_ahead(m, r, pos, t);
@@ -5268,6 +5288,8 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     return ok;
 wait:
     m->waiting[r] |= 1;
+    m->wait_on[r] = (uint8_t)need;
+    m->wait_ix[r] = wix;
 stop:
     m->pos[r] = pos;
     m->t[r] = t;
@@ -5293,6 +5315,8 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
     avgpipe_free(ctx, m->pos);
     avgpipe_free(ctx, m->waiting);
     avgpipe_free(ctx, m->stack);
+    avgpipe_free(ctx, m->wait_ix);
+    avgpipe_free(ctx, m->wait_on);
     avgpipe_free(ctx, m->stash);
     avgpipe_free(ctx, m->t);
     avgpipe_free(ctx, m->bytes);
@@ -5432,12 +5456,14 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.pos = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.waiting = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.stack = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
+    m.wait_ix = (size_t *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(size_t));
+    m.wait_on = (uint8_t *)avgpipe__calloc(ctx, (size_t)m.S, 1);
     m.stash = (int *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(int));
     m.t = (double *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(double));
     m.bytes = (double *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(double));
     out->rank = (avgpipe_rank_stats *)avgpipe__calloc(ctx, (size_t)m.S, sizeof(avgpipe_rank_stats));
     out->nranks = m.S;
-    if (!m.cell || !m.ran || !m.chan || !m.pos || !m.waiting || !m.stack || !m.stash || !m.t ||
+    if (!m.cell || !m.ran || !m.chan || !m.pos || !m.waiting || !m.stack || !m.wait_ix || !m.wait_on || !m.stash || !m.t ||
         !m.bytes || !out->rank) {
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
         goto done;
