@@ -2891,6 +2891,48 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    and simulation keep. home (may be NULL) is the rank of each of the s->nstages stages, as
    avgpipe_stage_rank gives it. The _sync form also counts the TIE and AGREE ops (*nsync): the
    simulator skips its pass over the ops for their tables when there are none. */
+enum { AVGPIPE__SC_IDLE = 1, AVGPIPE__SC_SYNC = 2, AVGPIPE__SC_MICRO = 4, AVGPIPE__SC_ROUND = 8, AVGPIPE__SC_BAD = 16 };
+
+/* The scan's view of an op kind (AVGPIPE__SC_*): every byte value, so the fast pass indexes without a
+   range check. */
+static uint8_t avgpipe__scan_class(int k) {
+    if (k >= AVGPIPE_OP_KIND_COUNT) return AVGPIPE__SC_BAD;
+    return (uint8_t)((k == AVGPIPE_OP_IDLE ? AVGPIPE__SC_IDLE : 0) | (avgpipe__is_sync(k) ? AVGPIPE__SC_SYNC : 0) |
+                     (avgpipe__has_micro(k) ? AVGPIPE__SC_MICRO : 0) | (avgpipe__is_per_round(k) ? AVGPIPE__SC_ROUND : 0));
+}
+
+/* The scan over well-formed ops (most schedules): no branch per op but the loop's, the checks folded
+   into one flag. Returns 0 when some op fails one; the caller's full pass then says which. */
+static int avgpipe__sched_scan_fast(const avgpipe_schedule *s, const int *home_of, int *npipes, long long *nmicro, int *nsync,
+                                    long long *nops) {
+    uint8_t cls[256];
+    int r, i, k, N = *npipes, sync = 0, bad = 0;
+    unsigned nst = (unsigned)s->nstages;
+    long long U = 1, idle = 0, total = 0;
+    for (k = 0; k < 256; k++) cls[k] = avgpipe__scan_class(k);
+    for (r = 0; r < s->nranks; r++) {
+        const avgpipe_op *o = s->ops[r];
+        int n = s->len[r];
+        total += n;
+        for (i = 0; i < n; i++) {
+            unsigned g = (unsigned)o[i].stage;
+            int c = cls[o[i].kind], busy = !(c & AVGPIPE__SC_IDLE), home = g < nst ? home_of[g] : -1, p = o[i].pipe;
+            long long u = (c & (AVGPIPE__SC_MICRO | AVGPIPE__SC_ROUND)) == AVGPIPE__SC_MICRO ? o[i].micro + 1LL : 0;
+            idle += !busy;
+            bad |= busy & ((home != r) | (p < 0) | ((c & AVGPIPE__SC_BAD) != 0) | ((c & AVGPIPE__SC_MICRO) && o[i].micro < 0));
+            sync += (c & AVGPIPE__SC_SYNC) != 0;
+            if (busy && p >= N) N = p + 1;
+            if (busy && u > U) U = u;
+        }
+    }
+    if (bad) return 0; /* nothing written */
+    *npipes = N;
+    *nmicro = U;
+    *nsync = sync;
+    *nops = total - idle;
+    return 1;
+}
+
 static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
                                                long long *nmicro, int *nsync) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1, sync = 0;
@@ -2898,6 +2940,7 @@ static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpi
     *npipes = 1;
     *nmicro = 1;
     *nsync = 0;
+    if (home_of && avgpipe__sched_scan_fast(s, home_of, &N, &U, &sync, &nops)) goto sized;
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];
@@ -2926,6 +2969,7 @@ static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpi
                 if (!avgpipe__is_per_round(op->kind) && op->micro + 1LL > U) U = op->micro + 1LL;
             }
         }
+sized:
     if ((long long)N * s->nstages * U > 200000000LL)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
                              N, s->nstages, U);

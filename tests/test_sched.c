@@ -747,6 +747,51 @@ Test(render, record_events_out_of_range_is_refused) {
     avgpipe_sched_free(NULL, &s);
 }
 
+/* A schedule the simulator cannot size its tables from: each case spoils one op of a valid 1F1B
+   schedule (rank 1, position 3, after IDLE slots on both ranks), and the simulator refuses it naming
+   the rank, the position and the defect, the same as for a schedule that has only that op wrong. The
+   unspoilt schedule simulates, so the refusals are the op's and not the schedule's. */
+Test(render, malformed_op_is_named) {
+    static const struct {
+        int field, value; /* field: 0 kind, 1 stage, 2 pipe, 3 micro */
+        const char *says;
+    } cases[] = {
+        {0, 200, "unknown op kind 200"}, {1, 0, "stage 0 lives on rank 0"}, {1, 9, "stage 9 is not placed"},
+        {1, -1, "stage -1 is not placed"}, {2, -1, "negative pipeline"}, {3, -2, "negative micro-batch"},
+    };
+    avgpipe_sched_desc d;
+    avgpipe_schedule s;
+    avgpipe_sim_desc sd = costs(1, 2, 1, 1, 0);
+    avgpipe_sim_result r;
+    avgpipe_op idle;
+    size_t c;
+    int rk;
+    memset(&d, 0, sizeof d);
+    memset(&idle, 0, sizeof idle);
+    d.kind = AVGPIPE_SCHED_1F1B, d.stages = 2, d.micro = 4;
+    gen(&d, &s);
+    for (rk = 0; rk < 2; rk++) { /* an IDLE slot first: skipped, and counted in the positions */
+        cr_assert_eq(avgpipe_sched_push(NULL, &s, rk, idle), AVGPIPE_OK);
+        memmove(&s.ops[rk][1], &s.ops[rk][0], (size_t)(s.len[rk] - 1) * sizeof idle);
+        s.ops[rk][0] = idle;
+    }
+    simulate(&s, &sd, &r);
+    avgpipe_sim_result_free(NULL, &r);
+    for (c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        avgpipe_op keep = s.ops[1][3], *op = &s.ops[1][3];
+        if (cases[c].field == 0) op->kind = (uint8_t)cases[c].value;
+        else if (cases[c].field == 1) op->stage = cases[c].value;
+        else if (cases[c].field == 2) op->pipe = (int16_t)cases[c].value;
+        else op->micro = cases[c].value;
+        cr_expect_eq(avgpipe_sim_run(NULL, &s, &sd, &r), AVGPIPE_INVALID_SCHEDULE, "case %zu (%s) simulated", c, cases[c].says);
+        cr_expect(strstr(avgpipe_last_error(NULL), "rank 1 position 3") != NULL, "case %zu: %s", c, avgpipe_last_error(NULL));
+        cr_expect(strstr(avgpipe_last_error(NULL), cases[c].says) != NULL, "case %zu: '%s' not in: %s", c, cases[c].says,
+                  avgpipe_last_error(NULL));
+        s.ops[1][3] = keep;
+    }
+    avgpipe_sched_free(NULL, &s);
+}
+
 /* ---- the kind table (avgpipe_sched_kind_query) ------------------------------------------------- */
 
 /* Each row says what the generators and the resolver actually do: its name parses back to it, the
