@@ -2941,6 +2941,15 @@ static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpi
     *nmicro = 1;
     *nsync = 0;
     if (home_of && avgpipe__sched_scan_fast(s, home_of, &N, &U, &sync, &nops)) goto sized;
+    if (!home_of && s->nstages > 0) { /* the placement's table, once: avgpipe_stage_rank per op was a third of the pass */
+        int *home = (int *)avgpipe_alloc(ctx, (size_t)s->nstages * sizeof(int)), fast;
+        if (home) {
+            for (i = 0; i < s->nstages; i++) home[i] = avgpipe_stage_rank(s, i);
+            fast = avgpipe__sched_scan_fast(s, home, &N, &U, &sync, &nops);
+            avgpipe_free(ctx, home);
+            if (fast) goto sized;
+        }
+    }
     for (r = 0; r < s->nranks; r++)
         for (i = 0; i < s->len[r]; i++) {
             const avgpipe_op *op = &s->ops[r][i];

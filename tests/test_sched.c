@@ -748,9 +748,10 @@ Test(render, record_events_out_of_range_is_refused) {
 }
 
 /* A schedule the simulator cannot size its tables from: each case spoils one op of a valid 1F1B
-   schedule (rank 1, position 3, after IDLE slots on both ranks), and the simulator refuses it naming
-   the rank, the position and the defect, the same as for a schedule that has only that op wrong. The
-   unspoilt schedule simulates, so the refusals are the op's and not the schedule's. */
+   schedule (rank 1, position 3, after IDLE slots on both ranks), and the simulator, the lowering,
+   avgpipe_sched_add_sync and avgpipe_buffer_plan_build (on the lowered schedule, spoilt the same way:
+   its scan looks the stages' ranks up itself) refuse it naming the rank, the position and the defect.
+   The unspoilt schedules go through all four, so the refusals are the op's and not the schedule's. */
 Test(render, malformed_op_is_named) {
     static const struct {
         int field, value; /* field: 0 kind, 1 stage, 2 pipe, 3 micro */
@@ -760,12 +761,15 @@ Test(render, malformed_op_is_named) {
         {1, -1, "stage -1 is not placed"}, {2, -1, "negative pipeline"}, {3, -2, "negative micro-batch"},
     };
     avgpipe_sched_desc d;
-    avgpipe_schedule s;
+    avgpipe_schedule s, out, low;
+    avgpipe_buffer_plan plan;
+    size_t act[2] = {64, 64};
     avgpipe_sim_desc sd = costs(1, 2, 1, 1, 0);
     avgpipe_sim_result r;
+    avgpipe_sync_desc sy;
     avgpipe_op idle;
     size_t c;
-    int rk;
+    int rk, how;
     memset(&d, 0, sizeof d);
     memset(&idle, 0, sizeof idle);
     d.kind = AVGPIPE_SCHED_1F1B, d.stages = 2, d.micro = 4;
@@ -775,8 +779,15 @@ Test(render, malformed_op_is_named) {
         memmove(&s.ops[rk][1], &s.ops[rk][0], (size_t)(s.len[rk] - 1) * sizeof idle);
         s.ops[rk][0] = idle;
     }
+    memset(&sy, 0, sizeof sy);
+    sy.agree = 1;
     simulate(&s, &sd, &r);
     avgpipe_sim_result_free(NULL, &r);
+    cr_assert_eq(avgpipe_sched_lower(NULL, &s, &low), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe_buffer_plan_build(NULL, &low, act, &plan), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    avgpipe_buffer_plan_free(NULL, &plan);
+    cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &out), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    avgpipe_sched_free(NULL, &out);
     for (c = 0; c < sizeof cases / sizeof cases[0]; c++) {
         avgpipe_op keep = s.ops[1][3], *op = &s.ops[1][3];
         if (cases[c].field == 0) op->kind = (uint8_t)cases[c].value;
@@ -787,8 +798,24 @@ Test(render, malformed_op_is_named) {
         cr_expect(strstr(avgpipe_last_error(NULL), "rank 1 position 3") != NULL, "case %zu: %s", c, avgpipe_last_error(NULL));
         cr_expect(strstr(avgpipe_last_error(NULL), cases[c].says) != NULL, "case %zu: '%s' not in: %s", c, cases[c].says,
                   avgpipe_last_error(NULL));
+        for (how = 0; how < 3; how++) {
+            static const char *const who[3] = {"lower", "add_sync", "buffer_plan_build"};
+            avgpipe_op lkeep = low.ops[1][3];
+            avgpipe_result res;
+            low.ops[1][3] = *op;
+            low.ops[1][3].kind = cases[c].field == 0 ? op->kind : lkeep.kind; /* the lowered op's own kind, spoilt the same way */
+            res = how == 0 ? avgpipe_sched_lower(NULL, &s, &out) : how == 1 ? avgpipe_sched_add_sync(NULL, &s, &sy, &out)
+                                                                            : avgpipe_buffer_plan_build(NULL, &low, act, &plan);
+            low.ops[1][3] = lkeep;
+            cr_expect_eq(res, AVGPIPE_INVALID_SCHEDULE, "case %zu (%s): %s took it", c, cases[c].says, who[how]);
+            if (res == AVGPIPE_OK && how < 2) avgpipe_sched_free(NULL, &out);
+            if (res == AVGPIPE_OK && how == 2) avgpipe_buffer_plan_free(NULL, &plan);
+            cr_expect(strstr(avgpipe_last_error(NULL), "rank 1 position 3") && strstr(avgpipe_last_error(NULL), cases[c].says),
+                      "case %zu (%s): %s", c, who[how], avgpipe_last_error(NULL));
+        }
         s.ops[1][3] = keep;
     }
+    avgpipe_sched_free(NULL, &low);
     avgpipe_sched_free(NULL, &s);
 }
 
