@@ -2893,30 +2893,29 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
    simulator skips its pass over the ops for their tables when there are none. */
 enum { AVGPIPE__SC_IDLE = 1, AVGPIPE__SC_SYNC = 2, AVGPIPE__SC_MICRO = 4, AVGPIPE__SC_ROUND = 8, AVGPIPE__SC_BAD = 16 };
 
-/* The scan's view of an op kind (AVGPIPE__SC_*): every byte value, so the fast pass indexes without a
-   range check. */
+/* The scan's view of an op kind (AVGPIPE__SC_*). */
 static uint8_t avgpipe__scan_class(int k) {
     if (k >= AVGPIPE_OP_KIND_COUNT) return AVGPIPE__SC_BAD;
     return (uint8_t)((k == AVGPIPE_OP_IDLE ? AVGPIPE__SC_IDLE : 0) | (avgpipe__is_sync(k) ? AVGPIPE__SC_SYNC : 0) |
                      (avgpipe__has_micro(k) ? AVGPIPE__SC_MICRO : 0) | (avgpipe__is_per_round(k) ? AVGPIPE__SC_ROUND : 0));
 }
 
-/* The scan over well-formed ops (most schedules): no branch per op but the loop's, the checks folded
-   into one flag. Returns 0 when some op fails one; the caller's full pass then says which. */
+/* The scan over well-formed ops (most schedules): no branch per check, the checks folded into one
+   flag. Returns 0 when some op fails one; the caller's full pass then says which. */
 static int avgpipe__sched_scan_fast(const avgpipe_schedule *s, const int *home_of, int *npipes, long long *nmicro, int *nsync,
                                     long long *nops) {
-    uint8_t cls[256];
+    uint8_t cls[AVGPIPE_OP_KIND_COUNT];
     int r, i, k, N = *npipes, sync = 0, bad = 0;
     unsigned nst = (unsigned)s->nstages;
     long long U = 1, idle = 0, total = 0;
-    for (k = 0; k < 256; k++) cls[k] = avgpipe__scan_class(k);
+    for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) cls[k] = avgpipe__scan_class(k);
     for (r = 0; r < s->nranks; r++) {
         const avgpipe_op *o = s->ops[r];
         int n = s->len[r];
         total += n;
         for (i = 0; i < n; i++) {
             unsigned g = (unsigned)o[i].stage;
-            int c = cls[o[i].kind], busy = !(c & AVGPIPE__SC_IDLE), home = g < nst ? home_of[g] : -1, p = o[i].pipe;
+            int c = o[i].kind < AVGPIPE_OP_KIND_COUNT ? (int)cls[o[i].kind] : (int)AVGPIPE__SC_BAD, busy = !(c & AVGPIPE__SC_IDLE), home = g < nst ? home_of[g] : -1, p = o[i].pipe;
             long long u = (c & (AVGPIPE__SC_MICRO | AVGPIPE__SC_ROUND)) == AVGPIPE__SC_MICRO ? o[i].micro + 1LL : 0;
             idle += !busy;
             bad |= busy & ((home != r) | (p < 0) | ((c & AVGPIPE__SC_BAD) != 0) | ((c & AVGPIPE__SC_MICRO) && o[i].micro < 0));
@@ -8769,11 +8768,11 @@ AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_p
 
 /* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
    a forward hands its output to it on the same rank, the previous stage's when a backward does. */
-static int avgpipe__plan_keys(const avgpipe_schedule *s, int r, const avgpipe_op *op, int *keys) {
+AVGPIPE__FORCE_INLINE int avgpipe__plan_keys(int G, const int *home, int r, const avgpipe_op *op, int *keys) {
     int n = 0, g = op->stage;
     keys[n++] = g;
-    if (op->kind == AVGPIPE_OP_F && g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) == r) keys[n++] = g + 1;
-    if (avgpipe__is_backward(op->kind) && g > 0 && avgpipe_stage_rank(s, g - 1) == r) keys[n++] = g - 1;
+    if (op->kind == AVGPIPE_OP_F && g + 1 < G && home[g + 1] == r) keys[n++] = g + 1;
+    if (avgpipe__is_backward(op->kind) && g > 0 && home[g - 1] == r) keys[n++] = g - 1;
     return n;
 }
 
@@ -8782,8 +8781,10 @@ static int avgpipe__plan_keys(const avgpipe_schedule *s, int r, const avgpipe_op
 static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_schedule *s, int N, int U, avgpipe_buffer_plan *p) {
     int r, i, j, G = s->nstages;
     size_t cells = (size_t)G * N * U;
-    int *lastpos = (int *)avgpipe_alloc(ctx, cells * sizeof(int)), *live = (int *)avgpipe__calloc(ctx, (size_t)G, sizeof(int));
+    int *lastpos = (int *)avgpipe_alloc(ctx, cells * sizeof(int)), *live = (int *)avgpipe__calloc(ctx, 2 * (size_t)G, sizeof(int));
+    int *home = live ? live + G : NULL; /* the rank of each stage */
     unsigned char *seen = (unsigned char *)avgpipe__calloc(ctx, cells, 1);
+    for (i = 0; home && i < G; i++) home[i] = avgpipe_stage_rank(s, i);
     if (!lastpos || !live || !seen) {
         avgpipe_free(ctx, lastpos);
         avgpipe_free(ctx, live);
@@ -8796,7 +8797,7 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
             const avgpipe_op *op = &s->ops[r][i];
             int keys[3] = {0, 0, 0}, nk;
             if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
-            nk = avgpipe__plan_keys(s, r, op, keys);
+            nk = avgpipe__plan_keys(G, home, r, op, keys);
             for (j = 0; j < nk; j++) lastpos[AVGPIPE__KEY(keys[j], op->pipe, op->micro)] = i;
         }
         for (i = 0; i < s->len[r]; i++) { /* count live slots; mark where they end */
@@ -8804,7 +8805,7 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
             int keys[3] = {0, 0, 0}, nk, *rel = &p->release[r][2 * i];
             rel[0] = rel[1] = -1;
             if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
-            nk = avgpipe__plan_keys(s, r, op, keys);
+            nk = avgpipe__plan_keys(G, home, r, op, keys);
             for (j = 0; j < nk; j++) {
                 size_t k = AVGPIPE__KEY(keys[j], op->pipe, op->micro);
                 if (!seen[k]) { /* first touch: take a slot */
