@@ -2886,11 +2886,6 @@ AVGPIPE_API int avgpipe_op_format(const avgpipe_op *op, int with_pipe, char *out
     return snprintf(out, cap, "%s%d%s", pre, op->stage, avgpipe_op_kind_name((avgpipe_op_kind)op->kind));
 }
 
-/* avgpipe__sched_scan: check every op's kind, stage placement, pipeline and micro-batch, and count
-   the pipelines and the micro-batches per pipeline (across rounds): the sizes of the tables lowering
-   and simulation keep. home (may be NULL) is the rank of each of the s->nstages stages, as
-   avgpipe_stage_rank gives it. The _sync form also counts the TIE and AGREE ops (*nsync): the
-   simulator skips its pass over the ops for their tables when there are none. */
 enum { AVGPIPE__SC_IDLE = 1, AVGPIPE__SC_SYNC = 2, AVGPIPE__SC_MICRO = 4, AVGPIPE__SC_ROUND = 8, AVGPIPE__SC_BAD = 16 };
 
 /* The scan's view of an op kind (AVGPIPE__SC_*). */
@@ -2915,7 +2910,8 @@ static int avgpipe__sched_scan_fast(const avgpipe_schedule *s, const int *home_o
         total += n;
         for (i = 0; i < n; i++) {
             unsigned g = (unsigned)o[i].stage;
-            int c = o[i].kind < AVGPIPE_OP_KIND_COUNT ? (int)cls[o[i].kind] : (int)AVGPIPE__SC_BAD, busy = !(c & AVGPIPE__SC_IDLE), home = g < nst ? home_of[g] : -1, p = o[i].pipe;
+            int c = o[i].kind < AVGPIPE_OP_KIND_COUNT ? (int)cls[o[i].kind] : (int)AVGPIPE__SC_BAD;
+            int busy = !(c & AVGPIPE__SC_IDLE), home = g < nst ? home_of[g] : -1, p = o[i].pipe;
             long long u = (c & (AVGPIPE__SC_MICRO | AVGPIPE__SC_ROUND)) == AVGPIPE__SC_MICRO ? o[i].micro + 1LL : 0;
             idle += !busy;
             bad |= busy & ((home != r) | (p < 0) | ((c & AVGPIPE__SC_BAD) != 0) | ((c & AVGPIPE__SC_MICRO) && o[i].micro < 0));
@@ -2932,6 +2928,11 @@ static int avgpipe__sched_scan_fast(const avgpipe_schedule *s, const int *home_o
     return 1;
 }
 
+/* avgpipe__sched_scan: check every op's kind, stage placement, pipeline and micro-batch, and count
+   the pipelines and the micro-batches per pipeline (across rounds): the sizes of the tables lowering
+   and simulation keep. home (may be NULL) is the rank of each of the s->nstages stages, as
+   avgpipe_stage_rank gives it. The _sync form also counts the TIE and AGREE ops (*nsync): the
+   simulator skips its pass over the ops for their tables when there are none. */
 static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpipe_schedule *s, const int *home_of, int *npipes,
                                                long long *nmicro, int *nsync) {
     int r, i, N = s->shape.pipes > 0 ? s->shape.pipes : 1, sync = 0;
