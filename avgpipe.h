@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.9.1 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.10.0 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -137,9 +137,9 @@
 /* Semantic versioning from 0.2.0 on: CHANGELOG.md lists every change to the public API with its migration.
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
-#define AVGPIPE_VERSION_MINOR 9
-#define AVGPIPE_VERSION_PATCH 1
-#define AVGPIPE_VERSION_STRING "0.9.1"
+#define AVGPIPE_VERSION_MINOR 10
+#define AVGPIPE_VERSION_PATCH 0
+#define AVGPIPE_VERSION_STRING "0.10.0"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.9.1", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.10.0", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);
@@ -2040,16 +2040,23 @@ typedef struct avgpipe_tune_desc {
                                    (time_to_target is then in seconds per such sample: only its ratios mean
                                    something) */
     int objective;              /* avgpipe_tune_objective: what the ranking sorts by */
+    /* Threads the search predicts candidates on, the calling thread among them: 0 -> 1 (the calling
+       thread only). The result is the same for every count, candidate for candidate and error for
+       error; the threads call the context's allocator (which must then be thread-safe, as the runtime
+       needs it to be) and record errors on contexts of their own, the caller's getting the first
+       candidate's error in the search's order. At most AVGPIPE_TUNE_MAX_THREADS. */
+    int threads;
 } avgpipe_tune_desc;
+#define AVGPIPE_TUNE_MAX_THREADS 256
 /* What avgpipe_tune_search ranks by (after fitting the memory limit). */
 typedef enum avgpipe_tune_objective {
     AVGPIPE_TUNE_TIME_TO_TARGET = 0, /* least time_to_target (with noise_scale 0: least time per sample) */
     AVGPIPE_TUNE_THROUGHPUT = 1      /* least time_per_sample: most samples per second, as before 0.7 */
 } avgpipe_tune_objective;
 /* desc with its defaults filled in, as avgpipe_tune_search resolves them: max_pipes 0 -> 4, rounds 0 ->
-   1, min_micro 0 -> 1, chunks 0 -> 1, target_samples 0 -> 1, kinds 0 -> the table's tuned kinds that hold `chunks` stages per
-   rank; max_advance stays 0 (its bound depends on M); the rest as given. No validation; desc may be
-   NULL. Thread-safe. */
+   1, min_micro 0 -> 1, chunks 0 -> 1, target_samples 0 -> 1, threads 0 -> 1, kinds 0 -> the table's tuned
+   kinds that hold `chunks` stages per rank; max_advance stays 0 (its bound depends on M); the rest as
+   given. No validation; desc may be NULL. Thread-safe. */
 AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_desc *desc);
 /* avgpipe_tune_predict with the ties and agreement of `sync` (its ties, nties and agree; the rest is not read), as
    avgpipe_tune_search predicts each candidate. sync NULL: avgpipe_tune_predict. */
@@ -2069,8 +2076,9 @@ typedef struct avgpipe_tune_candidate {
 
 /* Every candidate, fitting ones first, each group by desc->objective: least time to target (ties: least
    time per sample), or least time per sample; then less memory, fewer pipelines, fewer micro-batches.
-   *out is allocated with the context's allocator (avgpipe_free it). Errors: AVGPIPE_INVALID_ARG naming
-   the field, AVGPIPE_OUT_OF_MEMORY, those of the simulator. */
+   The candidates are predicted on desc->threads threads. *out is allocated with the context's allocator
+   (avgpipe_free it). Errors: AVGPIPE_INVALID_ARG naming the field, AVGPIPE_OUT_OF_MEMORY, those of the
+   simulator (the first failing candidate's). */
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count);
 
@@ -8829,6 +8837,13 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
     return AVGPIPE_OK;
 }
 
+/* The bytes of one slot of stage g (of G): its input and output activations, and a copy of each that
+   crosses to another rank (remote_prev, remote_next), each part rounded up to AVGPIPE__SLOT_ALIGN. */
+static size_t avgpipe__plan_slot_bytes(const size_t *act_bytes, int G, int g, int remote_prev, int remote_next) {
+    size_t in = g > 0 ? act_bytes[g - 1] : 0, o = g + 1 < G ? act_bytes[g] : 0;
+    return avgpipe__slot_part(in) + (remote_next ? avgpipe__slot_part(o) : 0) + avgpipe__slot_part(o) + (remote_prev ? avgpipe__slot_part(in) : 0);
+}
+
 AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes,
                                                     avgpipe_buffer_plan *out) {
     avgpipe_result res;
@@ -8854,11 +8869,9 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
     }
     for (g = 0; g < s->nstages; g++) {
         int rk = avgpipe_stage_rank(s, g);
-        size_t in = g > 0 ? act_bytes[g - 1] : 0, o = g + 1 < s->nstages ? act_bytes[g] : 0;
         int remote_next = g + 1 < s->nstages && avgpipe_stage_rank(s, g + 1) != rk;
         int remote_prev = g > 0 && avgpipe_stage_rank(s, g - 1) != rk;
-        out->slot_bytes[g] = avgpipe__slot_part(in) + (remote_next ? avgpipe__slot_part(o) : 0) + avgpipe__slot_part(o) +
-                             (remote_prev ? avgpipe__slot_part(in) : 0);
+        out->slot_bytes[g] = avgpipe__plan_slot_bytes(act_bytes, s->nstages, g, remote_prev, remote_next);
     }
     res = avgpipe__plan_slots(ctx, s, N, (int)U, out);
     if (res) avgpipe_buffer_plan_free(ctx, out);
@@ -12039,7 +12052,30 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank) {
     return bytes + avgpipe__sync_bytes(run, rank % run->S);
 }
 
-AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
+/* A buffer plan of the run's stages from their slot counts (as an earlier plan of the same schedule
+   found them), without the release tables: what the memory model reads. */
+static avgpipe_result avgpipe__plan_from_slots(avgpipe_context *ctx, const avgpipe_run *run, const int *slots, avgpipe_buffer_plan *out) {
+    int g, G = run->G;
+    memset(out, 0, sizeof *out);
+    out->nranks = run->S;
+    out->nstages = G;
+    out->slots = (int *)avgpipe_alloc(ctx, (size_t)G * sizeof(int));
+    out->slot_bytes = (size_t *)avgpipe_alloc(ctx, (size_t)G * sizeof(size_t));
+    if (!out->slots || !out->slot_bytes) {
+        avgpipe_buffer_plan_free(ctx, out);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
+    }
+    memcpy(out->slots, slots, (size_t)G * sizeof(int));
+    for (g = 0; g < G; g++)
+        out->slot_bytes[g] = avgpipe__plan_slot_bytes(run->act, G, g, g > 0 && run->place[g - 1] != run->place[g],
+                                                      g + 1 < G && run->place[g + 1] != run->place[g]);
+    return AVGPIPE_OK;
+}
+
+/* avgpipe_run_memory, with the stages' slot counts given (slots_in: a plan of the same schedule found
+   them; nothing is generated, lowered or planned) or handed out (slots_out, [G]; both may be NULL). */
+static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe_run_desc *desc, const int *slots_in, int *slots_out,
+                                             double *per_rank) {
     avgpipe_run run;
     avgpipe_schedule base, low;
     avgpipe_buffer_plan plan;
@@ -12052,11 +12088,16 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     run.d = *desc;
     res = avgpipe__run_shape(ctx, &run);
     if (!res) res = avgpipe__run_ties(ctx, &run);
-    if (!res) res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), &base, &low);
-    if (!res) {
-        res = avgpipe_buffer_plan_build(ctx, &low, run.act, &plan);
-        avgpipe_sched_free(ctx, &base);
-        avgpipe_sched_free(ctx, &low);
+    if (!res && slots_in && !desc->schedule) {
+        res = avgpipe__plan_from_slots(ctx, &run, slots_in, &plan);
+    } else if (!res) {
+        res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), &base, &low);
+        if (!res) {
+            res = avgpipe_buffer_plan_build(ctx, &low, run.act, &plan);
+            avgpipe_sched_free(ctx, &base);
+            avgpipe_sched_free(ctx, &low);
+        }
+        if (!res && slots_out) memcpy(slots_out, plan.slots, (size_t)run.G * sizeof(int));
     }
     if (!res) {
         for (g = 0; g < run.S; g++) per_rank[g] = 0;
@@ -12074,6 +12115,10 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     avgpipe_free(ctx, run.excl_start);
     avgpipe_free(ctx, run.excl);
     return res;
+}
+
+AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
+    return avgpipe__run_memory_in(ctx, desc, NULL, NULL, per_rank);
 }
 
 /* --- 19. Profiles: events, the profile writer and reader, traces ------------------------------ */
@@ -13298,9 +13343,11 @@ static avgpipe_result avgpipe__model_check(avgpipe_context *ctx, const avgpipe_c
     return AVGPIPE_OK;
 }
 
-/* Predict one candidate: time by simulation, memory by the runtime's planner. */
+/* Predict one candidate: time by simulation, memory by the runtime's planner (or from the slot counts
+   slots_in an earlier plan of the same schedule found; slots_out, if not NULL, gets the plan's). */
 static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
-                                         avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem) {
+                                         avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem, const int *slots_in,
+                                         int *slots_out) {
     avgpipe_run_desc rd;
     avgpipe_result res;
     int g, r, S = c->sched.stages;
@@ -13340,11 +13387,11 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
                 t[k] = td->ties[k], t[k].offset_a = at[a], t[k].offset_b = at[b], at[a] += t[k].count, at[b] += t[k].count;
         }
         rd.ties = t, rd.nties = td->nties;
-        if (!res) res = avgpipe_run_memory(ctx, &rd, mem);
+        if (!res) res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, mem);
         avgpipe_free(ctx, at);
         avgpipe_free(ctx, t);
     } else {
-        res = avgpipe_run_memory(ctx, &rd, mem);
+        res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, mem);
     }
     if (res) return res;
     c->peak_bytes = 0;
@@ -13377,6 +13424,7 @@ AVGPIPE_API avgpipe_tune_desc avgpipe_tune_query_defaults(const avgpipe_tune_des
     if (!d.min_micro) d.min_micro = 1;
     if (!d.chunks) d.chunks = 1;
     if (!(d.target_samples > 0)) d.target_samples = 1;
+    if (!d.threads) d.threads = 1;
     if (!d.kinds)
         for (k = AVGPIPE_SCHED_CUSTOM + 1; k < AVGPIPE_SCHED_KIND_COUNT; k++)
             if (avgpipe__kinds[k].tuned && avgpipe__kind_holds(k, d.chunks)) d.kinds |= 1u << k;
@@ -13421,12 +13469,149 @@ static avgpipe_result avgpipe__tune_objective_check(avgpipe_context *ctx, const 
     return AVGPIPE_OK;
 }
 
+/* The search's predictions, shared by its threads: candidates [0, n) of list, taken in blocks from
+   `next`. A thread that fails at candidate i records it when i is the least failure so far; blocks
+   starting past that are not taken (the serial search would have stopped there), so the error
+   reported is the one of the first failing candidate in the search's order, whatever the threads. */
+typedef struct avgpipe__tune_pool {
+    const avgpipe_cost_model *m;
+    const avgpipe_tune_desc *td;
+    avgpipe_tune_candidate *list;
+    int n;
+    int *slots, known; /* [n][G] the candidates' slot counts: known, or to be filled in; NULL: neither */
+    pthread_mutex_t mu;
+    int next;                       /* under mu: the first candidate no thread has taken */
+    int failed;                     /* under mu: the least failing candidate; n: none */
+    avgpipe_result res;             /* under mu: its result and detail */
+    char error[AVGPIPE_ERROR_MAX];
+} avgpipe__tune_pool;
+
+typedef struct avgpipe__tune_worker {
+    avgpipe__tune_pool *pool;
+    avgpipe_context ctx; /* the caller's allocator; its own error buffer; no logger */
+} avgpipe__tune_worker;
+
+#define AVGPIPE__TUNE_BLOCK 8 /* candidates a thread takes at a time */
+
+static void *avgpipe__tune_work(void *arg) {
+    avgpipe__tune_worker *w = (avgpipe__tune_worker *)arg;
+    avgpipe__tune_pool *p = w->pool;
+    int G = p->m->nstages, S = G / p->td->chunks, i, j, end;
+    size_t *act = (size_t *)avgpipe__calloc(&w->ctx, 2 * (size_t)G, sizeof(size_t)), *pcount = act ? act + G : NULL; /* per partition */
+    double *mem = (double *)avgpipe__calloc(&w->ctx, (size_t)S, sizeof(double));                                 /* per rank */
+    avgpipe_result res = act && mem ? AVGPIPE_OK : avgpipe__fail(&w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        i = p->next;
+        if (res) { /* out of memory before the first candidate: the first one not yet taken fails */
+            if (i < p->failed) p->failed = i, p->res = res, memcpy(p->error, w->ctx.error, sizeof p->error);
+            i = p->n;
+        }
+        if (i < p->failed) p->next = i + AVGPIPE__TUNE_BLOCK;
+        else i = p->n;
+        pthread_mutex_unlock(&p->mu);
+        if (i >= p->n) break;
+        end = i + AVGPIPE__TUNE_BLOCK < p->n ? i + AVGPIPE__TUNE_BLOCK : p->n;
+        for (j = i; j < end; j++) {
+            int *sl = p->slots ? p->slots + (size_t)j * G : NULL;
+            if ((res = avgpipe__tune_eval(&w->ctx, p->m, p->td, &p->list[j], act, pcount, mem, p->known ? sl : NULL, p->known ? NULL : sl)) !=
+                AVGPIPE_OK)
+                break;
+        }
+        if (res) {
+            pthread_mutex_lock(&p->mu);
+            if (j < p->failed) p->failed = j, p->res = res, memcpy(p->error, w->ctx.error, sizeof p->error);
+            pthread_mutex_unlock(&p->mu);
+            break;
+        }
+    }
+    avgpipe_free(&w->ctx, act);
+    avgpipe_free(&w->ctx, mem);
+    return NULL;
+}
+
+/* The slot counts of a search's candidates, kept across the partitioner's searches: every split's
+   search lists the same candidates (they follow from the description and the ranks, not from the
+   costs), and a schedule's buffer plan counts its slots from the schedule alone; only the bytes of a
+   slot change with the split. */
+typedef struct avgpipe__slot_cache {
+    int n, G;                /* candidates and partitions of the searches it holds; n = 0: empty */
+    avgpipe_sched_desc *key; /* [n]: each candidate's schedule */
+    int *slots;              /* [n][G] */
+} avgpipe__slot_cache;
+
+static void avgpipe__slot_cache_free(avgpipe_context *ctx, avgpipe__slot_cache *k) {
+    avgpipe_free(ctx, k->key);
+    avgpipe_free(ctx, k->slots);
+    memset(k, 0, sizeof *k);
+}
+
+/* Predict list[0, n) on td->threads threads (the caller's among them), with the slot counts in cache
+   (NULL: none) when it holds these candidates, or into it. */
+static avgpipe_result avgpipe__tune_eval_all(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
+                                             avgpipe_tune_candidate *list, int n, avgpipe__slot_cache *cache) {
+    avgpipe__tune_pool p;
+    avgpipe__tune_worker *w;
+    pthread_t *tid;
+    int T = td->threads, k, started = 1;
+    if (n == 0) return AVGPIPE_OK;
+    if (T > (n + AVGPIPE__TUNE_BLOCK - 1) / AVGPIPE__TUNE_BLOCK) T = (n + AVGPIPE__TUNE_BLOCK - 1) / AVGPIPE__TUNE_BLOCK;
+    memset(&p, 0, sizeof p);
+    p.m = m, p.td = td, p.list = list, p.n = n, p.failed = n;
+    if (cache) {
+        int i, G = m->nstages;
+        p.known = cache->n == n && cache->G == G;
+        for (i = 0; p.known && i < n; i++) p.known = memcmp(&cache->key[i], &list[i].sched, sizeof list[i].sched) == 0;
+        if (!p.known) { /* this search fills it */
+            avgpipe__slot_cache_free(ctx, cache);
+            cache->key = (avgpipe_sched_desc *)avgpipe_alloc(ctx, (size_t)n * sizeof *cache->key);
+            cache->slots = (int *)avgpipe_alloc(ctx, (size_t)n * (size_t)G * sizeof(int));
+            if (!cache->key || !cache->slots) {
+                avgpipe__slot_cache_free(ctx, cache);
+                return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+            }
+            for (i = 0; i < n; i++) cache->key[i] = list[i].sched;
+            cache->G = G;
+        }
+        p.slots = cache->slots;
+    }
+    w = (avgpipe__tune_worker *)avgpipe_alloc(ctx, (size_t)T * sizeof *w);
+    tid = (pthread_t *)avgpipe_alloc(ctx, (size_t)T * sizeof *tid);
+    if (!w || !tid || pthread_mutex_init(&p.mu, NULL) != 0) {
+        avgpipe_free(ctx, w);
+        avgpipe_free(ctx, tid);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    }
+    for (k = 0; k < T; k++) {
+        w[k].pool = &p;
+        w[k].ctx = *avgpipe__ctx(ctx);
+        w[k].ctx.desc.log = NULL;
+        w[k].ctx.error[0] = 0;
+        w[k].ctx.last_result = AVGPIPE_OK;
+    }
+    for (k = 1; k < T && pthread_create(&tid[k], NULL, avgpipe__tune_work, &w[k]) == 0; k++) started++; /* fewer: the rest share the work */
+    avgpipe__tune_work(&w[0]);
+    for (k = 1; k < started; k++) pthread_join(tid[k], NULL);
+    pthread_mutex_destroy(&p.mu);
+    avgpipe_free(ctx, w);
+    avgpipe_free(ctx, tid);
+    if (cache) cache->n = p.failed < n ? 0 : n; /* filled only by a search that predicted every candidate */
+    return p.failed < n ? avgpipe__fail(ctx, p.res, "%s", p.error) : AVGPIPE_OK;
+}
+
+static avgpipe_result avgpipe__tune_search_in(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                             avgpipe__slot_cache *cache, avgpipe_tune_candidate **out, int *count);
+
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count) {
+    return avgpipe__tune_search_in(ctx, m, desc, NULL, out, count);
+}
+
+/* avgpipe_tune_search, with the slot counts of the candidates kept in cache (NULL: none). */
+static avgpipe_result avgpipe__tune_search_in(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
+                                             avgpipe__slot_cache *cache, avgpipe_tune_candidate **out, int *count) {
     avgpipe_tune_desc td;
     avgpipe_tune_candidate *list = NULL;
-    size_t *act = NULL, *pcount = NULL;
-    double *mem = NULL;
     int n = 0, cap = 0, kind, N, M, cont, K, S, V, *warm = NULL;
     unsigned kinds = 0;
     avgpipe_result res = AVGPIPE_OK;
@@ -13439,6 +13624,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
         td.chunks < 0)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG,
                              "max_pipes, rounds, max_advance, min_micro, mem_limit, opt_bytes_per_param, chunks: must be >= 0");
+    if (td.threads < 0 || td.threads > AVGPIPE_TUNE_MAX_THREADS)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "threads: %d (0 .. %d)", td.threads, AVGPIPE_TUNE_MAX_THREADS);
     if ((res = avgpipe__tune_objective_check(ctx, &td)) != AVGPIPE_OK) return res;
     td = avgpipe_tune_query_defaults(&td);
     td.kinds = desc->kinds; /* checked below against V, naming a kind asked for that cannot hold it */
@@ -13448,11 +13635,9 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
     if ((res = avgpipe__model_check(ctx, m)) != AVGPIPE_OK) return res;
     if ((res = avgpipe__tune_kinds(ctx, &td, V, &kinds)) != AVGPIPE_OK) return res;
     S = m->nstages / V;
-    act = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t)); /* per partition */
-    pcount = (size_t *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(size_t));
-    mem = (double *)avgpipe__calloc(ctx, (size_t)S, sizeof(double)); /* per rank */
     warm = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
-    if (!act || !pcount || !mem || !warm) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    if (!warm) res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    /* the candidates, in the search's order; predicted after (avgpipe__tune_eval_all) */
     for (kind = AVGPIPE_SCHED_CUSTOM + 1; kind < AVGPIPE_SCHED_KIND_COUNT && !res; kind++) {
         const avgpipe_sched_kind_info *info = &avgpipe__kinds[kind];
         if (!(kinds & (1u << kind))) continue;
@@ -13494,16 +13679,13 @@ AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpi
                             list = q;
                             cap = nc;
                         }
-                        res = avgpipe__tune_eval(ctx, m, &td, &c, act, pcount, mem);
-                        if (!res) list[n++] = c;
+                        list[n++] = c;
                     }
                 }
             }
     }
-    avgpipe_free(ctx, act);
-    avgpipe_free(ctx, pcount);
-    avgpipe_free(ctx, mem);
     avgpipe_free(ctx, warm);
+    if (!res) res = avgpipe__tune_eval_all(ctx, m, &td, list, n, cache);
     if (res) {
         avgpipe_free(ctx, list);
         return res;
@@ -13608,14 +13790,15 @@ static avgpipe_result avgpipe__split_enumerate(avgpipe_context *ctx, const avgpi
 /* Search one split; *best gets its fastest kept fitting candidate (*found = 1), or when none fits its
    kept candidate with the least memory (*found = 0, *any = 1 if there was one). */
 static avgpipe_result avgpipe__split_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const int *split, const avgpipe_tune_desc *td,
-                                           const avgpipe_tune_split_desc *pd, avgpipe_tune_candidate *best, int *found, int *any) {
+                                           const avgpipe_tune_split_desc *pd, avgpipe__slot_cache *cache, avgpipe_tune_candidate *best,
+                                           int *found, int *any) {
     avgpipe_cost_model sm;
     avgpipe_tune_candidate *c = NULL;
     int n = 0, i;
     avgpipe_result res = avgpipe_tune_split_model(ctx, m, split, pd->stages * avgpipe_tune_split_query_defaults(pd).chunks, &sm);
     *found = *any = 0;
     if (res) return res;
-    res = avgpipe_tune_search(ctx, &sm, td, &c, &n);
+    res = avgpipe__tune_search_in(ctx, &sm, td, cache, &c, &n);
     for (i = 0; !res && i < n; i++) {
         if (pd->keep && !pd->keep(&c[i], pd->keep_user)) continue;
         if (c[i].fits) {
@@ -13687,6 +13870,8 @@ AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const
     avgpipe_tune_candidate c, fallback;
     long long fallback_index = -1;
     unsigned kinds = 0;
+    avgpipe__slot_cache cache; /* every split's search lists the same schedules: planned once */
+    memset(&cache, 0, sizeof cache);
     if (!out) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_choose_split: NULL argument");
     memset(out, 0, sizeof *out);
     if ((res = avgpipe__split_check(ctx, m, desc, pd, &P, &count)) != AVGPIPE_OK) return res;
@@ -13708,7 +13893,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const
         double lo = items[k].bound;
         if (td.objective != AVGPIPE_TUNE_THROUGHPUT) lo *= avgpipe_tune_efficiency(td.noise_scale, td.batch) * td.target_samples;
         if (best >= 0 && lo > avgpipe__tune_key(&td, &out->best)) break;
-        res = avgpipe__split_search(ctx, m, splits + items[k].index * P, &td, pd, &c, &found, &any);
+        res = avgpipe__split_search(ctx, m, splits + items[k].index * P, &td, pd, &cache, &c, &found, &any);
         out->searched++;
         if (!res && found &&
             (best < 0 || avgpipe__tune_key(&td, &c) < avgpipe__tune_key(&td, &out->best) ||
@@ -13724,6 +13909,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_choose_split(avgpipe_context *ctx, const
         res = avgpipe__split_finish(ctx, m, desc, pd, splits + best * P, P, out);
     }
     out->splits = count;
+    avgpipe__slot_cache_free(ctx, &cache);
     avgpipe_free(ctx, splits);
     avgpipe_free(ctx, items);
     if (res) avgpipe_tune_split_choice_free(ctx, out);

@@ -1340,6 +1340,7 @@ static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int min_rows
     td->min_micro = min_rows;
     td->no_continuous = o->sync_set;
     td->kinds = o->schedule_set ? 1u << o->schedule : 0;
+    td->threads = tune_threads();
 }
 
 /* Profile, fit, split, search; then A->opt holds the chosen split, schedule, M, N, K and round mode. Training

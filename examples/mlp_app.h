@@ -538,6 +538,7 @@ static void tune_desc_init(avgpipe_tune_desc *td, const options *o, int ntrain, 
     td->min_micro = min_micro;
     td->no_continuous = o->sync_set;
     td->kinds = o->schedule_set ? 1u << o->schedule : 0;
+    td->threads = tune_threads();
 }
 
 /* tune_rank_search's filter: the M and N the user fixed. */

@@ -10,6 +10,14 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
+
+/* The threads the tuner's searches predict on: the processors online (its result is the same for any
+   count; avgpipe_tune_desc.threads). */
+static int tune_threads(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > AVGPIPE_TUNE_MAX_THREADS ? AVGPIPE_TUNE_MAX_THREADS : (int)n;
+}
 
 /* A candidate of one of the searches, with the batch it was searched at and what it is ranked by: the
    predicted time to target, or per sample (--objective throughput). */

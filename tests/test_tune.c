@@ -1619,6 +1619,128 @@ Test(search, ties_and_agreement_are_priced) {
     avgpipe_tune_cost_model_free(&ctx, &m2);
 }
 
+/* Two searches are equal candidate for candidate, byte for byte (every field is written from a zeroed
+   candidate, so the padding is equal too). */
+static void expect_same_search(const avgpipe_tune_candidate *a, int na, const avgpipe_tune_candidate *b, int nb, const char *what) {
+    int i;
+    cr_assert_eq(na, nb, "%s: %d candidates, %d", what, na, nb);
+    for (i = 0; i < na; i++)
+        cr_assert(!memcmp(&a[i], &b[i], sizeof a[i]), "%s: candidate %d differs: %s M %d N %d K %d, %.17g s %.17g bytes against %s M %d N %d K %d, %.17g s %.17g bytes",
+                  what, i, avgpipe_sched_kind_name(a[i].sched.kind), a[i].sched.micro, a[i].sched.pipes, a[i].sched.advance, a[i].seconds,
+                  a[i].peak_bytes, avgpipe_sched_kind_name(b[i].sched.kind), b[i].sched.micro, b[i].sched.pipes, b[i].sched.advance,
+                  b[i].seconds, b[i].peak_bytes);
+}
+
+/* The search predicts its candidates on desc.threads threads: 1, 2, 3 and 5 threads give the same
+   candidates in the same order, with ties, agreement and a memory limit some settings exceed, on a
+   loop-placed and a V-placed model; a failing search reports the same error whatever the threads; a
+   thread count out of range is refused naming the field. */
+Test(search, threads_give_the_same_candidates_and_errors) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, m3, m4;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c1 = NULL, *c = NULL;
+    avgpipe_tie tie = {0, 2, 0, 0, 300};
+    int split3[3] = {2, 3, 2}, split4[4] = {2, 2, 1, 2}, n1 = 0, n = 0, t, v;
+    static const int threads[] = {2, 3, 5};
+    char err1[AVGPIPE_ERROR_MAX];
+    avgpipe_context_init(&ctx, NULL);
+    layered_model(&ctx, 7, 5, &m);
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split3, 3, &m3), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split4, 4, &m4), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    for (v = 1; v <= 2; v++) {
+        const avgpipe_cost_model *mm = v == 1 ? &m3 : &m4;
+        memset(&td, 0, sizeof td);
+        td.batch = 12, td.max_pipes = 3, td.opt_bytes_per_param = 8, td.noise_scale = 40, td.chunks = v;
+        td.ties = &tie, td.nties = 1, td.agree = 1;
+        if (v == 2) td.kinds = (1u << AVGPIPE_SCHED_INTERLEAVED) | (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
+        cr_assert_eq(avgpipe_tune_search(&ctx, mm, &td, &c1, &n1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_gt(n1, 3 * 8, "V %d: %d candidates: too few to share among 3 threads", v, n1);
+        td.mem_limit = 0.5 * (c1[0].peak_bytes + c1[n1 - 1].peak_bytes); /* some fit, some do not */
+        avgpipe_free(&ctx, c1);
+        cr_assert_eq(avgpipe_tune_search(&ctx, mm, &td, &c1, &n1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert(c1[0].fits && !c1[n1 - 1].fits, "V %d: the limit should split the candidates", v);
+        for (t = 0; t < 3; t++) {
+            char what[64];
+            td.threads = threads[t];
+            snprintf(what, sizeof what, "V %d, %d threads", v, threads[t]);
+            cr_assert_eq(avgpipe_tune_search(&ctx, mm, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+            expect_same_search(c1, n1, c, n, what);
+            avgpipe_free(&ctx, c);
+            c = NULL;
+        }
+        avgpipe_free(&ctx, c1);
+        c1 = NULL;
+    }
+    tie.count = 1u << 30; /* more floats than a partition holds: every candidate fails */
+    td.threads = 1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    snprintf(err1, sizeof err1, "%s", avgpipe_last_error(&ctx));
+    cr_assert(has(err1, "ties[0]"), "%s", err1);
+    td.threads = 4;
+    avgpipe_clear_error(&ctx);
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_assert_str_eq(avgpipe_last_error(&ctx), err1);
+    cr_assert(c == NULL && n == 0);
+    td.threads = -1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_assert(has(avgpipe_last_error(&ctx), "threads: -1"), "%s", avgpipe_last_error(&ctx));
+    td.threads = AVGPIPE_TUNE_MAX_THREADS + 1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
+    cr_assert(has(avgpipe_last_error(&ctx), "threads"), "%s", avgpipe_last_error(&ctx));
+    avgpipe_tune_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &m3);
+    avgpipe_tune_cost_model_free(&ctx, &m4);
+}
+
+/* The partitioner plans each candidate's buffers once: a search of another split reuses the slot counts
+   the first search found (the schedules are the same; only the bytes per slot follow the split). A
+   search of split B after one of split A, through that cache, equals a search of B alone, candidate
+   for candidate, with ties and agreement, on 1 and 2 threads; a cache of other candidates (another
+   batch) is not used but refilled. */
+Test(plan, slot_counts_planned_once_equal_a_fresh_search) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, ma, mb;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *ref = NULL, *c = NULL;
+    avgpipe__slot_cache cache;
+    avgpipe_tie tie = {0, 2, 0, 0, 100};
+    int sa[3] = {1, 1, 6}, sb[3] = {3, 2, 3}, nref = 0, n = 0, t, i, reused;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&cache, 0, sizeof cache);
+    layered_model(&ctx, 8, 3, &m);
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, sa, 3, &ma), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, sb, 3, &mb), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    memset(&td, 0, sizeof td);
+    td.batch = 8, td.max_pipes = 2, td.opt_bytes_per_param = 8, td.ties = &tie, td.nties = 1, td.agree = 1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &mb, &td, &ref, &nref), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    for (t = 1; t <= 2; t++) {
+        td.threads = t;
+        cr_assert_eq(avgpipe__tune_search_in(&ctx, &ma, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_eq(cache.n, n, "the first search fills the cache");
+        for (i = 0, reused = 0; i < nref && !reused; i++) reused = ref[i].peak_bytes != c[i].peak_bytes;
+        cr_assert(reused, "splits A and B should need different memory");
+        avgpipe_free(&ctx, c);
+        for (i = 0; i < cache.n * cache.G; i++) cr_assert_geq(cache.slots[i], 1);
+        cr_assert_eq(avgpipe__tune_search_in(&ctx, &mb, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        expect_same_search(ref, nref, c, n, t == 1 ? "split B after A, 1 thread" : "split B after A, 2 threads");
+        avgpipe_free(&ctx, c);
+        c = NULL;
+    }
+    td.batch = 6; /* other candidates: the cache is refilled, not read */
+    avgpipe_free(&ctx, ref);
+    cr_assert_eq(avgpipe_tune_search(&ctx, &mb, &td, &ref, &nref), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe__tune_search_in(&ctx, &mb, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    expect_same_search(ref, nref, c, n, "another batch through a stale cache");
+    cr_assert_eq(cache.n, n);
+    avgpipe_free(&ctx, c);
+    avgpipe_free(&ctx, ref);
+    avgpipe__slot_cache_free(&ctx, &cache);
+    avgpipe_tune_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &ma);
+    avgpipe_tune_cost_model_free(&ctx, &mb);
+}
+
 /* ---- the gradient noise scale ------------------------------------------------------------------ */
 
 static double gauss(uint64_t *s) { /* Box-Muller on a 64-bit LCG */

@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #define CLI_MAX_KINDS 16   /* entries in a --schedule list */
 #define CLI_MAX_K_RANGE 1000 /* values in an --advance range: each one is a full simulation */
@@ -900,6 +901,10 @@ static int make_tune_desc(const cli_opts *o, avgpipe_tune_desc *td) {
     td->max_advance = o->max_advance;
     td->min_micro = o->min_micro;
     td->noise_scale = o->noise_scale; /* 0: every efficiency 1, the ranking by time per sample */
+    { /* the processors online: the ranking is the same for any count of threads */
+        long n = sysconf(_SC_NPROCESSORS_ONLN);
+        td->threads = n < 1 ? 1 : n > AVGPIPE_TUNE_MAX_THREADS ? AVGPIPE_TUNE_MAX_THREADS : (int)n;
+    }
     for (i = 0; i < o->nkinds; i++) {
         if (avgpipe_sched_kind_query(o->kinds[i])->chunks != 1) /* several stages per rank */
             return cli_error("--schedule: tune does not search %s (the profile fixes one stage partition per rank)",
