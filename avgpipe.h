@@ -4809,7 +4809,17 @@ static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
     return ((size_t)p * (size_t)L->G + (size_t)g) * (size_t)L->U + (size_t)u;
 }
 
+static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out, int *npipes,
+                                             long long *nmicro);
+
 AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out) {
+    return avgpipe__sched_lower_nu(ctx, in, out, NULL, NULL);
+}
+
+/* avgpipe_sched_lower; npipes and nmicro (may be NULL) get the pipelines and micro-batches its scan
+   counted, which the output has too (lowering adds SEND/RECV ops of the same cells). */
+static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out, int *npipes,
+                                             long long *nmicro) {
     avgpipe__lower L;
     avgpipe_result res;
     int r, *units = NULL, *ustart = NULL, *nunits = NULL, *slot = NULL, *bucket = NULL, *cursor = NULL, *prevf = NULL;
@@ -4963,6 +4973,8 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
         }
     }
     out->has_comm = maxmsg > 0; /* one rank, or all chunks on one rank: nothing to send */
+    if (npipes) *npipes = L.N;
+    if (nmicro) *nmicro = L.U;
     res = AVGPIPE_OK;
     goto done;
 oom:
@@ -8811,7 +8823,7 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
         }
         for (i = 0; i < s->len[r]; i++) { /* count live slots; mark where they end */
             const avgpipe_op *op = &s->ops[r][i];
-            int keys[3] = {0, 0, 0}, nk, *rel = &p->release[r][2 * i];
+            int keys[3] = {0, 0, 0}, nk, none[2], *rel = p->release ? &p->release[r][2 * i] : none;
             rel[0] = rel[1] = -1;
             if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
             nk = avgpipe__plan_keys(G, home, r, op, keys);
@@ -8844,24 +8856,33 @@ static size_t avgpipe__plan_slot_bytes(const size_t *act_bytes, int G, int g, in
     return avgpipe__slot_part(in) + (remote_next ? avgpipe__slot_part(o) : 0) + avgpipe__slot_part(o) + (remote_prev ? avgpipe__slot_part(in) : 0);
 }
 
+static avgpipe_result avgpipe__buffer_plan_in(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes, int N, long long U,
+                                             int release, avgpipe_buffer_plan *out);
+
 AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes,
                                                     avgpipe_buffer_plan *out) {
+    return avgpipe__buffer_plan_in(ctx, s, act_bytes, 0, 0, 1, out);
+}
+
+/* avgpipe_buffer_plan_build; N > 0: s holds N pipelines and U micro-batches (lowering's scan counted
+   them: no scan again); release 0: no release tables (the memory model reads the slots alone). */
+static avgpipe_result avgpipe__buffer_plan_in(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes, int N, long long U,
+                                             int release, avgpipe_buffer_plan *out) {
     avgpipe_result res;
-    int r, g, N;
-    long long U;
+    int r, g;
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: NULL argument");
     memset(out, 0, sizeof *out);
     if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: the schedule has no SEND/RECV ops (lower it first)");
-    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
+    if (N <= 0 && (res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
     out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));
     out->slot_bytes = (size_t *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(size_t));
-    out->release = (int **)avgpipe__calloc(ctx, (size_t)s->nranks, sizeof(int *));
-    res = out->slots && out->slot_bytes && out->release ? AVGPIPE_OK : AVGPIPE_OUT_OF_MEMORY;
-    for (r = 0; r < s->nranks && !res; r++)
+    out->release = release ? (int **)avgpipe__calloc(ctx, (size_t)s->nranks, sizeof(int *)) : NULL;
+    res = out->slots && out->slot_bytes && (out->release || !release) ? AVGPIPE_OK : AVGPIPE_OUT_OF_MEMORY;
+    for (r = 0; r < s->nranks && !res && release; r++)
         if (!(out->release[r] = (int *)avgpipe_alloc(ctx, (2 * (size_t)s->len[r] + 2) * sizeof(int)))) res = AVGPIPE_OUT_OF_MEMORY;
     if (res) {
         avgpipe_buffer_plan_free(ctx, out);
@@ -9222,13 +9243,24 @@ static avgpipe_result avgpipe__run_sync_ops(avgpipe_context *ctx, const avgpipe_
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
-                                             int check, const avgpipe_sync_desc *sync, avgpipe_schedule *base, avgpipe_schedule *low) {
+/* The run's schedule (base: generated, or a copy of the one given; its STEP/AVG and sync ops placed)
+   and its lowered form. own (may be NULL): the schedule generation would give, already generated: taken
+   (*own is emptied) instead of generating again. N, U (may be NULL): the pipelines and micro-batches of
+   low when lowering counted them, else 0. */
+static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
+                                                 int check, const avgpipe_sync_desc *sync, avgpipe_schedule *own, avgpipe_schedule *base,
+                                                 avgpipe_schedule *low, int *N, long long *U) {
     avgpipe_validate_report rep;
     avgpipe_result res;
+    int n = 0;
+    long long u = 0;
     memset(low, 0, sizeof *low);
     if (given) res = avgpipe_sched_copy(ctx, given, base);
-    else {
+    else if (own) {
+        *base = *own;
+        memset(own, 0, sizeof *own);
+        res = AVGPIPE_OK;
+    } else {
         avgpipe_sched_desc d = *sd;
         d.advance = K;
         res = avgpipe_sched_generate(ctx, &d, base);
@@ -9238,9 +9270,16 @@ static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe
     if (!res) res = avgpipe__run_sync_ops(ctx, sync, base);
     if (!res && (check || given) && (res = avgpipe_sched_validate(ctx, base, NULL, &rep)) != AVGPIPE_OK)
         res = avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
-    if (!res) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe_sched_lower(ctx, base, low);
+    if (!res) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe__sched_lower_nu(ctx, base, low, &n, &u);
     if (res) avgpipe_sched_free(ctx, base);
+    if (N) *N = n;
+    if (U) *U = u;
     return res;
+}
+
+static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
+                                             int check, const avgpipe_sync_desc *sync, avgpipe_schedule *base, avgpipe_schedule *low) {
+    return avgpipe__run_schedules_own(ctx, given, sd, K, check, sync, NULL, base, low, NULL, NULL);
 }
 
 static void avgpipe__free_buffer_plan(avgpipe_run *run) {
@@ -12073,9 +12112,10 @@ static avgpipe_result avgpipe__plan_from_slots(avgpipe_context *ctx, const avgpi
 }
 
 /* avgpipe_run_memory, with the stages' slot counts given (slots_in: a plan of the same schedule found
-   them; nothing is generated, lowered or planned) or handed out (slots_out, [G]; both may be NULL). */
+   them; nothing is generated, lowered or planned) or handed out (slots_out, [G]; both may be NULL).
+   own (may be NULL): the schedule desc->sched generates, already generated; taken (and emptied). */
 static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe_run_desc *desc, const int *slots_in, int *slots_out,
-                                             double *per_rank) {
+                                             avgpipe_schedule *own, double *per_rank) {
     avgpipe_run run;
     avgpipe_schedule base, low;
     avgpipe_buffer_plan plan;
@@ -12091,9 +12131,12 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
     if (!res && slots_in && !desc->schedule) {
         res = avgpipe__plan_from_slots(ctx, &run, slots_in, &plan);
     } else if (!res) {
-        res = avgpipe__run_schedules(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), &base, &low);
+        int N;
+        long long U;
+        res = avgpipe__run_schedules_own(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), desc->schedule ? NULL : own,
+                                         &base, &low, &N, &U);
         if (!res) {
-            res = avgpipe_buffer_plan_build(ctx, &low, run.act, &plan);
+            res = avgpipe__buffer_plan_in(ctx, &low, run.act, N, U, 0, &plan);
             avgpipe_sched_free(ctx, &base);
             avgpipe_sched_free(ctx, &low);
         }
@@ -12118,7 +12161,7 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
 }
 
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
-    return avgpipe__run_memory_in(ctx, desc, NULL, NULL, per_rank);
+    return avgpipe__run_memory_in(ctx, desc, NULL, NULL, NULL, per_rank);
 }
 
 /* --- 19. Profiles: events, the profile writer and reader, traces ------------------------------ */
@@ -13071,36 +13114,45 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
     return avgpipe_tune_predict_sync(ctx, m, sched, samples, NULL, seconds);
 }
 
+static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_schedule *gen, double samples,
+                                              const avgpipe_tune_desc *sync, double *seconds);
+
 AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
                                                      double samples, const avgpipe_tune_desc *sync, double *seconds) {
     avgpipe_schedule s;
+    avgpipe_result res;
+    if (!m || !sched || !seconds || !(samples > 0)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: bad argument");
+    if (sync && sync->nties && !sync->ties) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict_sync: ties is NULL with nties %d", sync->nties);
+    if ((res = avgpipe_sched_generate(ctx, sched, &s)) != AVGPIPE_OK) return res;
+    res = avgpipe__tune_predict_on(ctx, m, &s, samples, sync, seconds);
+    avgpipe_sched_free(ctx, &s);
+    return res;
+}
+
+/* avgpipe_tune_predict_sync of the schedule gen, generated from the setting (arguments checked). */
+static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_schedule *gen, double samples,
+                                              const avgpipe_tune_desc *sync, double *seconds) {
+    avgpipe_schedule synced;
+    const avgpipe_schedule *sp = gen;
     avgpipe_sim_desc sd;
     avgpipe_sim_result r;
     avgpipe__pred pr;
     avgpipe_result res;
     double *tie_bytes = NULL;
     int t;
-    if (!m || !sched || !seconds || !(samples > 0)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: bad argument");
-    if (sync && sync->nties && !sync->ties) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict_sync: ties is NULL with nties %d", sync->nties);
-    res = avgpipe_sched_generate(ctx, sched, &s);
-    if (res) return res;
-    if (s.nstages != m->nstages) {
-        avgpipe_sched_free(ctx, &s);
-        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: the schedule has %d stage partitions, the model %d", s.nstages,
+    if (gen->nstages != m->nstages)
+        return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: the schedule has %d stage partitions, the model %d", gen->nstages,
                              m->nstages);
-    }
     memset(&sd, 0, sizeof sd);
+    memset(&synced, 0, sizeof synced);
     if (sync && (sync->nties > 0 || sync->agree)) { /* the run's TIE and AGREE ops, placed as the run places them */
         avgpipe_sync_desc sy;
-        avgpipe_schedule synced;
         memset(&sy, 0, sizeof sy);
         sy.ties = sync->ties, sy.nties = sync->nties, sy.agree = sync->agree != 0;
-        res = avgpipe_sched_add_sync(ctx, &s, &sy, &synced);
-        avgpipe_sched_free(ctx, &s);
-        if (res) return res;
-        s = synced;
+        if ((res = avgpipe_sched_add_sync(ctx, gen, &sy, &synced)) != AVGPIPE_OK) return res;
+        sp = &synced;
         if (!(tie_bytes = (double *)avgpipe__calloc(ctx, (size_t)m->nstages, sizeof(double)))) {
-            avgpipe_sched_free(ctx, &s);
+            avgpipe_sched_free(ctx, &synced);
             return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_predict_sync: out of memory");
         }
         for (t = 0; t < sync->nties; t++) {
@@ -13111,15 +13163,15 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const
     }
     pr.m = m;
     pr.samples = samples;
-    pr.avg_on_rank = s.shape.pipes == 1;
-    pr.util = avgpipe__util(m, s.shape.pipes);
+    pr.avg_on_rank = sp->shape.pipes == 1;
+    pr.util = avgpipe__util(m, sp->shape.pipes);
     sd.cost_fn = avgpipe__pred_cost;
     sd.cost_user = &pr;
     sd.latency = m->latency;
-    res = avgpipe_sim_run(ctx, &s, &sd, &r);
+    res = avgpipe_sim_run(ctx, sp, &sd, &r);
     avgpipe_free(ctx, tie_bytes);
     if (res) {
-        avgpipe_sched_free(ctx, &s);
+        avgpipe_sched_free(ctx, &synced);
         return res;
     }
     *seconds = r.makespan;
@@ -13128,11 +13180,11 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const
         int k, g;
         for (k = 0; k < r.nranks; k++) busy += r.rank[k].busy;
         for (g = 0; g < m->nstages && !pr.avg_on_rank; g++)
-            busy += (double)s.shape.pipes * s.shape.rounds * avgpipe__avg_cost(m, g);
+            busy += (double)sp->shape.pipes * sp->shape.rounds * avgpipe__avg_cost(m, g);
         if (busy / cores > *seconds) *seconds = busy / cores;
     }
     *seconds += m->iter_overhead;
-    avgpipe_sched_free(ctx, &s);
+    avgpipe_sched_free(ctx, &synced);
     avgpipe_sim_result_free(ctx, &r);
     return AVGPIPE_OK;
 }
@@ -13349,8 +13401,10 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
                                          avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem, const int *slots_in,
                                          int *slots_out) {
     avgpipe_run_desc rd;
+    avgpipe_schedule gen;
     avgpipe_result res;
     int g, r, S = c->sched.stages;
+    if (td->nties && !td->ties) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict_sync: ties is NULL with nties %d", td->nties);
     for (g = 0; g < m->nstages; g++) { /* checked before the conversion: an out-of-range double -> size_t is undefined */
         double ab = m->act_bytes_per_sample[g] * c->samples + 0.5;
         if (!(ab <= AVGPIPE__PROFILE_MAX_BYTES))
@@ -13361,8 +13415,12 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
         act[g] = (size_t)ab;
         pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1; /* in range: avgpipe__model_check */
     }
-    res = avgpipe_tune_predict_sync(ctx, m, &c->sched, c->samples, td, &c->seconds);
-    if (res) return res;
+    if ((res = avgpipe_sched_generate(ctx, &c->sched, &gen)) != AVGPIPE_OK) return res; /* once: the prediction's and the memory's */
+    res = avgpipe__tune_predict_on(ctx, m, &gen, c->samples, td, &c->seconds);
+    if (res) {
+        avgpipe_sched_free(ctx, &gen);
+        return res;
+    }
     c->time_per_sample = c->seconds / ((double)c->sched.rounds * c->sched.pipes * td->batch);
     c->efficiency = avgpipe_tune_efficiency(td->noise_scale, (double)c->sched.pipes * td->batch);
     c->time_to_target = c->time_per_sample * c->efficiency * td->target_samples; /* resolved: 0 -> 1 */
@@ -13387,12 +13445,13 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
                 t[k] = td->ties[k], t[k].offset_a = at[a], t[k].offset_b = at[b], at[a] += t[k].count, at[b] += t[k].count;
         }
         rd.ties = t, rd.nties = td->nties;
-        if (!res) res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, mem);
+        if (!res) res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, &gen, mem);
         avgpipe_free(ctx, at);
         avgpipe_free(ctx, t);
     } else {
-        res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, mem);
+        res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, &gen, mem);
     }
+    avgpipe_sched_free(ctx, &gen); /* emptied when the memory model took it */
     if (res) return res;
     c->peak_bytes = 0;
     for (r = 0; r < S; r++) {

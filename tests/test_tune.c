@@ -1693,6 +1693,55 @@ Test(search, threads_give_the_same_candidates_and_errors) {
     avgpipe_tune_cost_model_free(&ctx, &m4);
 }
 
+/* Each candidate the search returns equals what the public calls give for its setting alone: its time
+   avgpipe_tune_predict_sync's, to the bit, and its memory avgpipe_run_memory's plus the parameters and
+   optimizer state of its models, to the bit (the search generates each schedule once for both, lowers it
+   and plans its slots without the runtime's release tables). Loop and V placements, with the agreement. */
+Test(search, candidates_equal_their_own_prediction_and_memory) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, mv;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL;
+    int split3[3] = {2, 3, 2}, split4[4] = {2, 2, 1, 2}, n = 0, i, g, r, v;
+    avgpipe_context_init(&ctx, NULL);
+    layered_model(&ctx, 7, 9, &m);
+    for (v = 1; v <= 2; v++) {
+        cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, v == 1 ? split3 : split4, v == 1 ? 3 : 4, &mv), AVGPIPE_OK, "%s",
+                     avgpipe_last_error(&ctx));
+        memset(&td, 0, sizeof td);
+        td.batch = 8, td.max_pipes = 2, td.opt_bytes_per_param = 8, td.agree = v == 1, td.chunks = v;
+        if (v == 2) td.kinds = (1u << AVGPIPE_SCHED_INTERLEAVED) | (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
+        cr_assert_eq(avgpipe_tune_search(&ctx, &mv, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_gt(n, 10);
+        for (i = 0; i < n; i++) {
+            avgpipe_run_desc rd;
+            size_t act[4], pc[4];
+            double sec, mem[3], peak = 0;
+            int S = c[i].sched.stages;
+            cr_assert_eq(avgpipe_tune_predict_sync(&ctx, &mv, &c[i].sched, c[i].samples, &td, &sec), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+            cr_assert(sec == c[i].seconds, "candidate %d: %.17g s in the search, %.17g alone", i, c[i].seconds, sec);
+            memset(&rd, 0, sizeof rd);
+            for (g = 0; g < mv.nstages; g++) {
+                act[g] = (size_t)(mv.act_bytes_per_sample[g] * c[i].samples + 0.5);
+                pc[g] = mv.param_floats[g] >= 1 ? (size_t)mv.param_floats[g] : 1;
+            }
+            rd.sched = c[i].sched, rd.act_bytes = act, rd.param_count = pc, rd.agree.skip_nonfinite = td.agree;
+            cr_assert_eq(avgpipe_run_memory(&ctx, &rd, mem), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+            for (r = 0; r < S; r++) {
+                double b = mem[r];
+                for (g = r; g < mv.nstages; g += S) b += (double)c[i].sched.pipes * (double)pc[g] * (4.0 + td.opt_bytes_per_param);
+                if (b > peak) peak = b;
+            }
+            cr_assert(peak == c[i].peak_bytes, "candidate %d (%s M %d N %d K %d): %.17g bytes in the search, %.17g alone", i,
+                      avgpipe_sched_kind_name(c[i].sched.kind), c[i].sched.micro, c[i].sched.pipes, c[i].sched.advance, c[i].peak_bytes, peak);
+        }
+        avgpipe_free(&ctx, c);
+        c = NULL;
+        avgpipe_tune_cost_model_free(&ctx, &mv);
+    }
+    avgpipe_tune_cost_model_free(&ctx, &m);
+}
+
 /* The partitioner plans each candidate's buffers once: a search of another split reuses the slot counts
    the first search found (the schedules are the same; only the bytes per slot follow the split). A
    search of split B after one of split A, through that cache, equals a search of B alone, candidate
