@@ -5105,6 +5105,7 @@ AVGPIPE__FORCE_INLINE void avgpipe__wake_on(avgpipe__sim *m, int r, size_t ix, i
     if ((m->waiting[r] & 1) && (!m->wait_on[r] || (m->wait_on[r] == bit && m->wait_ix[r] == ix))) {
         m->waiting[r] &= ~1;
         m->stack[m->nstack++] = r;
+        AVGPIPE__PREFETCH(&m->s->ops[r][m->pos[r]]); /* its op left the cache while the other ranks ran */
     }
 }
 
