@@ -2076,8 +2076,9 @@ typedef struct avgpipe_tune_candidate {
 
 /* Every candidate, fitting ones first, each group by desc->objective: least time to target (ties: least
    time per sample), or least time per sample; then less memory, fewer pipelines, fewer micro-batches.
-   The candidates are predicted on desc->threads threads. *out is allocated with the context's allocator
-   (avgpipe_free it). Errors: AVGPIPE_INVALID_ARG naming the field, AVGPIPE_OUT_OF_MEMORY, those of the
+   The candidates are predicted on desc->threads threads; a search that takes long says how far it is
+   every 5 seconds (AVGPIPE_LOG_INFO, from the calling thread). *out is allocated with the context's
+   allocator (avgpipe_free it). Errors: AVGPIPE_INVALID_ARG naming the field, AVGPIPE_OUT_OF_MEMORY, those of the
    simulator (the first failing candidate's). */
 AVGPIPE_API avgpipe_result avgpipe_tune_search(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *desc,
                                                avgpipe_tune_candidate **out, int *count);
@@ -13549,7 +13550,12 @@ typedef struct avgpipe__tune_pool {
 typedef struct avgpipe__tune_worker {
     avgpipe__tune_pool *pool;
     avgpipe_context ctx; /* the caller's allocator; its own error buffer; no logger */
+    avgpipe_context *caller; /* the calling thread's worker: its context, for the progress lines; else NULL */
 } avgpipe__tune_worker;
+
+#ifndef AVGPIPE__TUNE_PROGRESS_S
+#define AVGPIPE__TUNE_PROGRESS_S 5.0 /* seconds between the search's progress lines (AVGPIPE_LOG_INFO) */
+#endif
 
 #define AVGPIPE__TUNE_BLOCK 8 /* candidates a thread takes at a time */
 
@@ -13560,6 +13566,7 @@ static void *avgpipe__tune_work(void *arg) {
     size_t *act = (size_t *)avgpipe__calloc(&w->ctx, 2 * (size_t)G, sizeof(size_t)), *pcount = act ? act + G : NULL; /* per partition */
     double *mem = (double *)avgpipe__calloc(&w->ctx, (size_t)S, sizeof(double));                                 /* per rank */
     avgpipe_result res = act && mem ? AVGPIPE_OK : avgpipe__fail(&w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
+    double t0 = w->caller ? avgpipe__now() : 0, said = t0;
     for (;;) {
         pthread_mutex_lock(&p->mu);
         i = p->next;
@@ -13571,6 +13578,11 @@ static void *avgpipe__tune_work(void *arg) {
         else i = p->n;
         pthread_mutex_unlock(&p->mu);
         if (i >= p->n) break;
+        if (w->caller && avgpipe__now() - said >= AVGPIPE__TUNE_PROGRESS_S) { /* a long search says how far it is */
+            said = avgpipe__now();
+            avgpipe__log(w->caller, AVGPIPE_LOG_INFO, "avgpipe_tune_search: %d of %d candidates taken in %.0f s (%.0f%%)", i, p->n, said - t0,
+                         100.0 * i / p->n);
+        }
         end = i + AVGPIPE__TUNE_BLOCK < p->n ? i + AVGPIPE__TUNE_BLOCK : p->n;
         for (j = i; j < end; j++) {
             int *sl = p->slots ? p->slots + (size_t)j * G : NULL;
@@ -13644,6 +13656,7 @@ static avgpipe_result avgpipe__tune_eval_all(avgpipe_context *ctx, const avgpipe
     }
     for (k = 0; k < T; k++) {
         w[k].pool = &p;
+        w[k].caller = k == 0 ? ctx : NULL;
         w[k].ctx = *avgpipe__ctx(ctx);
         w[k].ctx.desc.log = NULL;
         w[k].ctx.error[0] = 0;

@@ -9,6 +9,7 @@
      - the profile parser refuses broken input naming the line. */
 #define _POSIX_C_SOURCE 200809L
 #define AVGPIPE_IMPLEMENTATION
+#define AVGPIPE__TUNE_PROGRESS_S 0.0 /* the search's progress line after every block (search/long_searches_say_how_far) */
 #include "avgpipe.h"
 
 #include <criterion/criterion.h>
@@ -1691,6 +1692,62 @@ Test(search, threads_give_the_same_candidates_and_errors) {
     avgpipe_tune_cost_model_free(&ctx, &m);
     avgpipe_tune_cost_model_free(&ctx, &m3);
     avgpipe_tune_cost_model_free(&ctx, &m4);
+}
+
+/* The progress lines of a search (AVGPIPE_LOG_INFO; every 5 s, here after every block of 8 candidates):
+   from the calling thread only, counting up to the candidates, none at the default log level. */
+typedef struct progress_log {
+    pthread_t caller;
+    int lines, last, total, other_thread, bad;
+} progress_log;
+
+static void progress_logger(avgpipe_log_level level, const char *msg, void *user) {
+    progress_log *p = (progress_log *)user;
+    int taken, total;
+    if (!pthread_equal(pthread_self(), p->caller)) p->other_thread++;
+    if (level != AVGPIPE_LOG_INFO || sscanf(msg, "avgpipe_tune_search: %d of %d candidates taken", &taken, &total) != 2) {
+        p->bad++;
+        return;
+    }
+    if (taken < p->last || taken >= total || (p->total && total != p->total)) p->bad++;
+    p->lines++, p->last = taken, p->total = total;
+}
+
+Test(search, long_searches_say_how_far) {
+    avgpipe_context ctx;
+    avgpipe_context_desc cd;
+    avgpipe_cost_model m;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *c = NULL;
+    progress_log pl;
+    int n = 0, t;
+    memset(&pl, 0, sizeof pl);
+    pl.caller = pthread_self();
+    memset(&cd, 0, sizeof cd);
+    cd.log = progress_logger, cd.log_user = &pl, cd.log_level = AVGPIPE_LOG_INFO;
+    avgpipe_context_init(&ctx, &cd);
+    layered_model(&ctx, 3, 2, &m);
+    memset(&td, 0, sizeof td);
+    td.batch = 16, td.max_pipes = 2;
+    for (t = 1; t <= 2; t++) {
+        pl.lines = pl.last = 0;
+        td.threads = t;
+        cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_gt(n, 40);
+        cr_assert_geq(pl.lines, t == 1 ? (n - 1) / 8 : 1, "%d threads: %d progress lines for %d candidates", t, pl.lines, n);
+        cr_assert_eq(pl.total, n);
+        avgpipe_free(&ctx, c);
+        c = NULL;
+    }
+    cr_assert_eq(pl.other_thread, 0, "a progress line came from another thread");
+    cr_assert_eq(pl.bad, 0, "%d lines out of order or not progress lines", pl.bad);
+    cd.log_level = 0; /* the default, AVGPIPE_LOG_WARN: silent */
+    avgpipe_context_init(&ctx, &cd);
+    pl.lines = 0;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(pl.lines, 0);
+    avgpipe_free(&ctx, c);
+    avgpipe_tune_cost_model_free(&ctx, &m);
 }
 
 /* Each candidate the search returns equals what the public calls give for its setting alone: its time
