@@ -16,11 +16,11 @@ fi
 meson compile -C build-san >/dev/null
 UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C build-san --print-errorlogs
 echo
-echo "== the threaded suites (runtime, streams, opaque device, comm, averaging) under ThreadSanitizer (build-tsan/) =="
+echo "== the threaded suites (runtime, streams, opaque device, comm, averaging, tuner search) under ThreadSanitizer (build-tsan/) =="
 if [ -f build-tsan/build.ninja ]; then
     meson setup --reconfigure build-tsan >/dev/null
 else
     meson setup build-tsan -Db_sanitize=thread -Dbuildtype=debugoptimized >/dev/null
 fi
-meson compile -C build-tsan test_comm_tsan test_ea_tsan test_runtime_tsan test_tie_run_tsan test_streams_tsan test_opaque_tsan >/dev/null
+meson compile -C build-tsan test_comm_tsan test_ea_tsan test_runtime_tsan test_tie_run_tsan test_streams_tsan test_opaque_tsan test_tune_threads_tsan >/dev/null
 meson test -C build-tsan --no-rebuild --print-errorlogs

@@ -1632,68 +1632,6 @@ static void expect_same_search(const avgpipe_tune_candidate *a, int na, const av
                   b[i].seconds, b[i].peak_bytes);
 }
 
-/* The search predicts its candidates on desc.threads threads: 1, 2, 3 and 5 threads give the same
-   candidates in the same order, with ties, agreement and a memory limit some settings exceed, on a
-   loop-placed and a V-placed model; a failing search reports the same error whatever the threads; a
-   thread count out of range is refused naming the field. */
-Test(search, threads_give_the_same_candidates_and_errors) {
-    avgpipe_context ctx;
-    avgpipe_cost_model m, m3, m4;
-    avgpipe_tune_desc td;
-    avgpipe_tune_candidate *c1 = NULL, *c = NULL;
-    avgpipe_tie tie = {0, 2, 0, 0, 300};
-    int split3[3] = {2, 3, 2}, split4[4] = {2, 2, 1, 2}, n1 = 0, n = 0, t, v;
-    static const int threads[] = {2, 3, 5};
-    char err1[AVGPIPE_ERROR_MAX];
-    avgpipe_context_init(&ctx, NULL);
-    layered_model(&ctx, 7, 5, &m);
-    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split3, 3, &m3), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, split4, 4, &m4), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    for (v = 1; v <= 2; v++) {
-        const avgpipe_cost_model *mm = v == 1 ? &m3 : &m4;
-        memset(&td, 0, sizeof td);
-        td.batch = 12, td.max_pipes = 3, td.opt_bytes_per_param = 8, td.noise_scale = 40, td.chunks = v;
-        td.ties = &tie, td.nties = 1, td.agree = 1;
-        if (v == 2) td.kinds = (1u << AVGPIPE_SCHED_INTERLEAVED) | (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
-        cr_assert_eq(avgpipe_tune_search(&ctx, mm, &td, &c1, &n1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-        cr_assert_gt(n1, 3 * 8, "V %d: %d candidates: too few to share among 3 threads", v, n1);
-        td.mem_limit = 0.5 * (c1[0].peak_bytes + c1[n1 - 1].peak_bytes); /* some fit, some do not */
-        avgpipe_free(&ctx, c1);
-        cr_assert_eq(avgpipe_tune_search(&ctx, mm, &td, &c1, &n1), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-        cr_assert(c1[0].fits && !c1[n1 - 1].fits, "V %d: the limit should split the candidates", v);
-        for (t = 0; t < 3; t++) {
-            char what[64];
-            td.threads = threads[t];
-            snprintf(what, sizeof what, "V %d, %d threads", v, threads[t]);
-            cr_assert_eq(avgpipe_tune_search(&ctx, mm, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-            expect_same_search(c1, n1, c, n, what);
-            avgpipe_free(&ctx, c);
-            c = NULL;
-        }
-        avgpipe_free(&ctx, c1);
-        c1 = NULL;
-    }
-    tie.count = 1u << 30; /* more floats than a partition holds: every candidate fails */
-    td.threads = 1;
-    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
-    snprintf(err1, sizeof err1, "%s", avgpipe_last_error(&ctx));
-    cr_assert(has(err1, "ties[0]"), "%s", err1);
-    td.threads = 4;
-    avgpipe_clear_error(&ctx);
-    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
-    cr_assert_str_eq(avgpipe_last_error(&ctx), err1);
-    cr_assert(c == NULL && n == 0);
-    td.threads = -1;
-    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
-    cr_assert(has(avgpipe_last_error(&ctx), "threads: -1"), "%s", avgpipe_last_error(&ctx));
-    td.threads = AVGPIPE_TUNE_MAX_THREADS + 1;
-    cr_assert_eq(avgpipe_tune_search(&ctx, &m4, &td, &c, &n), AVGPIPE_INVALID_ARG);
-    cr_assert(has(avgpipe_last_error(&ctx), "threads"), "%s", avgpipe_last_error(&ctx));
-    avgpipe_tune_cost_model_free(&ctx, &m);
-    avgpipe_tune_cost_model_free(&ctx, &m3);
-    avgpipe_tune_cost_model_free(&ctx, &m4);
-}
-
 /* The progress lines of a search (AVGPIPE_LOG_INFO; every 5 s, here after every block of 8 candidates):
    from the calling thread only, counting up to the candidates, none at the default log level. */
 typedef struct progress_log {
