@@ -9246,8 +9246,9 @@ static avgpipe_result avgpipe__run_sync_ops(avgpipe_context *ctx, const avgpipe_
 }
 
 /* The run's schedule (base: generated, or a copy of the one given; its STEP/AVG and sync ops placed)
-   and its lowered form. own (may be NULL): the schedule generation would give, already generated: taken
-   (*own is emptied) instead of generating again. N, U (may be NULL): the pipelines and micro-batches of
+   and its lowered form. own (may be NULL): the schedule generation would give, already generated (its
+   sync ops may be placed already: they are checked against sync as a given schedule's are): taken (*own
+   is emptied) instead of generating again. N, U (may be NULL): the pipelines and micro-batches of
    low when lowering counted them, else 0. */
 static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
                                                  int check, const avgpipe_sync_desc *sync, avgpipe_schedule *own, avgpipe_schedule *base,
@@ -12115,7 +12116,8 @@ static avgpipe_result avgpipe__plan_from_slots(avgpipe_context *ctx, const avgpi
 
 /* avgpipe_run_memory, with the stages' slot counts given (slots_in: a plan of the same schedule found
    them; nothing is generated, lowered or planned) or handed out (slots_out, [G]; both may be NULL).
-   own (may be NULL): the schedule desc->sched generates, already generated; taken (and emptied). */
+   own (may be NULL): the schedule desc->sched generates, already generated (with or without the TIE and
+   AGREE ops the run places); taken (and emptied). */
 static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe_run_desc *desc, const int *slots_in, int *slots_out,
                                              avgpipe_schedule *own, double *per_rank) {
     avgpipe_run run;
@@ -13117,7 +13119,7 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgp
 }
 
 static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_schedule *gen, double samples,
-                                              const avgpipe_tune_desc *sync, double *seconds);
+                                              const avgpipe_tune_desc *sync, double *seconds, avgpipe_schedule *synced_out);
 
 AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
                                                      double samples, const avgpipe_tune_desc *sync, double *seconds) {
@@ -13126,14 +13128,16 @@ AVGPIPE_API avgpipe_result avgpipe_tune_predict_sync(avgpipe_context *ctx, const
     if (!m || !sched || !seconds || !(samples > 0)) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: bad argument");
     if (sync && sync->nties && !sync->ties) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict_sync: ties is NULL with nties %d", sync->nties);
     if ((res = avgpipe_sched_generate(ctx, sched, &s)) != AVGPIPE_OK) return res;
-    res = avgpipe__tune_predict_on(ctx, m, &s, samples, sync, seconds);
+    res = avgpipe__tune_predict_on(ctx, m, &s, samples, sync, seconds, NULL);
     avgpipe_sched_free(ctx, &s);
     return res;
 }
 
-/* avgpipe_tune_predict_sync of the schedule gen, generated from the setting (arguments checked). */
+/* avgpipe_tune_predict_sync of the schedule gen, generated from the setting (arguments checked).
+   synced_out (may be NULL): the schedule with the TIE and AGREE ops it placed (emptied when it placed
+   none); free it. */
 static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_schedule *gen, double samples,
-                                              const avgpipe_tune_desc *sync, double *seconds) {
+                                              const avgpipe_tune_desc *sync, double *seconds, avgpipe_schedule *synced_out) {
     avgpipe_schedule synced;
     const avgpipe_schedule *sp = gen;
     avgpipe_sim_desc sd;
@@ -13186,7 +13190,8 @@ static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpi
         if (busy / cores > *seconds) *seconds = busy / cores;
     }
     *seconds += m->iter_overhead;
-    avgpipe_sched_free(ctx, &synced);
+    if (synced_out) *synced_out = synced; /* the caller's now */
+    else avgpipe_sched_free(ctx, &synced);
     avgpipe_sim_result_free(ctx, &r);
     return AVGPIPE_OK;
 }
@@ -13403,7 +13408,7 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
                                          avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem, const int *slots_in,
                                          int *slots_out) {
     avgpipe_run_desc rd;
-    avgpipe_schedule gen;
+    avgpipe_schedule gen, synced;
     avgpipe_result res;
     int g, r, S = c->sched.stages;
     if (td->nties && !td->ties) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict_sync: ties is NULL with nties %d", td->nties);
@@ -13417,8 +13422,13 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
         act[g] = (size_t)ab;
         pcount[g] = m->param_floats[g] >= 1 ? (size_t)m->param_floats[g] : 1; /* in range: avgpipe__model_check */
     }
+    memset(&synced, 0, sizeof synced);
     if ((res = avgpipe_sched_generate(ctx, &c->sched, &gen)) != AVGPIPE_OK) return res; /* once: the prediction's and the memory's */
-    res = avgpipe__tune_predict_on(ctx, m, &gen, c->samples, td, &c->seconds);
+    res = avgpipe__tune_predict_on(ctx, m, &gen, c->samples, td, &c->seconds, &synced);
+    if (!res && synced.len) { /* its TIE and AGREE ops are those the run places (the same pairs, the agreement): the memory's too */
+        avgpipe_sched_free(ctx, &gen);
+        gen = synced;
+    }
     if (res) {
         avgpipe_sched_free(ctx, &gen);
         return res;

@@ -1690,13 +1690,15 @@ Test(search, long_searches_say_how_far) {
 
 /* Each candidate the search returns equals what the public calls give for its setting alone: its time
    avgpipe_tune_predict_sync's, to the bit, and its memory avgpipe_run_memory's plus the parameters and
-   optimizer state of its models, to the bit (the search generates each schedule once for both, lowers it
-   and plans its slots without the runtime's release tables). Loop and V placements, with the agreement. */
+   optimizer state of its models, to the bit (the search generates each schedule once for both, places
+   its TIE and AGREE ops once for both, lowers it and plans its slots without the runtime's release
+   tables). Loop and V placements, with a tie and the agreement. */
 Test(search, candidates_equal_their_own_prediction_and_memory) {
     avgpipe_context ctx;
     avgpipe_cost_model m, mv;
     avgpipe_tune_desc td;
     avgpipe_tune_candidate *c = NULL;
+    avgpipe_tie tie = {0, 2, 0, 0, 50}; /* offsets 0: as the search lays it out in its partitions */
     int split3[3] = {2, 3, 2}, split4[4] = {2, 2, 1, 2}, n = 0, i, g, r, v;
     avgpipe_context_init(&ctx, NULL);
     layered_model(&ctx, 7, 9, &m);
@@ -1705,6 +1707,7 @@ Test(search, candidates_equal_their_own_prediction_and_memory) {
                      avgpipe_last_error(&ctx));
         memset(&td, 0, sizeof td);
         td.batch = 8, td.max_pipes = 2, td.opt_bytes_per_param = 8, td.agree = v == 1, td.chunks = v;
+        td.ties = &tie, td.nties = v == 1;
         if (v == 2) td.kinds = (1u << AVGPIPE_SCHED_INTERLEAVED) | (1u << AVGPIPE_SCHED_ZBV) | (1u << AVGPIPE_SCHED_DUALPIPEV);
         cr_assert_eq(avgpipe_tune_search(&ctx, &mv, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
         cr_assert_gt(n, 10);
@@ -1721,6 +1724,7 @@ Test(search, candidates_equal_their_own_prediction_and_memory) {
                 pc[g] = mv.param_floats[g] >= 1 ? (size_t)mv.param_floats[g] : 1;
             }
             rd.sched = c[i].sched, rd.act_bytes = act, rd.param_count = pc, rd.agree.skip_nonfinite = td.agree;
+            rd.ties = td.nties ? td.ties : NULL, rd.nties = td.nties;
             cr_assert_eq(avgpipe_run_memory(&ctx, &rd, mem), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
             for (r = 0; r < S; r++) {
                 double b = mem[r];
