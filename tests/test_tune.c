@@ -1632,8 +1632,10 @@ static void expect_same_search(const avgpipe_tune_candidate *a, int na, const av
                   b[i].seconds, b[i].peak_bytes);
 }
 
-/* The progress lines of a search (AVGPIPE_LOG_INFO; every 5 s, here after every block of 8 candidates):
-   from the calling thread only, counting up to the candidates, none at the default log level. */
+/* The progress lines of a search (AVGPIPE_LOG_INFO; every 5 s, here after every block of 8 candidates
+   the calling thread takes): from the calling thread only, counting up to the candidates, none at the
+   default log level. (With two threads the other one may take every block of a search this small: seen
+   under AddressSanitizer, where thread start-up is slow.) */
 typedef struct progress_log {
     pthread_t caller;
     int lines, last, total, other_thread, bad;
@@ -1672,8 +1674,9 @@ Test(search, long_searches_say_how_far) {
         td.threads = t;
         cr_assert_eq(avgpipe_tune_search(&ctx, &m, &td, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
         cr_assert_gt(n, 40);
-        cr_assert_geq(pl.lines, t == 1 ? (n - 1) / 8 : 1, "%d threads: %d progress lines for %d candidates", t, pl.lines, n);
-        cr_assert_eq(pl.total, n);
+        /* one thread: a line per block of 8; two: the caller's blocks only (the other thread may take all) */
+        if (t == 1) cr_assert_geq(pl.lines, (n - 1) / 8, "one thread: %d progress lines for %d candidates", pl.lines, n);
+        if (pl.lines) cr_assert_eq(pl.total, n);
         avgpipe_free(&ctx, c);
         c = NULL;
     }
