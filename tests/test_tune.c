@@ -1620,18 +1620,6 @@ Test(search, ties_and_agreement_are_priced) {
     avgpipe_tune_cost_model_free(&ctx, &m2);
 }
 
-/* Two searches are equal candidate for candidate, byte for byte (every field is written from a zeroed
-   candidate, so the padding is equal too). */
-static void expect_same_search(const avgpipe_tune_candidate *a, int na, const avgpipe_tune_candidate *b, int nb, const char *what) {
-    int i;
-    cr_assert_eq(na, nb, "%s: %d candidates, %d", what, na, nb);
-    for (i = 0; i < na; i++)
-        cr_assert(!memcmp(&a[i], &b[i], sizeof a[i]), "%s: candidate %d differs: %s M %d N %d K %d, %.17g s %.17g bytes against %s M %d N %d K %d, %.17g s %.17g bytes",
-                  what, i, avgpipe_sched_kind_name(a[i].sched.kind), a[i].sched.micro, a[i].sched.pipes, a[i].sched.advance, a[i].seconds,
-                  a[i].peak_bytes, avgpipe_sched_kind_name(b[i].sched.kind), b[i].sched.micro, b[i].sched.pipes, b[i].sched.advance,
-                  b[i].seconds, b[i].peak_bytes);
-}
-
 /* The progress lines of a search (AVGPIPE_LOG_INFO; every 5 s, here after every block of 8 candidates
    the calling thread takes): from the calling thread only, counting up to the candidates, none at the
    default log level. (With two threads the other one may take every block of a search this small: seen
@@ -1742,54 +1730,6 @@ Test(search, candidates_equal_their_own_prediction_and_memory) {
         avgpipe_tune_cost_model_free(&ctx, &mv);
     }
     avgpipe_tune_cost_model_free(&ctx, &m);
-}
-
-/* The partitioner plans each candidate's buffers once: a search of another split reuses the slot counts
-   the first search found (the schedules are the same; only the bytes per slot follow the split). A
-   search of split B after one of split A, through that cache, equals a search of B alone, candidate
-   for candidate, with ties and agreement, on 1 and 2 threads; a cache of other candidates (another
-   batch) is not used but refilled. */
-Test(plan, slot_counts_planned_once_equal_a_fresh_search) {
-    avgpipe_context ctx;
-    avgpipe_cost_model m, ma, mb;
-    avgpipe_tune_desc td;
-    avgpipe_tune_candidate *ref = NULL, *c = NULL;
-    avgpipe__slot_cache cache;
-    avgpipe_tie tie = {0, 2, 0, 0, 100};
-    int sa[3] = {1, 1, 6}, sb[3] = {3, 2, 3}, nref = 0, n = 0, t, i, reused;
-    avgpipe_context_init(&ctx, NULL);
-    memset(&cache, 0, sizeof cache);
-    layered_model(&ctx, 8, 3, &m);
-    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, sa, 3, &ma), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, sb, 3, &mb), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    memset(&td, 0, sizeof td);
-    td.batch = 8, td.max_pipes = 2, td.opt_bytes_per_param = 8, td.ties = &tie, td.nties = 1, td.agree = 1;
-    cr_assert_eq(avgpipe_tune_search(&ctx, &mb, &td, &ref, &nref), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    for (t = 1; t <= 2; t++) {
-        td.threads = t;
-        cr_assert_eq(avgpipe__tune_search_in(&ctx, &ma, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-        cr_assert_eq(cache.n, n, "the first search fills the cache");
-        for (i = 0, reused = 0; i < nref && !reused; i++) reused = ref[i].peak_bytes != c[i].peak_bytes;
-        cr_assert(reused, "splits A and B should need different memory");
-        avgpipe_free(&ctx, c);
-        for (i = 0; i < cache.n * cache.G; i++) cr_assert_geq(cache.slots[i], 1);
-        cr_assert_eq(avgpipe__tune_search_in(&ctx, &mb, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-        expect_same_search(ref, nref, c, n, t == 1 ? "split B after A, 1 thread" : "split B after A, 2 threads");
-        avgpipe_free(&ctx, c);
-        c = NULL;
-    }
-    td.batch = 6; /* other candidates: the cache is refilled, not read */
-    avgpipe_free(&ctx, ref);
-    cr_assert_eq(avgpipe_tune_search(&ctx, &mb, &td, &ref, &nref), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    cr_assert_eq(avgpipe__tune_search_in(&ctx, &mb, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
-    expect_same_search(ref, nref, c, n, "another batch through a stale cache");
-    cr_assert_eq(cache.n, n);
-    avgpipe_free(&ctx, c);
-    avgpipe_free(&ctx, ref);
-    avgpipe__slot_cache_free(&ctx, &cache);
-    avgpipe_tune_cost_model_free(&ctx, &m);
-    avgpipe_tune_cost_model_free(&ctx, &ma);
-    avgpipe_tune_cost_model_free(&ctx, &mb);
 }
 
 /* ---- the gradient noise scale ------------------------------------------------------------------ */

@@ -1,5 +1,6 @@
 /* The tuner's search on several threads (avgpipe_tune_desc.threads): the same candidates, byte for byte,
-   and the same errors as one thread, for avgpipe_tune_search and the stage partitioner. A suite of its
+   and the same errors as one thread, for avgpipe_tune_search and the stage partitioner; and the slot
+   counts the partitioner's searches share. A suite of its
    own, using only the macros tests/tsan/criterion/criterion.h provides, so that it also runs under
    ThreadSanitizer (scripts/test.sh): the threads share the candidate list, a mutex-guarded counter and
    the partitioner's slot counts. */
@@ -156,4 +157,52 @@ Test(tune_threads, partitioner_is_the_same_on_any_threads) {
         avgpipe_tune_split_choice_free(&ctx, &three);
     }
     avgpipe_tune_cost_model_free(&ctx, &m);
+}
+
+/* The partitioner plans each candidate's buffers once: a search of another split reuses the slot counts
+   the first search found (the schedules are the same; only the bytes per slot follow the split). A
+   search of split B after one of split A, through that cache, equals a search of B alone, candidate
+   for candidate, with a tie and the agreement, on 1 and 2 threads; a cache of other candidates (another
+   batch) is not used but refilled. */
+Test(tune_threads, slot_counts_planned_once_equal_a_fresh_search) {
+    avgpipe_context ctx;
+    avgpipe_cost_model m, ma, mb;
+    avgpipe_tune_desc td;
+    avgpipe_tune_candidate *ref = NULL, *c = NULL;
+    avgpipe__slot_cache cache;
+    avgpipe_tie tie = {0, 2, 0, 0, 100};
+    int sa[3] = {1, 1, 6}, sb[3] = {3, 2, 3}, nref = 0, n = 0, t, i, differ;
+    avgpipe_context_init(&ctx, NULL);
+    memset(&cache, 0, sizeof cache);
+    layered(&ctx, 3, 8, &m);
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, sa, 3, &ma), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe_tune_split_model(&ctx, &m, sb, 3, &mb), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    memset(&td, 0, sizeof td);
+    td.batch = 8, td.max_pipes = 2, td.opt_bytes_per_param = 8, td.ties = &tie, td.nties = 1, td.agree = 1;
+    cr_assert_eq(avgpipe_tune_search(&ctx, &mb, &td, &ref, &nref), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    for (t = 1; t <= 2; t++) {
+        td.threads = t;
+        cr_assert_eq(avgpipe__tune_search_in(&ctx, &ma, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        cr_assert_eq(cache.n, n, "the first search fills the cache");
+        for (i = 0, differ = 0; i < nref && !differ; i++) differ = ref[i].peak_bytes != c[i].peak_bytes;
+        cr_assert(differ, "splits A and B should need different memory");
+        avgpipe_free(&ctx, c);
+        for (i = 0; i < cache.n * cache.G; i++) cr_assert(cache.slots[i] >= 1, "slot count %d at %d", cache.slots[i], i);
+        cr_assert_eq(avgpipe__tune_search_in(&ctx, &mb, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+        same_search(ref, nref, c, n, t == 1 ? "split B after A, 1 thread" : "split B after A, 2 threads");
+        avgpipe_free(&ctx, c);
+        c = NULL;
+    }
+    td.batch = 6; /* other candidates: the cache is refilled, not read */
+    avgpipe_free(&ctx, ref);
+    cr_assert_eq(avgpipe_tune_search(&ctx, &mb, &td, &ref, &nref), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    cr_assert_eq(avgpipe__tune_search_in(&ctx, &mb, &td, &cache, &c, &n), AVGPIPE_OK, "%s", avgpipe_last_error(&ctx));
+    same_search(ref, nref, c, n, "another batch through a stale cache");
+    cr_assert_eq(cache.n, n);
+    avgpipe_free(&ctx, c);
+    avgpipe_free(&ctx, ref);
+    avgpipe__slot_cache_free(&ctx, &cache);
+    avgpipe_tune_cost_model_free(&ctx, &m);
+    avgpipe_tune_cost_model_free(&ctx, &ma);
+    avgpipe_tune_cost_model_free(&ctx, &mb);
 }
