@@ -5039,8 +5039,7 @@ typedef struct avgpipe__sim {
     long long flows;
     double makespan;
     int stuck_rank, stuck_pos; /* after a deadlock: the first stuck rank and its op */
-    int kind_cost_ready;       /* costs depend on the kind only: kind_cost holds them */
-    double kind_cost[AVGPIPE_OP_KIND_COUNT];
+    double *cost_tab;          /* [G][AVGPIPE_OP_KIND_COUNT]: every op's cost resolved once (no cost_fn), or NULL */
     int xfer_ready;            /* no stage_bytes: every transfer takes xfer (a division less per transfer) */
     double xfer;
     /* TIE and AGREE rendezvous: a TIE pair (lo, hi) starts when both sides have arrived, an AGREE
@@ -5064,18 +5063,25 @@ AVGPIPE_API avgpipe_sim_desc avgpipe_sim_query_defaults(const avgpipe_sim_desc *
     return d;
 }
 
-static double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
-    const avgpipe_sim_desc *d = m->d;
+/* The cost of op under d (resolved: avgpipe_sim_query_defaults) for a schedule of G stages. Without
+   cost_fn it depends on the op's stage and kind alone, so the simulator tables it once per (stage,
+   kind); an op outside 0..G-1 (an idle slot: the scan checks every other op) takes its kind's cost. */
+static double avgpipe__cost_of(const avgpipe_sim_desc *d, int G, const avgpipe_op *op) {
     double c;
-    if (m->kind_cost_ready) return m->kind_cost[op->kind]; /* the common case: one cost per kind */
-    if (d->cost_fn) return d->cost_fn(op, d->cost_user);
-    if (d->stage_cost) c = d->stage_cost[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
-    else {
-        c = d->cost[op->kind]; /* resolved: avgpipe_sim_query_defaults */
+    if (d->cost_fn) {
+        c = d->cost_fn(op, d->cost_user);
+        return c < 0 ? 0 : c;
     }
+    if (d->stage_cost && op->stage >= 0 && op->stage < G) c = d->stage_cost[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
+    else c = d->cost[op->kind];
     if (c < 0) c = 0;
     if (d->scale_by_micro_size && avgpipe__is_compute(op->kind)) c *= d->micro_size;
     return c;
+}
+
+AVGPIPE__FORCE_INLINE double avgpipe__cost(const avgpipe__sim *m, const avgpipe_op *op) {
+    if (m->cost_tab && (unsigned)op->stage < (unsigned)m->G) return m->cost_tab[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
+    return avgpipe__cost_of(m->d, m->G, op);
 }
 
 static double avgpipe__xfer_time(const avgpipe__sim *m, int boundary) {
@@ -5334,7 +5340,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
             if (how < 0) goto stop;
             continue;
         }
-        c = (m->kind_cost_ready ? m->kind_cost[k] : avgpipe__cost(m, op)) + xfer;
+        c = avgpipe__cost(m, op) + xfer;
         if (dep < t) dep = t;
         end = dep + c;
         st->busy += c;
@@ -5398,6 +5404,7 @@ static void avgpipe__sim_release(avgpipe__sim *m) {
     avgpipe_free(ctx, m->pairs);
     avgpipe_free(ctx, m->tie_at);
     avgpipe_free(ctx, m->agree_n);
+    avgpipe_free(ctx, m->cost_tab);
 }
 
 /* The sync ops' tables: the tie pairs, the rounds, the ranks an AGREE waits for. */
@@ -5562,13 +5569,17 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
             out->events_cap = ne;
         }
     }
-    if (!desc->cost_fn && !desc->stage_cost) {
-        int k;
-        for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
-            avgpipe_op probe = avgpipe__op(k, 0, 0, 0);
-            m.kind_cost[k] = avgpipe__cost(&m, &probe);
+    if (!desc->cost_fn && m.G > 0) { /* a load per op instead of the branches and the scaling of avgpipe__cost_of */
+        int k, g;
+        if (!(m.cost_tab = (double *)avgpipe_alloc(ctx, (size_t)m.G * AVGPIPE_OP_KIND_COUNT * sizeof(double)))) {
+            res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
+            goto done;
         }
-        m.kind_cost_ready = 1;
+        for (g = 0; g < m.G; g++)
+            for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
+                avgpipe_op probe = avgpipe__op(k, 0, g, 0);
+                m.cost_tab[(size_t)g * AVGPIPE_OP_KIND_COUNT + k] = avgpipe__cost_of(m.d, m.G, &probe);
+            }
     }
     if (!desc->stage_bytes) {
         m.xfer = avgpipe__xfer_time(&m, 0);
@@ -13144,8 +13155,8 @@ static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpi
     avgpipe_sim_result r;
     avgpipe__pred pr;
     avgpipe_result res;
-    double *tie_bytes = NULL;
-    int t;
+    double *tie_bytes = NULL, *cost;
+    int t, g, k;
     if (gen->nstages != m->nstages)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_tune_predict: the schedule has %d stage partitions, the model %d", gen->nstages,
                              m->nstages);
@@ -13171,11 +13182,24 @@ static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpi
     pr.samples = samples;
     pr.avg_on_rank = sp->shape.pipes == 1;
     pr.util = avgpipe__util(m, sp->shape.pipes);
-    sd.cost_fn = avgpipe__pred_cost;
-    sd.cost_user = &pr;
+    /* The costs as a table: every cost depends on the op's stage and kind alone, and the simulator
+       looks a table up faster than it calls a function per op; the same values (both count a negative
+       cost as zero). */
+    if (!(cost = (double *)avgpipe_alloc(ctx, (size_t)m->nstages * AVGPIPE_OP_KIND_COUNT * sizeof(double)))) {
+        avgpipe_free(ctx, tie_bytes);
+        avgpipe_sched_free(ctx, &synced);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_predict: out of memory");
+    }
+    for (g = 0; g < m->nstages; g++)
+        for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
+            avgpipe_op probe = avgpipe__op(k, 0, g, 0);
+            cost[(size_t)g * AVGPIPE_OP_KIND_COUNT + k] = avgpipe__pred_cost(&probe, &pr);
+        }
+    sd.stage_cost = cost;
     sd.latency = m->latency;
     res = avgpipe_sim_run(ctx, sp, &sd, &r);
     avgpipe_free(ctx, tie_bytes);
+    avgpipe_free(ctx, cost);
     if (res) {
         avgpipe_sched_free(ctx, &synced);
         return res;

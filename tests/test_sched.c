@@ -124,6 +124,58 @@ Test(closed_form, afab_and_1f1b_bubble) {
             }
 }
 
+/* Per-stage costs (stage_cost) against the flow-shop closed form: M identical jobs through stages
+   of times p_s finish at sum p_s + (M-1) max p_s. GPipe (AFAB) with free transfers is two such
+   shops, the forwards and then the backwards (every stage has finished its forwards before the
+   last stage has), so the makespan is sum f + (M-1) max f + sum b + (M-1) max b. The same costs as
+   a cost_fn (the simulator's per-op path) give the same timeline, and a negative cost_fn value
+   counts as zero, as the description says. */
+static double stage_cost_fn(const avgpipe_op *op, void *user) {
+    const double *tab = (const double *)user;
+    if (op->kind == AVGPIPE_OP_STEP) return -7.0; /* clamped to zero */
+    return tab[(size_t)op->stage * AVGPIPE_OP_KIND_COUNT + op->kind];
+}
+
+Test(closed_form, stage_costs_flow_shop) {
+    static const double f[4] = {1, 3, 2, 0.5}, b[4] = {2, 5, 1, 4};
+    double tab[4 * AVGPIPE_OP_KIND_COUNT];
+    int S, M, s, r;
+    for (S = 1; S <= 4; S++)
+        for (M = 1; M <= 9; M++) {
+            avgpipe_sched_desc d = desc_of(AVGPIPE_SCHED_AFAB, S, M, 1, 1, 1, 0, 0);
+            avgpipe_sim_desc sd = costs(1, 1, 1, 1, 0), fd = costs(1, 1, 1, 1, 0);
+            avgpipe_schedule sc;
+            avgpipe_sim_result a, c;
+            double sf = 0, sb = 0, mf = 0, mb = 0, expect;
+            memset(tab, 0, sizeof tab);
+            for (s = 0; s < S; s++) {
+                tab[s * AVGPIPE_OP_KIND_COUNT + AVGPIPE_OP_F] = f[s];
+                tab[s * AVGPIPE_OP_KIND_COUNT + AVGPIPE_OP_B] = b[s];
+                sf += f[s], sb += b[s];
+                if (f[s] > mf) mf = f[s];
+                if (b[s] > mb) mb = b[s];
+            }
+            expect = sf + (M - 1) * mf + sb + (M - 1) * mb;
+            sd.stage_cost = tab;
+            fd.cost_fn = stage_cost_fn;
+            fd.cost_user = tab;
+            gen(&d, &sc);
+            simulate(&sc, &sd, &a);
+            simulate(&sc, &fd, &c);
+            cr_assert_eq(a.makespan, expect, "%s: makespan %g with stage costs, expected %g", shape_str(&d), a.makespan, expect);
+            cr_assert_eq(c.makespan, expect, "%s: makespan %g with a cost_fn, expected %g", shape_str(&d), c.makespan, expect);
+            for (r = 0; r < S; r++) {
+                cr_assert_eq(a.rank[r].busy, M * (f[r] + b[r]), "%s rank %d: busy %g, expected %g", shape_str(&d), r, a.rank[r].busy,
+                             M * (f[r] + b[r]));
+                cr_assert_eq(c.rank[r].busy, a.rank[r].busy, "%s rank %d: busy %g with a cost_fn, %g with stage costs", shape_str(&d), r,
+                             c.rank[r].busy, a.rank[r].busy);
+            }
+            avgpipe_sim_result_free(NULL, &a);
+            avgpipe_sim_result_free(NULL, &c);
+            avgpipe_sched_free(NULL, &sc);
+        }
+}
+
 /* Peak stashed activations, three ways: the simulator, the validator's report and the memory
    model, against DESIGN §3: 1F1B min(T, S-s), AFAB T, with T = N·M micro-batches per round. */
 Test(closed_form, peak_stash_1f1b_and_afab) {
