@@ -8830,7 +8830,7 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
         for (i = 0; i < s->len[r]; i++) { /* last touch of each key */
             const avgpipe_op *op = &s->ops[r][i];
             int keys[3] = {0, 0, 0}, nk;
-            if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
+            if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) continue; /* STEP, AVG, TIE, AGREE: a round, no buffers */
             nk = avgpipe__plan_keys(G, home, r, op, keys);
             for (j = 0; j < nk; j++) lastpos[AVGPIPE__KEY(keys[j], op->pipe, op->micro)] = i;
         }
@@ -8838,7 +8838,7 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
             const avgpipe_op *op = &s->ops[r][i];
             int keys[3] = {0, 0, 0}, nk, none[2], *rel = p->release ? &p->release[r][2 * i] : none;
             rel[0] = rel[1] = -1;
-            if (!avgpipe__has_micro(op->kind) || op->kind == AVGPIPE_OP_STEP || op->kind == AVGPIPE_OP_AVG) continue;
+            if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) continue; /* STEP, AVG, TIE, AGREE: a round, no buffers */
             nk = avgpipe__plan_keys(G, home, r, op, keys);
             for (j = 0; j < nk; j++) {
                 size_t k = AVGPIPE__KEY(keys[j], op->pipe, op->micro);

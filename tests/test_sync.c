@@ -98,6 +98,54 @@ Test(sync, every_kind_places_ties_and_agreement_that_validate_and_simulate) {
     cr_assert_gt(cases, 500, "only %d cases ran", cases);
 }
 
+/* The buffer plan's slots of the lowered schedule with its TIE and AGREE ops.
+   The ops name a round where others name a micro-batch, and they use no boundary buffer, so the
+   plan must be that of the schedule without them (until 0.10.1 each held the slot of the
+   micro-batch numbered like its round until its round's end: 10 slots instead of 4 on 1F1B's
+   first stage with S = M = 4, N = 2, 4 rounds). */
+static void plan_slots_of(const avgpipe_schedule *s, int *slots, const char *what) {
+    avgpipe_schedule low;
+    avgpipe_buffer_plan plan;
+    size_t act[16];
+    int g;
+    for (g = 0; g < 16; g++) act[g] = 64;
+    cr_assert_eq(avgpipe_sched_lower(NULL, s, &low), AVGPIPE_OK, "%s: lower: %s", what, avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe_buffer_plan_build(NULL, &low, act, &plan), AVGPIPE_OK, "%s: plan: %s", what, avgpipe_last_error(NULL));
+    for (g = 0; g < s->nstages; g++) slots[g] = plan.slots[g];
+    avgpipe_buffer_plan_free(NULL, &plan);
+    avgpipe_sched_free(NULL, &low);
+}
+
+Test(sync, ties_and_agreement_take_no_buffer_slots) {
+    int ki, S, M, N, cont, mode, g, cases = 0;
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (S = 2; S <= 4; S++)
+            for (M = 1; M <= 4; M *= 2)
+                for (N = 1; N <= 2; N++)
+                    for (cont = 0; cont <= 1; cont++)
+                        for (mode = 0; mode < 2; mode++) {
+                            avgpipe_schedule s, t;
+                            avgpipe_tie tie;
+                            avgpipe_sync_desc sy = {.ties = &tie, .nties = 1};
+                            int a[16], b[16];
+                            char what[128];
+                            if (!generate(kinds[ki], S, M, N, 4, cont, &s)) continue;
+                            memset(&tie, 0, sizeof tie);
+                            tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 8;
+                            sy.agree = mode;
+                            snprintf(what, sizeof what, "%s S%d M%d N%d cont %d agree %d", avgpipe_sched_kind_name(kinds[ki]), S, M, N, cont, mode);
+                            cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+                            plan_slots_of(&s, a, what);
+                            plan_slots_of(&t, b, what);
+                            for (g = 0; g < s.nstages; g++)
+                                cr_assert_eq(b[g], a[g], "%s: stage %d has %d slots with the sync ops, %d without", what, g, b[g], a[g]);
+                            avgpipe_sched_free(NULL, &s);
+                            avgpipe_sched_free(NULL, &t);
+                            cases++;
+                        }
+    cr_assert_gt(cases, 150, "only %d cases ran", cases);
+}
+
 Test(sync, text_format_carries_tie_peers_and_agreement) {
     avgpipe_schedule s, t, u;
     avgpipe_tie tie = {0, 3, 0, 0, 4};
