@@ -4803,11 +4803,197 @@ typedef struct avgpipe__lower {
     avgpipe__place pl;
     int S, G, N;
     long long U;
-    int *fpos, *bpos; /* [pipe][stage][micro] -> index of the unit holding F / B-or-I on its rank */
+    int *fpos, *bpos;   /* [pipe][stage][micro] -> index of the unit holding F / B-or-I on its rank */
+    int *units;         /* [ustart[r] + j]: the unit of op j of rank r, -1 for a dropped idle slot */
+    int *ustart;        /* [S + 1] */
+    int *nunits;        /* [S] */
+    int *prevf;         /* [ustart[r] + q]: the last unit before q on rank r that holds a forward (-1: none) */
+    long long *moff;    /* [S + 1]: the messages into rank r are msgs[moff[r] .. moff[r + 1]) */
+    avgpipe_op *msgs;   /* every message as its receive, grouped by receiving rank, each group in (sender, sender's order) */
+    int *msrc, *slot;   /* each message's sender, and the slot of its receive (steps 2 and 3) */
+    int *bucket, *ord;  /* avgpipe__lower_rank: rank r's receives by slot, ord[bucket[q] .. bucket[q + 1]) in slot q */
+    int *fill;
 } avgpipe__lower;
 
 static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
     return ((size_t)p * (size_t)L->G + (size_t)g) * (size_t)L->U + (size_t)u;
+}
+
+static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
+    avgpipe__place_free(ctx, &L->pl);
+    avgpipe_free(ctx, L->fpos);
+    avgpipe_free(ctx, L->bpos);
+    avgpipe_free(ctx, L->units);
+    avgpipe_free(ctx, L->prevf);
+    avgpipe_free(ctx, L->ustart);
+    avgpipe_free(ctx, L->nunits);
+    avgpipe_free(ctx, L->msgs);
+    avgpipe_free(ctx, L->msrc);
+    avgpipe_free(ctx, L->moff);
+    avgpipe_free(ctx, L->slot);
+    avgpipe_free(ctx, L->bucket);
+    avgpipe_free(ctx, L->ord);
+    avgpipe_free(ctx, L->fill);
+    memset(L, 0, sizeof *L);
+}
+
+/* Steps 1-3 for every rank: the units, the messages and each receive's slot. On failure L is freed
+   and the error recorded. */
+static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe__lower *L) {
+    avgpipe_result res;
+    int r, maxu = 0;
+    long long total = 0, cells, i, *mfill = NULL;
+    memset(L, 0, sizeof *L);
+    res = avgpipe__place_build(ctx, in, &L->pl);
+    if (!res) res = avgpipe__sched_scan(ctx, in, L->pl.rank, &L->N, &L->U);
+    if (res) {
+        avgpipe__place_free(ctx, &L->pl);
+        return res;
+    }
+    L->in = in;
+    L->S = in->nranks;
+    L->G = in->nstages;
+    cells = (long long)L->N * L->G * L->U;
+    for (r = 0; r < L->S; r++) total += in->len[r];
+    L->fpos = (int *)avgpipe_alloc(ctx, (size_t)cells * sizeof(int));
+    L->bpos = (int *)avgpipe_alloc(ctx, (size_t)cells * sizeof(int));
+    L->units = (int *)avgpipe__calloc(ctx, (size_t)total + 1, sizeof(int));
+    L->prevf = (int *)avgpipe__calloc(ctx, (size_t)total + 1, sizeof(int));
+    L->ustart = (int *)avgpipe__calloc(ctx, (size_t)L->S + 1, sizeof(int));
+    L->nunits = (int *)avgpipe__calloc(ctx, (size_t)L->S, sizeof(int));
+    L->moff = (long long *)avgpipe__calloc(ctx, (size_t)L->S + 1, sizeof(long long));
+    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff) goto oom;
+    for (i = 0; i < cells; i++) L->fpos[i] = L->bpos[i] = -1;
+    { /* units: an op with the ops it overlaps; idle slots are dropped */
+        long long off = 0;
+        for (r = 0; r < L->S; r++) {
+            int n = in->len[r], j, u = -1, open = 0, last = -1;
+            const avgpipe_op *src = in->ops[r];
+            int *un = L->units + off, *pf = L->prevf + off;
+            L->ustart[r] = (int)off;
+            for (j = 0; j < n; j++) {
+                if (src[j].kind == AVGPIPE_OP_IDLE && !open) {
+                    un[j] = -1;
+                    continue;
+                }
+                if (!open) pf[++u] = last; /* a new unit: the last unit before it that held a forward */
+                un[j] = u;
+                open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
+                if (src[j].kind == AVGPIPE_OP_F) {
+                    L->fpos[avgpipe__lix(L, src[j].pipe, src[j].stage, src[j].micro)] = u;
+                    last = u;
+                }
+                if (avgpipe__is_backward(src[j].kind)) L->bpos[avgpipe__lix(L, src[j].pipe, src[j].stage, src[j].micro)] = u;
+            }
+            L->nunits[r] = u + 1;
+            if (u + 1 > maxu) maxu = u + 1;
+            off += n;
+        }
+    }
+    /* every message, grouped by receiving rank, each group in (sender, sender's order) */
+    for (r = 0; r < L->S; r++)
+        for (i = 0; i < in->len[r]; i++) {
+            avgpipe_op x;
+            if (avgpipe__op_send(&L->pl, &in->ops[r][i], &x)) L->moff[L->pl.rank[x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1)] + 1]++;
+        }
+    for (r = 0; r < L->S; r++) L->moff[r + 1] += L->moff[r];
+    {
+        size_t maxmsg = (size_t)L->moff[L->S];
+        L->msgs = (avgpipe_op *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof *L->msgs);
+        L->msrc = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
+        L->slot = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
+        L->ord = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
+        L->bucket = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+        L->fill = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+        mfill = (long long *)avgpipe_alloc(ctx, ((size_t)L->S + 1) * sizeof(long long));
+    }
+    if (!L->msgs || !L->msrc || !L->slot || !L->ord || !L->bucket || !L->fill || !mfill) goto oom;
+    memcpy(mfill, L->moff, ((size_t)L->S + 1) * sizeof(long long));
+    for (r = 0; r < L->S; r++)
+        for (i = 0; i < in->len[r]; i++) {
+            avgpipe_op x;
+            int g2, dst;
+            if (!avgpipe__op_send(&L->pl, &in->ops[r][i], &x)) continue;
+            g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
+            dst = L->pl.rank[g2];
+            L->msrc[mfill[dst]] = r;
+            L->msgs[mfill[dst]++] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
+        }
+    avgpipe_free(ctx, mfill);
+    for (r = 0; r < L->S; r++) {
+        long long a0 = L->moff[r], k;
+        const int *pf = L->prevf + L->ustart[r];
+        for (k = a0; k < L->moff[r + 1]; k++) { /* desired slot */
+            const avgpipe_op *x = &L->msgs[k];
+            int c, f = L->fpos[avgpipe__lix(L, x->pipe, x->stage, x->micro)];
+            if (x->kind == AVGPIPE_OP_RECV_F) {
+                L->slot[k] = f < 0 ? L->nunits[r] : pf[f] + 1;
+            } else {
+                c = L->bpos[avgpipe__lix(L, x->pipe, x->stage, x->micro)];
+                L->slot[k] = f >= 0 ? f + 1 : c < 0 ? L->nunits[r] : c;
+                if (c >= 0 && L->slot[k] > c) L->slot[k] = c;
+            }
+        }
+        for (k = L->moff[r + 1] - 1; k > a0; k--) /* keep each channel's order */
+            if (L->msrc[k - 1] == L->msrc[k] && L->slot[k - 1] > L->slot[k]) L->slot[k - 1] = L->slot[k];
+    }
+    return AVGPIPE_OK;
+oom:
+    avgpipe_free(ctx, mfill);
+    avgpipe__lower_free(ctx, L);
+    return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_lower: out of memory");
+}
+
+/* Rank r's lowered list, op by op (avgpipe__lower_next), after avgpipe__lower_rank: slot q's receives
+   (bucketed by slot, stable: channel, then order), the sends of unit q-1, the ops of unit q. */
+typedef struct avgpipe__lower_cur {
+    int r, n, nu, q, b, j, send, send_end, phase;
+    long long a0;
+} avgpipe__lower_cur;
+
+static void avgpipe__lower_rank(avgpipe__lower *L, int r, avgpipe__lower_cur *c) {
+    int nu = L->nunits[r], q;
+    long long a0 = L->moff[r], k, nmsg = L->moff[r + 1] - a0;
+    memset(L->bucket, 0, ((size_t)nu + 2) * sizeof(int));
+    for (k = 0; k < nmsg; k++) L->bucket[L->slot[a0 + k] + 1]++;
+    for (q = 0; q <= nu; q++) L->bucket[q + 1] += L->bucket[q];
+    memcpy(L->fill, L->bucket, ((size_t)nu + 2) * sizeof(int));
+    for (k = 0; k < nmsg; k++) L->ord[L->fill[L->slot[a0 + k]]++] = (int)k;
+    memset(c, 0, sizeof *c);
+    c->r = r;
+    c->n = L->in->len[r];
+    c->nu = nu;
+    c->a0 = a0;
+}
+
+/* The next op of the lowered list into *out; 0 after the last. */
+AVGPIPE__FORCE_INLINE int avgpipe__lower_next(const avgpipe__lower *L, avgpipe__lower_cur *c, avgpipe_op *out) {
+    const avgpipe_op *so = L->in->ops[c->r];
+    const int *un = L->units + L->ustart[c->r];
+    for (;;) {
+        if (c->phase == 0) { /* slot q's receives */
+            if (c->b < L->bucket[c->q + 1]) {
+                *out = L->msgs[c->a0 + L->ord[c->b++]];
+                return 1;
+            }
+            c->phase = 1;
+        }
+        if (c->phase == 1) { /* the sends of unit q-1 */
+            while (c->send < c->send_end)
+                if (avgpipe__op_send(&L->pl, &so[c->send++], out)) return 1;
+            if (c->q == c->nu) return 0;
+            while (c->j < c->n && un[c->j] < c->q) c->j++;
+            c->send = c->j;
+            c->phase = 2;
+        }
+        if (c->j < c->n && un[c->j] == c->q) { /* unit q */
+            *out = so[c->j++];
+            return 1;
+        }
+        c->send_end = c->j;
+        c->b = L->bucket[++c->q];
+        c->phase = 0;
+    }
 }
 
 static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out, int *npipes,
@@ -4823,180 +5009,29 @@ static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpip
                                              long long *nmicro) {
     avgpipe__lower L;
     avgpipe_result res;
-    int r, *units = NULL, *ustart = NULL, *nunits = NULL, *slot = NULL, *bucket = NULL, *cursor = NULL, *prevf = NULL;
-    avgpipe_op *msgs = NULL;
-    int *msrc = NULL;
-    long long total = 0, cells, i, *moff = NULL, *mfill = NULL;
-    size_t nmsg = 0, maxmsg = 0;
+    int r;
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
-    memset(&L, 0, sizeof L);
-    res = avgpipe__place_build(ctx, in, &L.pl);
-    if (!res) res = avgpipe__sched_scan(ctx, in, L.pl.rank, &L.N, &L.U);
-    if (res) {
-        avgpipe__place_free(ctx, &L.pl);
-        return res;
-    }
-    L.in = in;
-    L.S = in->nranks;
-    L.G = in->nstages;
-    cells = (long long)L.N * L.G * L.U;
-    for (r = 0; r < L.S; r++) total += in->len[r];
-    L.fpos = (int *)avgpipe_alloc(ctx, (size_t)cells * sizeof(int));
-    L.bpos = (int *)avgpipe_alloc(ctx, (size_t)cells * sizeof(int));
-    units = (int *)avgpipe__calloc(ctx, (size_t)total + 1, sizeof(int)); /* unit index of each op */
-    ustart = (int *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(int));
-    nunits = (int *)avgpipe__calloc(ctx, (size_t)L.S, sizeof(int));
-    if (!L.fpos || !L.bpos || !units || !ustart || !nunits) goto oom;
-    for (i = 0; i < cells; i++) L.fpos[i] = L.bpos[i] = -1;
-    /* units: an op with the ops it overlaps; idle slots are dropped */
-    {
-        long long off = 0;
-        for (r = 0; r < L.S; r++) {
-            int n = in->len[r], j, u = -1, open = 0;
-            const avgpipe_op *src = in->ops[r];
-            ustart[r] = (int)off;
-            for (j = 0; j < n; j++) {
-                if (src[j].kind == AVGPIPE_OP_IDLE && !open) {
-                    units[off + j] = -1;
-                    continue;
-                }
-                if (!open) u++;
-                units[off + j] = u;
-                open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
-                if (src[j].kind == AVGPIPE_OP_F) L.fpos[avgpipe__lix(&L, src[j].pipe, src[j].stage, src[j].micro)] = u;
-                if (avgpipe__is_backward(src[j].kind)) L.bpos[avgpipe__lix(&L, src[j].pipe, src[j].stage, src[j].micro)] = u;
-            }
-            nunits[r] = u + 1;
-            off += n;
-        }
-    }
-    /* prevf[ustart[r] + q]: the last unit before q on rank r that holds a forward (-1: none) */
-    prevf = (int *)avgpipe__calloc(ctx, (size_t)total + 1, sizeof(int));
-    if (!prevf) goto oom;
-    for (r = 0; r < L.S; r++) {
-        int j, last = -1, q = -1;
-        for (j = 0; j < in->len[r]; j++) {
-            int u = units[ustart[r] + j];
-            if (u < 0) continue;
-            if (u != q) {
-                prevf[ustart[r] + u] = last;
-                q = u;
-            }
-            if (in->ops[r][j].kind == AVGPIPE_OP_F) last = u;
-        }
-    }
+    if ((res = avgpipe__lower_prep(ctx, in, &L)) != AVGPIPE_OK) return res;
     res = avgpipe__sched_init_like(ctx, out, in);
-    if (res) goto fail;
-    out->has_comm = 1;
-    /* every message, grouped by receiving rank, each group in (sender, sender's order) */
-    moff = (long long *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(long long));
-    if (!moff) goto oom;
-    for (r = 0; r < L.S; r++)
-        for (i = 0; i < in->len[r]; i++) {
-            avgpipe_op x;
-            if (avgpipe__op_send(&L.pl, &in->ops[r][i], &x)) moff[L.pl.rank[x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1)] + 1]++;
-        }
-    for (r = 0; r < L.S; r++) moff[r + 1] += moff[r];
-    maxmsg = (size_t)moff[L.S];
-    msgs = (avgpipe_op *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof *msgs);
-    msrc = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
-    slot = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
-    mfill = (long long *)avgpipe__calloc(ctx, (size_t)L.S + 1, sizeof(long long));
-    if (!msgs || !msrc || !slot || !mfill) goto oom;
-    memcpy(mfill, moff, ((size_t)L.S + 1) * sizeof(long long));
-    for (r = 0; r < L.S; r++)
-        for (i = 0; i < in->len[r]; i++) {
-            avgpipe_op x;
-            int g2, dst;
-            if (!avgpipe__op_send(&L.pl, &in->ops[r][i], &x)) continue;
-            g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
-            dst = L.pl.rank[g2];
-            msrc[mfill[dst]] = r;
-            msgs[mfill[dst]++] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
-        }
-    for (r = 0; r < L.S; r++) {
-        long long a0 = moff[r], k;
-        nmsg = (size_t)(moff[r + 1] - a0);
-        for (k = a0; k < moff[r + 1]; k++) { /* desired slot */
-            const avgpipe_op *x = &msgs[k];
-            int c, f = L.fpos[avgpipe__lix(&L, x->pipe, x->stage, x->micro)];
-            if (x->kind == AVGPIPE_OP_RECV_F) {
-                slot[k] = f < 0 ? nunits[r] : prevf[ustart[r] + f] + 1;
-            } else {
-                c = L.bpos[avgpipe__lix(&L, x->pipe, x->stage, x->micro)];
-                slot[k] = f >= 0 ? f + 1 : c < 0 ? nunits[r] : c;
-                if (c >= 0 && slot[k] > c) slot[k] = c;
-            }
-        }
-        for (k = moff[r + 1] - 1; k > a0; k--) /* keep each channel's order */
-            if (msrc[k - 1] == msrc[k] && slot[k - 1] > slot[k]) slot[k - 1] = slot[k];
-        /* bucket the receives by slot, stable (channel, then order) */
-        {
-            int nu = nunits[r], q, w = 0, pend_from = -1, pend_to = -1;
-            size_t k;
-            const avgpipe_op *so = in->ops[r];
-            int n = in->len[r], j = 0, *ord;
-            avgpipe_op *o, x;
-            avgpipe_free(ctx, bucket);
-            avgpipe_free(ctx, cursor);
-            bucket = (int *)avgpipe__calloc(ctx, (size_t)nu + 2, sizeof(int));
-            cursor = (int *)avgpipe__calloc(ctx, nmsg + 1, sizeof(int));
-            if (!bucket || !cursor) goto oom;
-            for (k = 0; k < nmsg; k++) bucket[slot[a0 + (long long)k] + 1]++;
-            for (q = 0; q <= nu; q++) bucket[q + 1] += bucket[q];
-            ord = cursor;
-            {
-                int *fill = (int *)avgpipe__calloc(ctx, (size_t)nu + 2, sizeof(int));
-                if (!fill) goto oom;
-                memcpy(fill, bucket, ((size_t)nu + 2) * sizeof(int));
-                for (k = 0; k < nmsg; k++) ord[fill[slot[a0 + (long long)k]]++] = (int)k;
-                avgpipe_free(ctx, fill);
-            }
-            res = avgpipe__sched_reserve(ctx, out, r, (size_t)n * 2 + nmsg + 2);
-            if (res) goto fail;
-            o = out->ops[r];
-            for (q = 0; q <= nu; q++) {
-                int e, b;
-                for (b = bucket[q]; b < bucket[q + 1]; b++) o[w++] = msgs[a0 + ord[b]];
-                /* sends of the previous unit */
-                for (e = pend_from; e >= 0 && e < pend_to; e++)
-                    if (avgpipe__op_send(&L.pl, &so[e], &x)) o[w++] = x;
-                pend_from = pend_to = -1;
-                if (q == nu) break;
-                while (j < n && units[ustart[r] + j] < q) j++;
-                pend_from = j;
-                while (j < n && units[ustart[r] + j] == q) o[w++] = so[j++];
-                pend_to = j;
-            }
-            out->len[r] = w;
-        }
+    for (r = 0; r < L.S && !res; r++) {
+        avgpipe__lower_cur c;
+        avgpipe_op *o;
+        int w = 0;
+        avgpipe__lower_rank(&L, r, &c);
+        if ((res = avgpipe__sched_reserve(ctx, out, r, (size_t)c.n * 2 + (size_t)(L.moff[r + 1] - L.moff[r]) + 2)) != AVGPIPE_OK) break;
+        o = out->ops[r];
+        while (avgpipe__lower_next(&L, &c, &o[w])) w++;
+        out->len[r] = w;
     }
-    out->has_comm = maxmsg > 0; /* one rank, or all chunks on one rank: nothing to send */
-    if (npipes) *npipes = L.N;
-    if (nmicro) *nmicro = L.U;
-    res = AVGPIPE_OK;
-    goto done;
-oom:
-    res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_lower: out of memory");
-fail:
-    avgpipe_sched_free(ctx, out);
-done:
-    avgpipe__place_free(ctx, &L.pl);
-    avgpipe_free(ctx, L.fpos);
-    avgpipe_free(ctx, L.bpos);
-    avgpipe_free(ctx, units);
-    avgpipe_free(ctx, prevf);
-    avgpipe_free(ctx, ustart);
-    avgpipe_free(ctx, nunits);
-    avgpipe_free(ctx, msgs);
-    avgpipe_free(ctx, msrc);
-    avgpipe_free(ctx, moff);
-    avgpipe_free(ctx, mfill);
-    avgpipe_free(ctx, slot);
-    avgpipe_free(ctx, bucket);
-    avgpipe_free(ctx, cursor);
+    if (res) avgpipe_sched_free(ctx, out);
+    else {
+        out->has_comm = L.moff[L.S] > 0; /* one rank, or all chunks on one rank: nothing to send */
+        if (npipes) *npipes = L.N;
+        if (nmicro) *nmicro = L.U;
+    }
+    avgpipe__lower_free(ctx, &L);
     return res;
 }
 
@@ -8801,9 +8836,11 @@ AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_p
 }
 
 /* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
-   a forward hands its output to it on the same rank, the previous stage's when a backward does. */
+   a forward hands its output to it on the same rank, the previous stage's when a backward does; none
+   for an op without a micro-batch or of a round (STEP, AVG, TIE, AGREE: no buffers). */
 AVGPIPE__FORCE_INLINE int avgpipe__plan_keys(int G, const int *home, int r, const avgpipe_op *op, int *keys) {
     int n = 0, g = op->stage;
+    if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) return 0;
     keys[n++] = g;
     if (op->kind == AVGPIPE_OP_F && g + 1 < G && home[g + 1] == r) keys[n++] = g + 1;
     if (avgpipe__is_backward(op->kind) && g > 0 && home[g - 1] == r) keys[n++] = g - 1;
@@ -8829,16 +8866,13 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
     for (r = 0; r < s->nranks; r++) {
         for (i = 0; i < s->len[r]; i++) { /* last touch of each key */
             const avgpipe_op *op = &s->ops[r][i];
-            int keys[3] = {0, 0, 0}, nk;
-            if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) continue; /* STEP, AVG, TIE, AGREE: a round, no buffers */
-            nk = avgpipe__plan_keys(G, home, r, op, keys);
+            int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(G, home, r, op, keys);
             for (j = 0; j < nk; j++) lastpos[AVGPIPE__KEY(keys[j], op->pipe, op->micro)] = i;
         }
         for (i = 0; i < s->len[r]; i++) { /* count live slots; mark where they end */
             const avgpipe_op *op = &s->ops[r][i];
             int keys[3] = {0, 0, 0}, nk, none[2], *rel = p->release ? &p->release[r][2 * i] : none;
             rel[0] = rel[1] = -1;
-            if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) continue; /* STEP, AVG, TIE, AGREE: a round, no buffers */
             nk = avgpipe__plan_keys(G, home, r, op, keys);
             for (j = 0; j < nk; j++) {
                 size_t k = AVGPIPE__KEY(keys[j], op->pipe, op->micro);
@@ -8860,6 +8894,66 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
     avgpipe_free(ctx, live);
     avgpipe_free(ctx, seen);
     return AVGPIPE_OK;
+}
+
+/* The slot counts avgpipe__plan_slots finds in the lowered form of the compute-only schedule in,
+   without lowering it (the tuner's memory model: no lowered lists to build and read twice). Each
+   key's touches are counted from in's own lists (an op, its send, the receives into the rank), then
+   each rank's lowered list is walked once (avgpipe__lower_next) taking a slot at a key's first touch
+   and giving it back at its last, as the plan does. slots: [in->nstages]. */
+static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, int *slots) {
+    avgpipe__lower L;
+    avgpipe_result res;
+    int r, g, G = in->nstages, *left = NULL, *live = NULL;
+    unsigned char *seen = NULL;
+    size_t cells;
+    if ((res = avgpipe__lower_prep(ctx, in, &L)) != AVGPIPE_OK) return res;
+    cells = (size_t)G * L.N * (size_t)L.U;
+    left = (int *)avgpipe__calloc(ctx, cells, sizeof(int));
+    seen = (unsigned char *)avgpipe__calloc(ctx, cells, 1);
+    live = (int *)avgpipe__calloc(ctx, (size_t)G + 1, sizeof(int));
+    if (!left || !seen || !live) {
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
+        goto done;
+    }
+    for (g = 0; g < G; g++) slots[g] = 0;
+#define AVGPIPE__KEY(g, p, u) (((size_t)(g) * L.N + (size_t)(p)) * (size_t)L.U + (size_t)(u))
+    for (r = 0; r < L.S; r++) {
+        const avgpipe_op *o = in->ops[r];
+        const int *un = L.units + L.ustart[r];
+        avgpipe__lower_cur c;
+        avgpipe_op x;
+        int i, j, nk, keys[3] = {0, 0, 0};
+        long long k;
+        for (i = 0; i < in->len[r]; i++) {
+            if (un[i] < 0) continue; /* an idle slot lowering drops */
+            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &o[i], keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], o[i].pipe, o[i].micro)]++;
+            if (avgpipe__op_send(&L.pl, &o[i], &x))
+                for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], x.pipe, x.micro)]++;
+        }
+        for (k = L.moff[r]; k < L.moff[r + 1]; k++)
+            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &L.msgs[k], keys); j < nk; j++)
+                left[AVGPIPE__KEY(keys[j], L.msgs[k].pipe, L.msgs[k].micro)]++;
+        avgpipe__lower_rank(&L, r, &c);
+        while (avgpipe__lower_next(&L, &c, &x))
+            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) {
+                size_t key = AVGPIPE__KEY(keys[j], x.pipe, x.micro);
+                if (!seen[key]) { /* first touch: take a slot */
+                    seen[key] = 1;
+                    if (++live[keys[j]] > slots[keys[j]]) slots[keys[j]] = live[keys[j]];
+                }
+                if (--left[key] == 0) live[keys[j]]--; /* the last: give it back */
+            }
+    }
+#undef AVGPIPE__KEY
+    for (g = 0; g < G; g++)
+        if (slots[g] < 1) slots[g] = 1;
+done:
+    avgpipe_free(ctx, left);
+    avgpipe_free(ctx, seen);
+    avgpipe_free(ctx, live);
+    avgpipe__lower_free(ctx, &L);
+    return res;
 }
 
 /* The bytes of one slot of stage g (of G): its input and output activations, and a copy of each that
@@ -9260,7 +9354,7 @@ static avgpipe_result avgpipe__run_sync_ops(avgpipe_context *ctx, const avgpipe_
    and its lowered form. own (may be NULL): the schedule generation would give, already generated (its
    sync ops may be placed already: they are checked against sync as a given schedule's are): taken (*own
    is emptied) instead of generating again. N, U (may be NULL): the pipelines and micro-batches of
-   low when lowering counted them, else 0. */
+   low when lowering counted them, else 0. low NULL: base only, not lowered. */
 static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
                                                  int check, const avgpipe_sync_desc *sync, avgpipe_schedule *own, avgpipe_schedule *base,
                                                  avgpipe_schedule *low, int *N, long long *U) {
@@ -9268,7 +9362,7 @@ static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avg
     avgpipe_result res;
     int n = 0;
     long long u = 0;
-    memset(low, 0, sizeof *low);
+    if (low) memset(low, 0, sizeof *low);
     if (given) res = avgpipe_sched_copy(ctx, given, base);
     else if (own) {
         *base = *own;
@@ -9284,7 +9378,7 @@ static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avg
     if (!res) res = avgpipe__run_sync_ops(ctx, sync, base);
     if (!res && (check || given) && (res = avgpipe_sched_validate(ctx, base, NULL, &rep)) != AVGPIPE_OK)
         res = avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
-    if (!res) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe__sched_lower_nu(ctx, base, low, &n, &u);
+    if (!res && low) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe__sched_lower_nu(ctx, base, low, &n, &u);
     if (res) avgpipe_sched_free(ctx, base);
     if (N) *N = n;
     if (U) *U = u;
@@ -12132,7 +12226,7 @@ static avgpipe_result avgpipe__plan_from_slots(avgpipe_context *ctx, const avgpi
 static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe_run_desc *desc, const int *slots_in, int *slots_out,
                                              avgpipe_schedule *own, double *per_rank) {
     avgpipe_run run;
-    avgpipe_schedule base, low;
+    avgpipe_schedule base;
     avgpipe_buffer_plan plan;
     avgpipe_sync_desc sy;
     avgpipe_result res;
@@ -12145,15 +12239,19 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
     if (!res) res = avgpipe__run_ties(ctx, &run);
     if (!res && slots_in && !desc->schedule) {
         res = avgpipe__plan_from_slots(ctx, &run, slots_in, &plan);
-    } else if (!res) {
-        int N;
-        long long U;
+    } else if (!res) { /* the slots of the lowered schedule, counted without lowering a compute-only one */
         res = avgpipe__run_schedules_own(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), desc->schedule ? NULL : own,
-                                         &base, &low, &N, &U);
+                                         &base, NULL, NULL, NULL);
         if (!res) {
-            res = avgpipe__buffer_plan_in(ctx, &low, run.act, N, U, 0, &plan);
+            if (base.has_comm) res = avgpipe__buffer_plan_in(ctx, &base, run.act, 0, 0, 0, &plan);
+            else {
+                int *slots = (int *)avgpipe_alloc(ctx, (size_t)run.G * sizeof(int));
+                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, slots)
+                            : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
+                if (!res) res = avgpipe__plan_from_slots(ctx, &run, slots, &plan);
+                avgpipe_free(ctx, slots);
+            }
             avgpipe_sched_free(ctx, &base);
-            avgpipe_sched_free(ctx, &low);
         }
         if (!res && slots_out) memcpy(slots_out, plan.slots, (size_t)run.G * sizeof(int));
     }

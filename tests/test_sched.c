@@ -930,3 +930,103 @@ Test(kinds, table_agrees_with_the_resolver_and_the_generators) {
         }
     }
 }
+
+/* ---- the buffer plan without lowering ---------------------------------------------------------- */
+
+/* The tuner's memory model counts the slots of the lowered schedule without lowering it
+   (avgpipe__plan_slots_unlowered, internal); its reference is the plan itself: lower, then
+   avgpipe_buffer_plan_build. Every generated kind with and without ties and agreement, then the same
+   lists shuffled on each rank, with idle slots and overlap flags strewn in (no longer valid schedules,
+   but lowering and the plan take them, and they move receives, units and last touches about). */
+static void expect_unlowered_slots(const avgpipe_schedule *s, const char *what) {
+    avgpipe_schedule low;
+    avgpipe_buffer_plan plan;
+    size_t act[64];
+    int g, got[64];
+    for (g = 0; g < 64; g++) act[g] = 32;
+    cr_assert_leq(s->nstages, 64);
+    cr_assert_eq(avgpipe_sched_lower(NULL, s, &low), AVGPIPE_OK, "%s: lower: %s", what, avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe_buffer_plan_build(NULL, &low, act, &plan), AVGPIPE_OK, "%s: plan: %s", what, avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+    for (g = 0; g < s->nstages; g++)
+        cr_assert_eq(got[g], plan.slots[g], "%s: stage %d: %d slots counted without lowering, %d planned", what, g, got[g], plan.slots[g]);
+    avgpipe_buffer_plan_free(NULL, &plan);
+    avgpipe_sched_free(NULL, &low);
+}
+
+static unsigned shuffle_rng(unsigned *x) {
+    *x ^= *x << 13;
+    *x ^= *x >> 17;
+    *x ^= *x << 5;
+    return *x;
+}
+
+/* s's lists shuffled (Fisher-Yates), each op then given OVERLAP_NEXT with chance 1/8 and an idle
+   slot before it with chance 1/8, into out (its own lists, s's shape). */
+static void shuffled(const avgpipe_schedule *s, unsigned seed, avgpipe_schedule *out) {
+    int r, i;
+    unsigned x = seed * 2654435761u + 1;
+    avgpipe_schedule c;
+    cr_assert_eq(avgpipe_sched_copy(NULL, s, &c), AVGPIPE_OK);
+    cr_assert_eq(avgpipe_sched_init(NULL, out, s->nranks, &s->shape), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+    cr_assert_eq(out->nstages, s->nstages);
+    for (r = 0; r < c.nranks; r++) {
+        avgpipe_op *o = c.ops[r];
+        for (i = c.len[r] - 1; i > 0; i--) {
+            int j = (int)(shuffle_rng(&x) % (unsigned)(i + 1));
+            avgpipe_op t = o[i];
+            o[i] = o[j];
+            o[j] = t;
+        }
+        for (i = 0; i < c.len[r]; i++) {
+            avgpipe_op idle;
+            memset(&idle, 0, sizeof idle);
+            o[i].flags = shuffle_rng(&x) % 8 == 0 ? AVGPIPE_OPF_OVERLAP_NEXT : 0;
+            if (shuffle_rng(&x) % 8 == 0) cr_assert_eq(avgpipe_sched_push(NULL, out, r, idle), AVGPIPE_OK);
+            cr_assert_eq(avgpipe_sched_push(NULL, out, r, o[i]), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        }
+    }
+    avgpipe_sched_free(NULL, &c);
+}
+
+Test(plan, unlowered_slots_are_the_lowered_plans) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_AFAB,        AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
+                                               AVGPIPE_SCHED_INTERLEAVED, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV,
+                                               AVGPIPE_SCHED_DUALPIPEV};
+    int ki, S, M, N, cont, K, mode, cases = 0;
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (S = 1; S <= 5; S++)
+            for (M = 1; M <= 6; M++)
+                for (N = 1; N <= 2; N++)
+                    for (cont = 0; cont <= 1; cont++)
+                        for (K = 0; K <= (kinds[ki] == AVGPIPE_SCHED_ADVANCE || kinds[ki] == AVGPIPE_SCHED_ZBV ? 3 : 0); K++)
+                            for (mode = 0; mode < 3; mode++) {
+                                avgpipe_sched_desc d = desc_of(kinds[ki], S, M, N, kinds[ki] == AVGPIPE_SCHED_INTERLEAVED ? 2 + M % 2 : 1, 2, K, cont);
+                                avgpipe_schedule s, t, u;
+                                avgpipe_tie tie;
+                                avgpipe_sync_desc sy = {.ties = &tie};
+                                avgpipe_context quiet;
+                                char what[256];
+                                avgpipe_context_init(&quiet, NULL);
+                                if (avgpipe_sched_generate(&quiet, &d, &s) != AVGPIPE_OK) continue; /* a shape the kind refuses */
+                                memset(&tie, 0, sizeof tie);
+                                tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 4;
+                                sy.nties = mode >= 1 && s.nstages > 1;
+                                sy.agree = mode == 2;
+                                snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
+                                if (sy.nties || sy.agree) {
+                                    cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+                                    avgpipe_sched_free(NULL, &s);
+                                    s = t;
+                                }
+                                expect_unlowered_slots(&s, what);
+                                shuffled(&s, (unsigned)cases, &u);
+                                strncat(what, " shuffled", sizeof what - strlen(what) - 1);
+                                expect_unlowered_slots(&u, what);
+                                avgpipe_sched_free(NULL, &u);
+                                avgpipe_sched_free(NULL, &s);
+                                cases++;
+                            }
+    cr_assert_gt(cases, 1000, "only %d cases ran", cases);
+    cr_log_info("%d schedules, each also shuffled", cases);
+}
