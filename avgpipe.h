@@ -3008,6 +3008,24 @@ static avgpipe_result avgpipe__sched_scan(avgpipe_context *ctx, const avgpipe_sc
     return avgpipe__sched_scan_sync(ctx, s, home_of, npipes, nmicro, &nsync);
 }
 
+/* What the scan counts, known in advance: a schedule avgpipe_sched_generate made (with STEPs, AVGs,
+   TIEs and AGREEs added or not) spans every pipeline of its shape and micro x rounds micro-batches
+   (tests/test_sched.c checks it against the scan for every kind); nsync: it may hold TIE or AGREE ops.
+   The tuner passes it to the simulator and to its memory model, which then skip the scan (a pass over
+   every op, a tenth of a prediction). Only for schedules the library generated: the scan also checks. */
+typedef struct avgpipe__extent {
+    int N, nsync;
+    long long U;
+} avgpipe__extent;
+
+static avgpipe__extent avgpipe__gen_extent(const avgpipe_schedule *s, int nsync) {
+    avgpipe__extent sp;
+    sp.N = s->shape.pipes;
+    sp.U = (long long)s->shape.micro * s->shape.rounds;
+    sp.nsync = nsync;
+    return sp;
+}
+
 /* --- 3. Text format --------------------------------------------------------------------------- */
 
 /* ---- export ---- */
@@ -4837,15 +4855,16 @@ static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
     memset(L, 0, sizeof *L);
 }
 
-/* Steps 1-3 for every rank: the units, the messages and each receive's slot. On failure L is freed
-   and the error recorded. */
-static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe__lower *L) {
+/* Steps 1-3 for every rank: the units, the messages and each receive's slot. known (may be NULL): the
+   schedule's span (no scan). On failure L is freed and the error recorded. */
+static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, avgpipe__lower *L) {
     avgpipe_result res;
     int r, maxu = 0;
     long long total = 0, cells, i, *mfill = NULL;
     memset(L, 0, sizeof *L);
     res = avgpipe__place_build(ctx, in, &L->pl);
-    if (!res) res = avgpipe__sched_scan(ctx, in, L->pl.rank, &L->N, &L->U);
+    if (!res && known) L->N = known->N, L->U = known->U;
+    else if (!res) res = avgpipe__sched_scan(ctx, in, L->pl.rank, &L->N, &L->U);
     if (res) {
         avgpipe__place_free(ctx, &L->pl);
         return res;
@@ -5013,7 +5032,7 @@ static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpip
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
-    if ((res = avgpipe__lower_prep(ctx, in, &L)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__lower_prep(ctx, in, NULL, &L)) != AVGPIPE_OK) return res;
     res = avgpipe__sched_init_like(ctx, out, in);
     for (r = 0; r < L.S && !res; r++) {
         avgpipe__lower_cur c;
@@ -5506,16 +5525,17 @@ static avgpipe_result avgpipe__sim_deadlock(avgpipe__sim *m) {
 }
 
 static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
-                                        avgpipe_sim_result *out, int *stuck);
+                                        avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known);
 
 AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
                                            avgpipe_sim_result *out) {
-    return avgpipe__sim_core(ctx, s, desc, out, NULL);
+    return avgpipe__sim_core(ctx, s, desc, out, NULL, NULL);
 }
 
-/* stuck (optional) gets the rank and position of the first stuck op after a deadlock. */
+/* stuck (optional) gets the rank and position of the first stuck op after a deadlock. known (may be
+   NULL): the span of s (no scan). */
 static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
-                                        avgpipe_sim_result *out, int *stuck) {
+                                        avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known) {
     avgpipe_sim_desc zero, resolved;
     avgpipe__sim m;
     avgpipe_result res;
@@ -5543,7 +5563,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         res = avgpipe_sched_lower(ctx, s, &low);
         if (res) return res;
         if (low.has_comm) {
-            res = avgpipe__sim_core(ctx, &low, desc, out, NULL);
+            res = avgpipe__sim_core(ctx, &low, desc, out, NULL, NULL);
             avgpipe_sched_free(ctx, &low);
             return res;
         }
@@ -5553,7 +5573,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
-    res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
+    if (known) N = known->N, U = known->U, nsync = known->nsync;
+    else res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
         return res;
@@ -8900,14 +8921,14 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
    without lowering it (the tuner's memory model: no lowered lists to build and read twice). Each
    key's touches are counted from in's own lists (an op, its send, the receives into the rank), then
    each rank's lowered list is walked once (avgpipe__lower_next) taking a slot at a key's first touch
-   and giving it back at its last, as the plan does. slots: [in->nstages]. */
-static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, int *slots) {
+   and giving it back at its last, as the plan does. slots: [in->nstages]; known (may be NULL): in's span. */
+static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, int *slots) {
     avgpipe__lower L;
     avgpipe_result res;
     int r, g, G = in->nstages, *left = NULL, *live = NULL;
     unsigned char *seen = NULL;
     size_t cells;
-    if ((res = avgpipe__lower_prep(ctx, in, &L)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__lower_prep(ctx, in, known, &L)) != AVGPIPE_OK) return res;
     cells = (size_t)G * L.N * (size_t)L.U;
     left = (int *)avgpipe__calloc(ctx, cells, sizeof(int));
     seen = (unsigned char *)avgpipe__calloc(ctx, cells, 1);
@@ -12246,7 +12267,8 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
             if (base.has_comm) res = avgpipe__buffer_plan_in(ctx, &base, run.act, 0, 0, 0, &plan);
             else {
                 int *slots = (int *)avgpipe_alloc(ctx, (size_t)run.G * sizeof(int));
-                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, slots)
+                avgpipe__extent span = avgpipe__gen_extent(&base, 1); /* generated here or by the tuner, unless given */
+                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, desc->schedule ? NULL : &span, slots)
                             : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
                 if (!res) res = avgpipe__plan_from_slots(ctx, &run, slots, &plan);
                 avgpipe_free(ctx, slots);
@@ -13295,7 +13317,10 @@ static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpi
         }
     sd.stage_cost = cost;
     sd.latency = m->latency;
-    res = avgpipe_sim_run(ctx, sp, &sd, &r);
+    {
+        avgpipe__extent span = avgpipe__gen_extent(gen, sp != gen); /* generated: no scan */
+        res = avgpipe__sim_core(ctx, sp, &sd, &r, NULL, &span);
+    }
     avgpipe_free(ctx, tie_bytes);
     avgpipe_free(ctx, cost);
     if (res) {

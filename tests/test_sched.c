@@ -935,10 +935,11 @@ Test(kinds, table_agrees_with_the_resolver_and_the_generators) {
 
 /* The tuner's memory model counts the slots of the lowered schedule without lowering it
    (avgpipe__plan_slots_unlowered, internal); its reference is the plan itself: lower, then
-   avgpipe_buffer_plan_build. Every generated kind with and without ties and agreement, then the same
+   avgpipe_buffer_plan_build. On the generated schedules, also with the extent the tuner takes from the
+   shape instead of scanning (avgpipe__gen_extent), which must be the scan's, there and in the simulator. Every generated kind with and without ties and agreement, then the same
    lists shuffled on each rank, with idle slots and overlap flags strewn in (no longer valid schedules,
    but lowering and the plan take them, and they move receives, units and last touches about). */
-static void expect_unlowered_slots(const avgpipe_schedule *s, const char *what) {
+static void expect_unlowered_slots(const avgpipe_schedule *s, int generated, const char *what) {
     avgpipe_schedule low;
     avgpipe_buffer_plan plan;
     size_t act[64];
@@ -947,9 +948,30 @@ static void expect_unlowered_slots(const avgpipe_schedule *s, const char *what) 
     cr_assert_leq(s->nstages, 64);
     cr_assert_eq(avgpipe_sched_lower(NULL, s, &low), AVGPIPE_OK, "%s: lower: %s", what, avgpipe_last_error(NULL));
     cr_assert_eq(avgpipe_buffer_plan_build(NULL, &low, act, &plan), AVGPIPE_OK, "%s: plan: %s", what, avgpipe_last_error(NULL));
-    cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, NULL, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
     for (g = 0; g < s->nstages; g++)
         cr_assert_eq(got[g], plan.slots[g], "%s: stage %d: %d slots counted without lowering, %d planned", what, g, got[g], plan.slots[g]);
+    if (generated) { /* the tuner's way: the extent from the shape, no scan */
+        avgpipe__extent e = avgpipe__gen_extent(s, 1);
+        int N;
+        long long U;
+        cr_assert_eq(avgpipe__sched_scan(NULL, s, NULL, &N, &U), AVGPIPE_OK);
+        cr_assert(N == e.N && U == e.U, "%s: the scan counts %d pipelines and %lld micro-batches, the shape %d and %lld", what, N, U, e.N, e.U);
+        cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, &e, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+        for (g = 0; g < s->nstages; g++)
+            cr_assert_eq(got[g], plan.slots[g], "%s: stage %d: %d slots counted with the shape's extent, %d planned", what, g, got[g], plan.slots[g]);
+        { /* and the simulator with it */
+            avgpipe_sim_desc sd = costs(1, 2, 1, 1, 0.5);
+            avgpipe_sim_result a, b;
+            int r;
+            simulate(s, &sd, &a);
+            cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+            cr_assert_eq(b.makespan, a.makespan, "%s: makespan %g with the extent, %g scanned", what, b.makespan, a.makespan);
+            for (r = 0; r < s->nranks; r++) cr_assert_eq(b.rank[r].busy, a.rank[r].busy, "%s: rank %d", what, r);
+            avgpipe_sim_result_free(NULL, &a);
+            avgpipe_sim_result_free(NULL, &b);
+        }
+    }
     avgpipe_buffer_plan_free(NULL, &plan);
     avgpipe_sched_free(NULL, &low);
 }
@@ -1019,10 +1041,10 @@ Test(plan, unlowered_slots_are_the_lowered_plans) {
                                     avgpipe_sched_free(NULL, &s);
                                     s = t;
                                 }
-                                expect_unlowered_slots(&s, what);
+                                expect_unlowered_slots(&s, 1, what);
                                 shuffled(&s, (unsigned)cases, &u);
                                 strncat(what, " shuffled", sizeof what - strlen(what) - 1);
-                                expect_unlowered_slots(&u, what);
+                                expect_unlowered_slots(&u, 0, what);
                                 avgpipe_sched_free(NULL, &u);
                                 avgpipe_sched_free(NULL, &s);
                                 cases++;
