@@ -4620,31 +4620,75 @@ static void avgpipe__sync_run(avgpipe__sync *y, int r, const avgpipe_op *op, dou
     if (y->work[avgpipe__sr(y, p, g, t)] == 2 * y->M) avgpipe__sync_work_done(y, p, g, t, end);
 }
 
+/* When rank r's next op (with the op it overlaps: *n = 2) could start; -1 when it cannot yet or the
+   rank's list is done. */
+static double avgpipe__sync_next(const avgpipe__sync *y, const int *cur, int r, int *n) {
+    const avgpipe_op *o = y->in->ops[r];
+    int c = cur[r];
+    double st, st2;
+    *n = 1;
+    if (c >= y->in->len[r]) return -1;
+    if ((o[c].flags & AVGPIPE_OPF_OVERLAP_NEXT) && c + 1 < y->in->len[r]) *n = 2;
+    st = avgpipe__sync_start(y, r, &o[c]);
+    if (*n == 2 && st >= 0) {
+        st2 = avgpipe__sync_start(y, r, &o[c + 1]);
+        st = st2 < 0 ? -1 : st2 > st ? st2 : st;
+    }
+    return st;
+}
+
+/* The replay's choice among the ranks, kept in a tournament tree over them (leaves tree[P + r], each
+   node the better of its two children: the earlier start, then the lower rank; -1 for a rank that cannot
+   start): the earliest op in O(log S) per update instead of asking every rank for every op. A rank's
+   start changes only when it runs an op, when an event moves its clock, or when what it waits for
+   arrives: the forward of stage g's output (the rank of g + 1), the gradient of g (the rank of g - 1), a
+   STEP released by an event (the ranks the event concerns); those ranks are asked again. */
+static int avgpipe__sync_better(const double *st, int a, int b) {
+    if (a < 0 || st[a] < 0) return b;
+    if (b < 0 || st[b] < 0) return a;
+    return st[b] < st[a] || (st[b] == st[a] && b < a) ? b : a;
+}
+
+static void avgpipe__sync_update(const avgpipe__sync *y, const int *cur, double *st, int *nops, int *tree, int P, int r) {
+    int i = P + r;
+    st[r] = avgpipe__sync_next(y, cur, r, &nops[r]);
+    for (i /= 2; i >= 1; i /= 2) tree[i] = avgpipe__sync_better(st, tree[2 * i], tree[2 * i + 1]);
+}
+
+/* After op ran on its rank: ask again the ranks whose next op may now start. */
+static void avgpipe__sync_ran(const avgpipe__sync *y, const int *cur, double *st, int *nops, int *tree, int P, const avgpipe_op *op) {
+    int g = op->stage;
+    if (op->kind == AVGPIPE_OP_F && g + 1 < y->G) avgpipe__sync_update(y, cur, st, nops, tree, P, y->rank[g + 1]);
+    if (avgpipe__is_backward(op->kind) && g > 0) avgpipe__sync_update(y, cur, st, nops, tree, P, y->rank[g - 1]);
+}
+
 static avgpipe_result avgpipe__sync_replay(avgpipe_context *ctx, avgpipe__sync *y) {
     const avgpipe_schedule *s = y->in;
-    int S = s->nranks, r;
-    int *cur = (int *)avgpipe__calloc(ctx, (size_t)S, sizeof(int));
-    if (!cur) return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_add_sync: out of memory");
+    int S = s->nranks, r, P = 1;
+    int *cur, *nops, *tree;
+    double *st;
+    while (P < S) P *= 2;
+    cur = (int *)avgpipe__calloc(ctx, (size_t)3 * S + 2 * (size_t)P, sizeof(int));
+    st = (double *)avgpipe_alloc(ctx, (size_t)S * sizeof(double));
+    if (!cur || !st) {
+        avgpipe_free(ctx, cur);
+        avgpipe_free(ctx, st);
+        return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_add_sync: out of memory");
+    }
+    nops = cur + S;
+    tree = nops + S;
+    for (r = 0; r < 2 * P; r++) tree[r] = -1;
+    for (r = 0; r < S; r++) {
+        st[r] = avgpipe__sync_next(y, cur, r, &nops[r]);
+        tree[P + r] = r;
+    }
+    for (r = P - 1; r >= 1; r--) tree[r] = avgpipe__sync_better(st, tree[2 * r], tree[2 * r + 1]);
     for (;;) { /* the earliest thing next: an op (or overlap pair) that can start, or a queued event */
-        int best = -1, e, first = -1, n = 1;
-        double at = 0;
-        for (r = 0; r < S; r++) {
-            int c = cur[r], k;
-            const avgpipe_op *o = s->ops[r];
-            double st, st2;
-            if (c >= s->len[r]) continue;
-            k = (o[c].flags & AVGPIPE_OPF_OVERLAP_NEXT) && c + 1 < s->len[r] ? 2 : 1;
-            st = avgpipe__sync_start(y, r, &o[c]);
-            if (k == 2 && st >= 0) {
-                st2 = avgpipe__sync_start(y, r, &o[c + 1]);
-                st = st2 < 0 ? -1 : st2 > st ? st2 : st;
-            }
-            if (st >= 0 && (best < 0 || st < at)) {
-                best = r;
-                at = st;
-                n = k;
-            }
-        }
+        int best = tree[1], e, first = -1, n;
+        double at;
+        const avgpipe_op *op;
+        if (best >= 0 && st[best] < 0) best = -1;
+        at = best >= 0 ? st[best] : 0;
         for (e = 0; e < y->nev; e++)
             if (first < 0 || y->ev[e].at < y->ev[first].at) first = e;
         if (first >= 0 && (best < 0 || y->ev[first].at <= at)) {
@@ -4652,18 +4696,29 @@ static avgpipe_result avgpipe__sync_replay(avgpipe_context *ctx, avgpipe__sync *
             memmove(&y->ev[first], &y->ev[first + 1], (size_t)(y->nev - first - 1) * sizeof ev);
             y->nev--;
             avgpipe__sync_fire(y, &ev);
+            if (ev.h >= 0) { /* a TIE pair: its two ranks' clocks, their STEPs */
+                avgpipe__sync_update(y, cur, st, nops, tree, P, y->rank[ev.g]);
+                avgpipe__sync_update(y, cur, st, nops, tree, P, y->rank[ev.h]);
+            } else /* an AGREE group: every stage */
+                for (r = 0; r < S; r++) avgpipe__sync_update(y, cur, st, nops, tree, P, r);
             continue;
         }
         if (best < 0) break;
-        avgpipe__sync_run(y, best, &s->ops[best][cur[best]], at);
-        if (n == 2) avgpipe__sync_run(y, best, &s->ops[best][cur[best] + 1], at);
+        n = nops[best];
+        op = &s->ops[best][cur[best]];
+        avgpipe__sync_run(y, best, op, at);
+        if (n == 2) avgpipe__sync_run(y, best, op + 1, at);
         cur[best] += n;
+        avgpipe__sync_update(y, cur, st, nops, tree, P, best);
+        avgpipe__sync_ran(y, cur, st, nops, tree, P, op);
+        if (n == 2) avgpipe__sync_ran(y, cur, st, nops, tree, P, op + 1);
     }
+    avgpipe_free(ctx, st);
     for (r = 0; r < S && cur[r] >= s->len[r]; r++) {}
     if (r < S) {
         char txt[64], held[64] = "";
-        int p, g, t;
-        avgpipe_op_format(&s->ops[r][cur[r]], 0, txt, sizeof txt);
+        int p, g, t, pos = cur[r];
+        avgpipe_op_format(&s->ops[r][pos], 0, txt, sizeof txt);
         for (p = 0; p < y->N && !held[0]; p++)
             for (g = 0; g < y->G && !held[0]; g++)
                 for (t = 0; t < y->T && !held[0]; t++)
@@ -4676,9 +4731,9 @@ static avgpipe_result avgpipe__sync_replay(avgpipe_context *ctx, avgpipe__sync *
             return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE,
                                  "avgpipe_sched_add_sync: rank %d position %d (%s) cannot run before STEP %s, whose round's %s cannot "
                                  "complete before it: this schedule cannot hold the sync (reorder it, or use synchronous rounds)",
-                                 r, cur[r], txt, held, y->agree ? "agreement" : "tie");
+                                 r, pos, txt, held, y->agree ? "agreement" : "tie");
         return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "avgpipe_sched_add_sync: rank %d position %d (%s) never becomes ready: the schedule is not valid",
-                             r, cur[r], txt);
+                             r, pos, txt);
     }
     avgpipe_free(ctx, cur);
     for (r = 0; r < y->N * y->G * y->T; r++)

@@ -230,6 +230,16 @@ Test(sync, add_sync_refuses_bad_ties_naming_them) {
         cr_assert(strstr(avgpipe_last_error(NULL), "compute-only"), "%s", avgpipe_last_error(NULL));
         avgpipe_sched_free(NULL, &l);
     }
+    { /* an op that can never run: named by its rank and position (until 0.10.1 the position was read
+         from freed memory) */
+        int i = 0;
+        avgpipe_op x;
+        while (s.ops[0][i].kind != AVGPIPE_OP_B) i++;
+        x = s.ops[0][0], s.ops[0][0] = s.ops[0][i], s.ops[0][i] = x; /* rank 0 starts with a backward */
+        cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_INVALID_SCHEDULE);
+        cr_assert(strstr(avgpipe_last_error(NULL), "rank 0 position 0 (") && strstr(avgpipe_last_error(NULL), "never becomes ready"), "%s",
+                  avgpipe_last_error(NULL));
+    }
     avgpipe_sched_free(NULL, &s);
 }
 
