@@ -2937,6 +2937,9 @@ static int avgpipe__sched_scan_fast(const avgpipe_schedule *s, const int *home_o
     return 1;
 }
 
+/* The most (pipeline, stage, micro-batch) cells the tables of the scan's callers may span. */
+#define AVGPIPE__MAX_CELLS 200000000LL
+
 /* avgpipe__sched_scan: check every op's kind, stage placement, pipeline and micro-batch, and count
    the pipelines and the micro-batches per pipeline (across rounds): the sizes of the tables lowering
    and simulation keep. home (may be NULL) is the rank of each of the s->nstages stages, as
@@ -2988,7 +2991,7 @@ static avgpipe_result avgpipe__sched_scan_sync(avgpipe_context *ctx, const avgpi
             }
         }
 sized:
-    if ((long long)N * s->nstages * U > 200000000LL)
+    if ((long long)N * s->nstages * U > AVGPIPE__MAX_CELLS)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_SCHEDULE, "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)",
                              N, s->nstages, U);
     if (!avgpipe__cells_ok((double)N * s->nstages * (double)U, nops))
@@ -3017,6 +3020,12 @@ typedef struct avgpipe__extent {
     int N, nsync;
     long long U;
 } avgpipe__extent;
+
+/* The extent of a generated schedule, or NULL (then the scan refuses it, as for any schedule) when its
+   tables would pass the scan's limit. */
+static const avgpipe__extent *avgpipe__extent_ok(const avgpipe_schedule *s, const avgpipe__extent *e) {
+    return e && (long long)e->N * s->nstages * e->U <= AVGPIPE__MAX_CELLS ? e : NULL;
+}
 
 static avgpipe__extent avgpipe__gen_extent(const avgpipe_schedule *s, int nsync) {
     avgpipe__extent sp;
@@ -4918,7 +4927,7 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     long long total = 0, cells, i, *mfill = NULL;
     memset(L, 0, sizeof *L);
     res = avgpipe__place_build(ctx, in, &L->pl);
-    if (!res && known) L->N = known->N, L->U = known->U;
+    if (!res && (known = avgpipe__extent_ok(in, known)) != NULL) L->N = known->N, L->U = known->U;
     else if (!res) res = avgpipe__sched_scan(ctx, in, L->pl.rank, &L->N, &L->U);
     if (res) {
         avgpipe__place_free(ctx, &L->pl);
@@ -5628,7 +5637,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
-    if (known) N = known->N, U = known->U, nsync = known->nsync;
+    if ((known = avgpipe__extent_ok(s, known)) != NULL) N = known->N, U = known->U, nsync = known->nsync;
     else res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
@@ -6711,7 +6720,7 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
         res = avgpipe__sched_scan(v->ctx, v->s, v->pl.rank, &N, &U);
         if (res) return avgpipe__vfail(v, res, -1, -1, "%s", avgpipe_last_error(v->ctx));
     }
-    if ((long long)v->N * v->G * v->M * v->R > 200000000LL) /* the simulator's tables (its scan refuses more) */
+    if ((long long)v->N * v->G * v->M * v->R > AVGPIPE__MAX_CELLS) /* the simulator's tables (its scan refuses more) */
         return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
                               "schedule too large to simulate (%d pipelines x %d stages x %lld micro-batches)", v->N, v->G,
                               (long long)v->M * v->R);

@@ -968,6 +968,10 @@ static void expect_unlowered_slots(const avgpipe_schedule *s, int generated, con
             cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
             cr_assert_eq(b.makespan, a.makespan, "%s: makespan %g with the extent, %g scanned", what, b.makespan, a.makespan);
             for (r = 0; r < s->nranks; r++) cr_assert_eq(b.rank[r].busy, a.rank[r].busy, "%s: rank %d", what, r);
+            avgpipe_sim_result_free(NULL, &b);
+            e.N = 1 << 20, e.U = 1 << 20; /* past the tables' limit: not taken, the scan counts */
+            cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+            cr_assert_eq(b.makespan, a.makespan, "%s: makespan %g with an extent past the limit, %g scanned", what, b.makespan, a.makespan);
             avgpipe_sim_result_free(NULL, &a);
             avgpipe_sim_result_free(NULL, &b);
         }
