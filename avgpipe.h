@@ -4894,7 +4894,7 @@ typedef struct avgpipe__lower {
     avgpipe_op *msgs;   /* every message as its receive, grouped by receiving rank, each group in (sender, sender's order) */
     int *msrc, *slot;   /* each message's sender, and the slot of its receive (steps 2 and 3) */
     int *bucket, *ord;  /* avgpipe__lower_rank: rank r's receives by slot, ord[bucket[q] .. bucket[q + 1]) in slot q */
-    int *fill;
+    int *fill;          /* avgpipe__lower_rank's scratch: the next free place of each slot in ord */
 } avgpipe__lower;
 
 static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
@@ -4920,7 +4920,7 @@ static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
 }
 
 /* Steps 1-3 for every rank: the units, the messages and each receive's slot. known (may be NULL): the
-   schedule's span (no scan). On failure L is freed and the error recorded. */
+   schedule's extent (no scan). On failure L is freed and the error recorded. */
 static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, avgpipe__lower *L) {
     avgpipe_result res;
     int r, maxu = 0;
@@ -5079,17 +5079,7 @@ AVGPIPE__FORCE_INLINE int avgpipe__lower_next(const avgpipe__lower *L, avgpipe__
     }
 }
 
-static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out, int *npipes,
-                                             long long *nmicro);
-
 AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out) {
-    return avgpipe__sched_lower_nu(ctx, in, out, NULL, NULL);
-}
-
-/* avgpipe_sched_lower; npipes and nmicro (may be NULL) get the pipelines and micro-batches its scan
-   counted, which the output has too (lowering adds SEND/RECV ops of the same cells). */
-static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpipe_schedule *in, avgpipe_schedule *out, int *npipes,
-                                             long long *nmicro) {
     avgpipe__lower L;
     avgpipe_result res;
     int r;
@@ -5109,11 +5099,7 @@ static avgpipe_result avgpipe__sched_lower_nu(avgpipe_context *ctx, const avgpip
         out->len[r] = w;
     }
     if (res) avgpipe_sched_free(ctx, out);
-    else {
-        out->has_comm = L.moff[L.S] > 0; /* one rank, or all chunks on one rank: nothing to send */
-        if (npipes) *npipes = L.N;
-        if (nmicro) *nmicro = L.U;
-    }
+    else out->has_comm = L.moff[L.S] > 0; /* one rank, or all chunks on one rank: nothing to send */
     avgpipe__lower_free(ctx, &L);
     return res;
 }
@@ -5597,7 +5583,7 @@ AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_s
 }
 
 /* stuck (optional) gets the rank and position of the first stuck op after a deadlock. known (may be
-   NULL): the span of s (no scan). */
+   NULL): the extent of s (no scan). */
 static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
                                         avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known) {
     avgpipe_sim_desc zero, resolved;
@@ -8985,7 +8971,7 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
    without lowering it (the tuner's memory model: no lowered lists to build and read twice). Each
    key's touches are counted from in's own lists (an op, its send, the receives into the rank), then
    each rank's lowered list is walked once (avgpipe__lower_next) taking a slot at a key's first touch
-   and giving it back at its last, as the plan does. slots: [in->nstages]; known (may be NULL): in's span. */
+   and giving it back at its last, as the plan does. slots: [in->nstages]; known (may be NULL): in's extent. */
 static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, int *slots) {
     avgpipe__lower L;
     avgpipe_result res;
@@ -9048,26 +9034,26 @@ static size_t avgpipe__plan_slot_bytes(const size_t *act_bytes, int G, int g, in
     return avgpipe__slot_part(in) + (remote_next ? avgpipe__slot_part(o) : 0) + avgpipe__slot_part(o) + (remote_prev ? avgpipe__slot_part(in) : 0);
 }
 
-static avgpipe_result avgpipe__buffer_plan_in(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes, int N, long long U,
-                                             int release, avgpipe_buffer_plan *out);
+static avgpipe_result avgpipe__buffer_plan_in(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes, int release,
+                                             avgpipe_buffer_plan *out);
 
 AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes,
                                                     avgpipe_buffer_plan *out) {
-    return avgpipe__buffer_plan_in(ctx, s, act_bytes, 0, 0, 1, out);
+    return avgpipe__buffer_plan_in(ctx, s, act_bytes, 1, out);
 }
 
-/* avgpipe_buffer_plan_build; N > 0: s holds N pipelines and U micro-batches (lowering's scan counted
-   them: no scan again); release 0: no release tables (the memory model reads the slots alone). */
-static avgpipe_result avgpipe__buffer_plan_in(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes, int N, long long U,
-                                             int release, avgpipe_buffer_plan *out) {
+/* avgpipe_buffer_plan_build; release 0: no release tables (the memory model reads the slots alone). */
+static avgpipe_result avgpipe__buffer_plan_in(avgpipe_context *ctx, const avgpipe_schedule *s, const size_t *act_bytes, int release,
+                                             avgpipe_buffer_plan *out) {
     avgpipe_result res;
-    int r, g;
+    int r, g, N;
+    long long U;
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: NULL argument");
     memset(out, 0, sizeof *out);
     if (s->nstages > 1 && !act_bytes) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: act_bytes is NULL");
     if (!s->has_comm && s->nranks > 1)
         return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_buffer_plan_build: the schedule has no SEND/RECV ops (lower it first)");
-    if (N <= 0 && (res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__sched_scan(ctx, s, NULL, &N, &U)) != AVGPIPE_OK) return res;
     out->nranks = s->nranks;
     out->nstages = s->nstages;
     out->slots = (int *)avgpipe__calloc(ctx, (size_t)s->nstages, sizeof(int));
@@ -9438,15 +9424,12 @@ static avgpipe_result avgpipe__run_sync_ops(avgpipe_context *ctx, const avgpipe_
 /* The run's schedule (base: generated, or a copy of the one given; its STEP/AVG and sync ops placed)
    and its lowered form. own (may be NULL): the schedule generation would give, already generated (its
    sync ops may be placed already: they are checked against sync as a given schedule's are): taken (*own
-   is emptied) instead of generating again. N, U (may be NULL): the pipelines and micro-batches of
-   low when lowering counted them, else 0. low NULL: base only, not lowered. */
+   is emptied) instead of generating again. low NULL: base only, not lowered. */
 static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
                                                  int check, const avgpipe_sync_desc *sync, avgpipe_schedule *own, avgpipe_schedule *base,
-                                                 avgpipe_schedule *low, int *N, long long *U) {
+                                                 avgpipe_schedule *low) {
     avgpipe_validate_report rep;
     avgpipe_result res;
-    int n = 0;
-    long long u = 0;
     if (low) memset(low, 0, sizeof *low);
     if (given) res = avgpipe_sched_copy(ctx, given, base);
     else if (own) {
@@ -9463,16 +9446,14 @@ static avgpipe_result avgpipe__run_schedules_own(avgpipe_context *ctx, const avg
     if (!res) res = avgpipe__run_sync_ops(ctx, sync, base);
     if (!res && (check || given) && (res = avgpipe_sched_validate(ctx, base, NULL, &rep)) != AVGPIPE_OK)
         res = avgpipe__fail(ctx, res, "runtime: the schedule is not valid: %s", rep.message);
-    if (!res && low) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe__sched_lower_nu(ctx, base, low, &n, &u);
+    if (!res && low) res = base->has_comm ? avgpipe_sched_copy(ctx, base, low) : avgpipe_sched_lower(ctx, base, low);
     if (res) avgpipe_sched_free(ctx, base);
-    if (N) *N = n;
-    if (U) *U = u;
     return res;
 }
 
 static avgpipe_result avgpipe__run_schedules(avgpipe_context *ctx, const avgpipe_schedule *given, const avgpipe_sched_desc *sd, int K,
                                              int check, const avgpipe_sync_desc *sync, avgpipe_schedule *base, avgpipe_schedule *low) {
-    return avgpipe__run_schedules_own(ctx, given, sd, K, check, sync, NULL, base, low, NULL, NULL);
+    return avgpipe__run_schedules_own(ctx, given, sd, K, check, sync, NULL, base, low);
 }
 
 static void avgpipe__free_buffer_plan(avgpipe_run *run) {
@@ -12326,13 +12307,13 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
         res = avgpipe__plan_from_slots(ctx, &run, slots_in, &plan);
     } else if (!res) { /* the slots of the lowered schedule, counted without lowering a compute-only one */
         res = avgpipe__run_schedules_own(ctx, desc->schedule, &run.sd, run.K, 0, avgpipe__run_sync_desc(&run, &sy), desc->schedule ? NULL : own,
-                                         &base, NULL, NULL, NULL);
+                                         &base, NULL);
         if (!res) {
-            if (base.has_comm) res = avgpipe__buffer_plan_in(ctx, &base, run.act, 0, 0, 0, &plan);
+            if (base.has_comm) res = avgpipe__buffer_plan_in(ctx, &base, run.act, 0, &plan);
             else {
                 int *slots = (int *)avgpipe_alloc(ctx, (size_t)run.G * sizeof(int));
-                avgpipe__extent span = avgpipe__gen_extent(&base, 1); /* generated here or by the tuner, unless given */
-                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, desc->schedule ? NULL : &span, slots)
+                avgpipe__extent ext = avgpipe__gen_extent(&base, 1); /* generated here or by the tuner, unless given */
+                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, desc->schedule ? NULL : &ext, slots)
                             : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
                 if (!res) res = avgpipe__plan_from_slots(ctx, &run, slots, &plan);
                 avgpipe_free(ctx, slots);
@@ -13299,13 +13280,11 @@ static double avgpipe__op_time(const avgpipe_cost_model *m, int g, int kind, dou
     return (m->a[ix] + m->b[ix] * samples) * (kind == AVGPIPE_OP_STEP ? 1 : util) + m->op_overhead;
 }
 
-static double avgpipe__pred_cost(const avgpipe_op *op, void *user) {
-    const avgpipe__pred *p = (const avgpipe__pred *)user;
-    if (op->stage < 0 || op->stage >= p->m->nstages) return 0;
-    if (op->kind == AVGPIPE_OP_AVG) return p->avg_on_rank ? avgpipe__avg_cost(p->m, op->stage) : 0;
-    if (op->kind == AVGPIPE_OP_AGREE) return avgpipe__avg_cost(p->m, op->stage); /* a pass over the partition's gradients */
-    if (!avgpipe__is_compute(op->kind) && op->kind != AVGPIPE_OP_STEP) return 0;
-    return avgpipe__op_time(p->m, op->stage, op->kind, p->samples, p->util);
+static double avgpipe__pred_cost(const avgpipe__pred *p, int g, int kind) {
+    if (kind == AVGPIPE_OP_AVG) return p->avg_on_rank ? avgpipe__avg_cost(p->m, g) : 0;
+    if (kind == AVGPIPE_OP_AGREE) return avgpipe__avg_cost(p->m, g); /* a pass over the partition's gradients */
+    if (!avgpipe__is_compute(kind) && kind != AVGPIPE_OP_STEP) return 0;
+    return avgpipe__op_time(p->m, g, kind, p->samples, p->util);
 }
 
 AVGPIPE_API avgpipe_result avgpipe_tune_predict(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_sched_desc *sched,
@@ -13375,15 +13354,12 @@ static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpi
         return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_predict: out of memory");
     }
     for (g = 0; g < m->nstages; g++)
-        for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) {
-            avgpipe_op probe = avgpipe__op(k, 0, g, 0);
-            cost[(size_t)g * AVGPIPE_OP_KIND_COUNT + k] = avgpipe__pred_cost(&probe, &pr);
-        }
+        for (k = 0; k < AVGPIPE_OP_KIND_COUNT; k++) cost[(size_t)g * AVGPIPE_OP_KIND_COUNT + k] = avgpipe__pred_cost(&pr, g, k);
     sd.stage_cost = cost;
     sd.latency = m->latency;
     {
-        avgpipe__extent span = avgpipe__gen_extent(gen, sp != gen); /* generated: no scan */
-        res = avgpipe__sim_core(ctx, sp, &sd, &r, NULL, &span);
+        avgpipe__extent ext = avgpipe__gen_extent(gen, sp != gen); /* generated: no scan */
+        res = avgpipe__sim_core(ctx, sp, &sd, &r, NULL, &ext);
     }
     avgpipe_free(ctx, tie_bytes);
     avgpipe_free(ctx, cost);
