@@ -5153,6 +5153,11 @@ typedef struct avgpipe__sim {
     double *tie_at;   /* [N][T][npairs][2]: arrival of each side, -1 */
     double *agree_at; /* [N][T]: the latest arrival */
     int *agree_n;     /* [N][T]: ranks arrived */
+    /* Tables sized from the shape, not from a scan (avgpipe__sim_guess): each op is checked as it
+       runs, as the scan would have; spec_bad: one failed (or the run stopped before checking them
+       all), and the caller runs again after the scan, which names the fault. */
+    int spec, spec_bad, sync_ready;
+    long long spec_idle; /* idle ops met (each once: counted when the rank moves past them) */
 } avgpipe__sim;
 
 static const double avgpipe__default_cost[AVGPIPE_OP_KIND_COUNT] = {0, 1, 2, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
@@ -5392,7 +5397,23 @@ static void avgpipe__sim_arrive_ahead(avgpipe__sim *m, int r, int pos, double t)
     }
 }
 
-/* Run rank r as far as it can go. Returns 0 on allocation failure. */
+/* What the scan checks of one op (avgpipe__sched_scan_fast), against the tables' guessed extent:
+   a known kind, its stage on rank r, its pipeline and micro-batch inside the tables (a round for a
+   per-round kind: only >= 0). Idle slots are not checked. */
+AVGPIPE__FORCE_INLINE int avgpipe__sim_op_ok(const avgpipe__sim *m, const avgpipe_op *op, int r) {
+    int k = op->kind;
+    if (k == AVGPIPE_OP_IDLE) return 1;
+    if (k >= AVGPIPE_OP_KIND_COUNT || (unsigned)op->stage >= (unsigned)m->G || m->pl.rank[op->stage] != r ||
+        (unsigned)op->pipe >= (unsigned)m->N)
+        return 0;
+    if (!avgpipe__has_micro(k)) return 1;
+    return op->micro >= 0 && (avgpipe__is_per_round(k) || op->micro < m->U);
+}
+
+static avgpipe_result avgpipe__sim_sync_tables(avgpipe__sim *m);
+
+/* Run rank r as far as it can go. Returns 0 on allocation failure, or (m->spec_bad) when a guessed
+   extent does not hold. */
 static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
     const avgpipe_op *ops = m->s->ops[r];
     int n = m->s->len[r], ok = 1, pos = m->pos[r];
@@ -5407,10 +5428,23 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         size_t ix = 0;
         int k = op->kind, how;
         AVGPIPE__PREFETCH(op + 12);
+        if (m->spec && !avgpipe__sim_op_ok(m, op, r)) {
+            m->spec_bad = 1;
+            ok = 0;
+            goto stop;
+        }
         if (avgpipe__has_micro(k) && !avgpipe__is_per_round(k)) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
         switch (k) {
         case AVGPIPE_OP_TIE:
         case AVGPIPE_OP_AGREE:
+            if (!m->sync_ready) { /* the first sync op of a run whose extent was guessed: their tables now */
+                m->sync_ready = 1;
+                if (avgpipe__sim_sync_tables(m) != AVGPIPE_OK) {
+                    m->spec_bad = 1;
+                    ok = 0;
+                    goto stop;
+                }
+            }
             if (!avgpipe__sim_sync(m, r, pos, t, &dep, &xfer)) goto wait;
             break;
         case AVGPIPE_OP_F:
@@ -5450,6 +5484,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         st->busy += c;
         t = end;
         m->res->ops++;
+        m->spec_idle += k == AVGPIPE_OP_IDLE;
         if (k != AVGPIPE_OP_IDLE && (d->record_events == AVGPIPE_SIM_EVENTS_ALL || (d->record_events && end > dep)))
             ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
         if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
@@ -5575,22 +5610,43 @@ static avgpipe_result avgpipe__sim_deadlock(avgpipe__sim *m) {
 }
 
 static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
-                                        avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known);
+                                        avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known, int guess);
 
 AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
                                            avgpipe_sim_result *out) {
-    return avgpipe__sim_core(ctx, s, desc, out, NULL, NULL);
+    return avgpipe__sim_core(ctx, s, desc, out, NULL, NULL, 1);
+}
+
+/* The extent the shape promises (its pipelines, micro x rounds micro-batches), for a run that checks
+   each op as it goes instead of scanning them all first (a pass over every op, a third of simulating
+   a large schedule): 1 when the shape names one whose tables the scan would allow for this many ops
+   (idle ones included; the run checks again without them). Not with blocking sends, whose sync ops
+   are looked ahead at. */
+static int avgpipe__sim_guess(const avgpipe_schedule *s, const avgpipe_sim_desc *desc, int *N, long long *U) {
+    const avgpipe_sched_desc *sh = &s->shape;
+    long long total = 0;
+    double cells;
+    int r;
+    if (desc->blocking_send || sh->pipes < 1 || sh->micro < 1 || sh->rounds < 1 || s->nstages < 1) return 0;
+    for (r = 0; r < s->nranks; r++) total += s->len[r];
+    cells = (double)sh->pipes * s->nstages * ((double)sh->micro * sh->rounds);
+    if (cells > (double)AVGPIPE__MAX_CELLS || !avgpipe__cells_ok(cells, total)) return 0;
+    *N = sh->pipes;
+    *U = (long long)sh->micro * sh->rounds;
+    return 1;
 }
 
 /* stuck (optional) gets the rank and position of the first stuck op after a deadlock. known (may be
-   NULL): the extent of s (no scan). */
+   NULL): the extent of s (no scan). guess: without known, size the tables from the shape when it
+   allows (avgpipe__sim_guess) and check each op as it runs; where that fails (a fault, a deadlock:
+   the ops after it were not checked) it runs again after the scan, whose verdict is the result. */
 static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_sim_desc *desc,
-                                        avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known) {
+                                        avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known, int guess) {
     avgpipe_sim_desc zero, resolved;
     avgpipe__sim m;
     avgpipe_result res;
     size_t cells;
-    int r, N, nsync;
+    int r, N, nsync, spec = 0;
     long long U;
     double busy = 0;
     if (!s || !out || !s->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sim_run: NULL argument");
@@ -5613,7 +5669,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
         res = avgpipe_sched_lower(ctx, s, &low);
         if (res) return res;
         if (low.has_comm) {
-            res = avgpipe__sim_core(ctx, &low, desc, out, NULL, NULL);
+            res = avgpipe__sim_core(ctx, &low, desc, out, NULL, NULL, guess);
             avgpipe_sched_free(ctx, &low);
             return res;
         }
@@ -5624,6 +5680,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
     if ((known = avgpipe__extent_ok(s, known)) != NULL) N = known->N, U = known->U, nsync = known->nsync;
+    else if (guess && avgpipe__sim_guess(s, desc, &N, &U)) spec = 1, nsync = 0;
     else res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
@@ -5637,6 +5694,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     m.G = s->nstages;
     m.N = N;
     m.U = U;
+    m.spec = spec;
+    m.sync_ready = !spec; /* a guessed extent counted no sync ops: their tables at the first one */
     cells = (size_t)N * (size_t)m.G * (size_t)U;
     m.cell = (avgpipe__cell *)avgpipe_alloc(ctx, cells * sizeof *m.cell);
     m.ran = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
@@ -5695,9 +5754,17 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     while (m.nstack > 0) {
         r = m.stack[--m.nstack];
         if (!avgpipe__sim_rank(&m, r)) {
+            if (m.spec_bad) goto again;
             res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
             goto done;
         }
+    }
+    if (spec) { /* every op was checked only if every one ran; and the scan's size check, on the ops */
+        long long nops = -m.spec_idle;
+        for (r = 0; r < m.S; r++) nops += s->len[r];
+        for (r = 0; r < m.S; r++)
+            if (m.pos[r] < s->len[r]) goto again;
+        if (!avgpipe__cells_ok((double)cells, nops)) goto again;
     }
     for (r = 0; r < m.S; r++)
         if (m.pos[r] < s->len[r]) {
@@ -5719,6 +5786,10 @@ done:
     avgpipe__sim_release(&m);
     if (res) avgpipe_sim_result_free(ctx, out);
     return res;
+again: /* the guessed extent did not hold: the scan's run decides */
+    avgpipe__sim_release(&m);
+    avgpipe_sim_result_free(ctx, out);
+    return avgpipe__sim_core(ctx, s, desc, out, stuck, NULL, 0);
 }
 
 /* --- 7. Validation: the static checks (section 8 replays) ------------------------------------ */
@@ -13359,7 +13430,7 @@ static avgpipe_result avgpipe__tune_predict_on(avgpipe_context *ctx, const avgpi
     sd.latency = m->latency;
     {
         avgpipe__extent ext = avgpipe__gen_extent(gen, sp != gen); /* generated: no scan */
-        res = avgpipe__sim_core(ctx, sp, &sd, &r, NULL, &ext);
+        res = avgpipe__sim_core(ctx, sp, &sd, &r, NULL, &ext, 0);
     }
     avgpipe_free(ctx, tie_bytes);
     avgpipe_free(ctx, cost);

@@ -965,12 +965,12 @@ static void expect_unlowered_slots(const avgpipe_schedule *s, int generated, con
             avgpipe_sim_result a, b;
             int r;
             simulate(s, &sd, &a);
-            cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+            cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e, 0), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
             cr_assert_eq(b.makespan, a.makespan, "%s: makespan %g with the extent, %g scanned", what, b.makespan, a.makespan);
             for (r = 0; r < s->nranks; r++) cr_assert_eq(b.rank[r].busy, a.rank[r].busy, "%s: rank %d", what, r);
             avgpipe_sim_result_free(NULL, &b);
             e.N = 1 << 20, e.U = 1 << 20; /* past the tables' limit: not taken, the scan counts */
-            cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+            cr_assert_eq(avgpipe__sim_core(NULL, s, &sd, &b, NULL, &e, 0), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
             cr_assert_eq(b.makespan, a.makespan, "%s: makespan %g with an extent past the limit, %g scanned", what, b.makespan, a.makespan);
             avgpipe_sim_result_free(NULL, &a);
             avgpipe_sim_result_free(NULL, &b);
@@ -1015,6 +1015,63 @@ static void shuffled(const avgpipe_schedule *s, unsigned seed, avgpipe_schedule 
     avgpipe_sched_free(NULL, &c);
 }
 
+/* avgpipe_sim_run sizes its tables from the shape and checks each op as it runs (no scan first):
+   the same result as the scan's run (avgpipe__sim_core with guess 0), for schedule s as it is and
+   with `fault` applied to one op (0: none). Returns bit 0: the shape allowed the guess; bit 1: the
+   run was refused. */
+static int expect_guess_is_scan(const avgpipe_schedule *s, int fault, unsigned seed, const char *what) {
+    avgpipe_sim_desc sd = costs(1, 2, 1, 1, 0.5);
+    avgpipe_sim_result a, b;
+    avgpipe_schedule c;
+    avgpipe_context qa, qb;
+    avgpipe_result ra, rb;
+    char ea[AVGPIPE_ERROR_MAX];
+    int r, N, stuck_a[2] = {-1, -1}, stuck_b[2] = {-1, -1}, guessed;
+    long long U;
+    cr_assert_eq(avgpipe_sched_copy(NULL, s, &c), AVGPIPE_OK);
+    if (fault) { /* one op of a random rank, out of what the shape or the placement allows */
+        unsigned x = seed * 2654435761u + 7;
+        int rr = (int)(shuffle_rng(&x) % (unsigned)c.nranks), i;
+        for (i = 0; i < c.nranks && c.len[rr] == 0; i++) rr = (rr + 1) % c.nranks;
+        if (c.len[rr] > 0) {
+            avgpipe_op *op = &c.ops[rr][shuffle_rng(&x) % (unsigned)c.len[rr]];
+            switch (fault) {
+            case 1: op->pipe = (int16_t)c.shape.pipes; break;                  /* a pipeline past the shape's */
+            case 2: op->micro = c.shape.micro * c.shape.rounds + (int)(x % 3); break; /* a micro-batch (or round) past it */
+            case 3: op->micro = -1; break;
+            case 4: op->stage = (op->stage + 1) % (c.nstages + 1); break;      /* another rank's stage, or none */
+            case 5: op->kind = AVGPIPE_OP_KIND_COUNT; break;
+            case 6: op->pipe = -1; break;
+            default: c.shape.micro = c.shape.micro > 1 ? c.shape.micro - 1 : 1; break; /* a shape that undercounts */
+            }
+        }
+    }
+    sd.record_events = seed % 2 ? AVGPIPE_SIM_EVENTS_ALL : 0;
+    guessed = avgpipe__sim_guess(&c, &sd, &N, &U);
+    avgpipe_context_init(&qa, NULL);
+    avgpipe_context_init(&qb, NULL);
+    ra = avgpipe__sim_core(&qa, &c, &sd, &a, stuck_a, NULL, 0);
+    snprintf(ea, sizeof ea, "%s", avgpipe_last_error(&qa));
+    rb = avgpipe__sim_core(&qb, &c, &sd, &b, stuck_b, NULL, 1);
+    cr_assert_eq(rb, ra, "%s fault %d: %s guessed, %s scanned (%s)", what, fault, avgpipe_result_string(rb), avgpipe_result_string(ra), ea);
+    if (ra) {
+        cr_assert_str_eq(avgpipe_last_error(&qb), ea, "%s fault %d", what, fault);
+        cr_assert(stuck_a[0] == stuck_b[0] && stuck_a[1] == stuck_b[1], "%s fault %d: stuck at %d/%d, scanned %d/%d", what, fault, stuck_b[0],
+                  stuck_b[1], stuck_a[0], stuck_a[1]);
+    } else {
+        cr_assert_eq(b.makespan, a.makespan, "%s fault %d: makespan %g guessed, %g scanned", what, fault, b.makespan, a.makespan);
+        cr_assert_eq(b.ops, a.ops, "%s fault %d", what, fault);
+        cr_assert_eq(b.nevents, a.nevents, "%s fault %d", what, fault);
+        cr_assert(a.nevents == 0 || memcmp(a.events, b.events, a.nevents * sizeof *a.events) == 0, "%s fault %d: events differ", what, fault);
+        for (r = 0; r < c.nranks; r++)
+            cr_assert(memcmp(&a.rank[r], &b.rank[r], sizeof a.rank[r]) == 0, "%s fault %d: rank %d's stats differ", what, fault, r);
+        avgpipe_sim_result_free(NULL, &a);
+        avgpipe_sim_result_free(NULL, &b);
+    }
+    avgpipe_sched_free(NULL, &c);
+    return guessed | (ra != AVGPIPE_OK) << 1;
+}
+
 Test(plan, unlowered_slots_are_the_lowered_plans) {
     static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_AFAB,        AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
                                                AVGPIPE_SCHED_INTERLEAVED, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV,
@@ -1055,4 +1112,76 @@ Test(plan, unlowered_slots_are_the_lowered_plans) {
                             }
     cr_assert_gt(cases, 1000, "only %d cases ran", cases);
     cr_log_info("%d schedules, each also shuffled", cases);
+}
+
+Test(closed_form, guessed_extent_simulates_as_the_scan) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_AFAB,        AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
+                                               AVGPIPE_SCHED_INTERLEAVED, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV,
+                                               AVGPIPE_SCHED_DUALPIPEV};
+    int ki, S, M, N, cont, mode, fault, cases = 0, guessed = 0, failed = 0;
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (S = 1; S <= 4; S++)
+            for (M = 1; M <= 5; M++)
+                for (N = 1; N <= 2; N++)
+                    for (cont = 0; cont <= 1; cont++)
+                        for (mode = 0; mode < 3; mode++) {
+                            avgpipe_sched_desc d = desc_of(kinds[ki], S, M, N, kinds[ki] == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, 2,
+                                                           kinds[ki] == AVGPIPE_SCHED_ADVANCE ? M % 3 : 0, cont);
+                            avgpipe_schedule s, t, u;
+                            avgpipe_tie tie;
+                            avgpipe_sync_desc sy = {.ties = &tie};
+                            avgpipe_context quiet;
+                            char what[256];
+                            avgpipe_context_init(&quiet, NULL);
+                            if (avgpipe_sched_generate(&quiet, &d, &s) != AVGPIPE_OK) continue;
+                            memset(&tie, 0, sizeof tie);
+                            tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 4;
+                            sy.nties = mode >= 1 && s.nstages > 1;
+                            sy.agree = mode == 2;
+                            if (sy.nties || sy.agree) {
+                                cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+                                avgpipe_sched_free(NULL, &s);
+                                s = t;
+                            }
+                            snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
+                            for (fault = 0; fault <= 7; fault++, cases++) {
+                                int got = expect_guess_is_scan(&s, fault, (unsigned)cases, what);
+                                if (fault == 0) {
+                                    cr_assert(got & 1, "%s: a generated schedule's shape allows the guess", what);
+                                    cr_assert(!(got & 2), "%s: %s", what, avgpipe_last_error(NULL));
+                                    guessed++;
+                                }
+                                failed += (got & 2) != 0;
+                            }
+                            shuffled(&s, (unsigned)cases, &u); /* mostly deadlocks: the ops after them unchecked */
+                            strncat(what, " shuffled", sizeof what - strlen(what) - 1);
+                            for (fault = 0; fault <= 7; fault++, cases++) failed += (expect_guess_is_scan(&u, fault, (unsigned)cases, what) & 2) != 0;
+                            avgpipe_sched_free(NULL, &u);
+                            avgpipe_sched_free(NULL, &s);
+                        }
+    cr_assert_gt(guessed, 500, "only %d generated schedules", guessed);
+    cr_assert_gt(failed, cases / 2, "only %d of %d runs refused: the faults should make most fail", failed, cases);
+    cr_log_info("%d simulations compared (%d generated schedules, faults, shuffles; %d refused)", cases, guessed, failed);
+}
+
+/* Idle slots count for the guess (it cannot tell them apart before the run) but not for the size
+   check: a sparse numbering padded with idle ops is refused as the scan refuses it. */
+Test(closed_form, guessed_extent_refuses_sparse_numbering) {
+    int pad;
+    for (pad = 0; pad <= 2 * AVGPIPE__CELLS_FLOOR; pad += AVGPIPE__CELLS_FLOOR) {
+        avgpipe_sched_desc sh = desc_of(AVGPIPE_SCHED_CUSTOM, 1, AVGPIPE__CELLS_FLOOR + 100, 1, 1, 1, 0, 0);
+        avgpipe_schedule s;
+        avgpipe_op idle;
+        int i, got;
+        char what[64];
+        memset(&idle, 0, sizeof idle);
+        cr_assert_eq(avgpipe_sched_init(NULL, &s, 1, &sh), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        cr_assert_eq(avgpipe_sched_push(NULL, &s, 0, avgpipe__op(AVGPIPE_OP_F, 0, 0, sh.micro - 1)), AVGPIPE_OK);
+        cr_assert_eq(avgpipe_sched_push(NULL, &s, 0, avgpipe__op(AVGPIPE_OP_B, 0, 0, sh.micro - 1)), AVGPIPE_OK);
+        for (i = 0; i < pad; i++) cr_assert_eq(avgpipe_sched_push(NULL, &s, 0, idle), AVGPIPE_OK);
+        snprintf(what, sizeof what, "%d idle ops", pad);
+        got = expect_guess_is_scan(&s, 0, 0, what);
+        cr_assert_eq(got, (pad > 0) | 2, "%s: guessed %d, refused %d", what, got & 1, (got & 2) >> 1);
+        avgpipe_sched_free(NULL, &s);
+    }
 }
