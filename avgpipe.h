@@ -6633,6 +6633,18 @@ static int avgpipe__xfill(const avgpipe__vstate *v, int r, avgpipe__xrank *x) {
         while (pos < n && o[pos].kind == AVGPIPE_OP_IDLE) pos++;
         if (pos >= n) break;
         a = pos;
+        /* The ranks take turns a few ops at a time, too short a stream for the hardware to prefetch:
+           the ops two cache lines ahead, and the message numbers of the op 8 ahead (80 -> 95 ms on
+           ZB-V at S=64 M=1024 N=8 without) */
+        if (pos + 32 < n) AVGPIPE__PREFETCH(&o[pos + 32]);
+        if (pos + 8 < n) {
+            const avgpipe_op *f = &o[pos + 8];
+            if ((unsigned)f->stage < (unsigned)v->G && (unsigned)f->pipe < (unsigned)v->N && (unsigned)f->micro < (unsigned)(v->M * v->R)) {
+                size_t fx = avgpipe__vix(v, f->pipe, f->stage, f->micro);
+                AVGPIPE__PREFETCH(&v->seqf[fx]);
+                AVGPIPE__PREFETCH(&v->seqb[fx]);
+            }
+        }
         if (!(o[a].flags & AVGPIPE_OPF_OVERLAP_NEXT)) { /* a unit of one op (most units): the steps below, unrolled */
             const avgpipe_op *op = &o[a];
             int k = op->kind, g = op->stage;
