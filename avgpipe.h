@@ -5837,6 +5837,9 @@ typedef struct avgpipe__vstate {
     /* Ties and agreement (TIE and AGREE ops). A tie pair is (lo, hi) stages; its TIE(lo@hi) is side 1,
        TIE(hi@lo) side 2 (bits 1, 2 in tie[]: seen by the static pass; 4, 8: reached in the replay). */
     int nsync, any_agree, npairs, agree_ranks;
+    /* sync_known: vsync_prepare's verdict is in (else the static pass runs on the guess that there
+       are no sync ops, and sync_met says it met one) */
+    int sync_known, sync_met, any_sync;
     int *pairs;          /* [npairs][2] */
     int *npart;          /* [G]: partners of each stage */
     uint8_t *tie;        /* [N][R][npairs] */
@@ -5963,7 +5966,13 @@ AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r
         *sx |= 1;
         return AVGPIPE_OK;
     }
-    if (avgpipe__is_sync(k)) return avgpipe__check_sync_op(v, r, i);
+    if (avgpipe__is_sync(k)) {
+        if (!v->sync_known) { /* the pass guessed there were none: the caller runs it again, prepared */
+            v->sync_met = 1;
+            return AVGPIPE_INVALID_SCHEDULE;
+        }
+        return avgpipe__check_sync_op(v, r, i);
+    }
     if (u < 0 || u >= MR)
         return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "micro-batch %d out of range 0..%d (micro x rounds)", u, MR - 1);
     x = &v->st[avgpipe__vix(v, p, g, u)];
@@ -6188,11 +6197,22 @@ static avgpipe_result avgpipe__check_sync_order(avgpipe__vstate *v) {
     return AVGPIPE_OK;
 }
 
-static avgpipe_result avgpipe__check_static(avgpipe__vstate *v) {
+/* The static pass. peak (may be NULL): the peak stashed activations of each rank r < 256, as
+   avgpipe__vprescan counts them (complete only when the pass is). */
+static avgpipe_result avgpipe__check_static(avgpipe__vstate *v, int *peak) {
     avgpipe_result res = AVGPIPE_OK;
     int r, i;
-    for (r = 0; r < v->S && !res; r++)
-        for (i = 0; i < v->s->len[r] && !res; i++) res = avgpipe__check_op(v, r, i);
+    for (r = 0; r < v->S && !res; r++) {
+        const avgpipe_op *o = v->s->ops[r];
+        int cur = 0, best = 0;
+        for (i = 0; i < v->s->len[r] && !res; i++) {
+            int k = o[i].kind;
+            if (k == AVGPIPE_OP_F && ++cur > best) best = cur;
+            if (k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) cur--;
+            res = avgpipe__check_op(v, r, i);
+        }
+        if (peak && r < 256) peak[r] = best;
+    }
     if (!res) res = avgpipe__check_complete(v);
     if (!res && v->nsync && !v->any_step)
         res = avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "TIE and AGREE ops without STEPs (they synchronise the STEPs)");
@@ -6201,10 +6221,11 @@ static avgpipe_result avgpipe__check_static(avgpipe__vstate *v) {
     return res;
 }
 
-/* What the validator counts before its checks, in one pass over the ops (there were three): the
+/* What the validator's static pass needs to know before it starts, in one pass over the ops: the
    ops that are not idle (for the size check), whether any is a TIE or AGREE (vsync_prepare has
    nothing to do otherwise), and the peak stashed activations of each rank r < nmax: forward +1, B
-   or W -1 (I keeps the activation for W). */
+   or W -1 (I keeps the activation for W). A valid schedule without sync ops does without it (the
+   static pass counts the peaks, and has every cell's forward); the others run it first. */
 static long long avgpipe__vprescan(const avgpipe_schedule *s, int *peak, int nmax, int *any_sync) {
     long long nops = 0;
     int r, i, sync = 0;
@@ -6815,14 +6836,58 @@ static avgpipe_result avgpipe__replay(avgpipe__vstate *v) {
     return res;
 }
 
+/* The prescan (its peaks into peak, whether there are sync ops into v->any_sync), and its size check:
+   AVGPIPE_INVALID_SCHEDULE (reported) when the shape's cells are too many for the ops that are not idle. */
+static avgpipe_result avgpipe__vmissing(avgpipe__vstate *v, int *peak) {
+    long long nops = avgpipe__vprescan(v->s, peak, 256, &v->any_sync);
+    double cells = (double)v->N * v->G * v->M * v->R;
+    if (avgpipe__cells_ok(cells, nops)) return AVGPIPE_OK;
+    return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
+                          "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
+                          "ops (missing forwards)",
+                          v->N, v->G, v->M, v->R, cells, nops);
+}
+
+/* Every stage on a rank. */
+static avgpipe_result avgpipe__vplaced(avgpipe__vstate *v) {
+    int g;
+    for (g = 0; g < v->G; g++)
+        if (v->pl.rank[g] < 0)
+            return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", g,
+                                  v->s->nplace);
+    return AVGPIPE_OK;
+}
+
+/* Forget what a static pass saw (before it runs again). */
+static void avgpipe__vreset(avgpipe__vstate *v, size_t cells) {
+    int c;
+    memset(v->st, 0, cells);
+    memset(v->step, 0, (size_t)v->N * v->G * v->R);
+    if (v->nseq) memset(v->nseq, 0, (size_t)v->pl.nchan * sizeof(int));
+    for (c = 0; c < v->pl.nchan; c++) v->sendq[c].n = v->recvq[c].n = 0;
+    v->any_step = v->fsdp = v->sync_met = 0;
+}
+
+static avgpipe_result avgpipe__validate_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_validate_desc *desc,
+                                             avgpipe_validate_report *report, int guess);
+
 AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const avgpipe_schedule *s,
                                                   const avgpipe_validate_desc *desc, avgpipe_validate_report *report) {
+    return avgpipe__validate_core(ctx, s, desc, report, 1);
+}
+
+/* guess 1: the static pass runs first on the guess that the schedule is valid and has no TIE or AGREE
+   ops (it then counts the peaks itself, and the prescan's size check holds: every cell has its
+   forward); anything else, and guess 0, runs every check in its order: the prescan's size check,
+   the tables, vsync_prepare, the static pass. The same verdict either way (test_validate_ref). */
+static avgpipe_result avgpipe__validate_core(avgpipe_context *ctx, const avgpipe_schedule *s, const avgpipe_validate_desc *desc,
+                                             avgpipe_validate_report *report, int guess) {
     avgpipe_validate_report local;
     avgpipe__vstate v;
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
     long long nops;
-    int c, oom = 0, any_sync, peaks[256] = {0};
+    int c, oom = 0, peaks[256] = {0};
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -6843,12 +6908,9 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     cells = (size_t)v.N * v.G * v.M * v.R;
     if ((double)v.N * v.G * v.M * v.R > 4e8)
         return avgpipe__vfail(&v, AVGPIPE_INVALID_ARG, -1, -1, "avgpipe_sched_validate: schedule too large");
-    nops = avgpipe__vprescan(s, peaks, 256, &any_sync);
-    if (!avgpipe__cells_ok((double)v.N * v.G * v.M * v.R, nops)) /* not allocated for: some cell surely has no forward */
-        return avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1,
-                              "the shape's %d pipelines x %d stages x %d micro-batches x %d rounds need %.4g forwards, the schedule has %lld "
-                              "ops (missing forwards)",
-                              v.N, v.G, v.M, v.R, (double)v.N * v.G * v.M * v.R, nops);
+    for (c = 0, nops = 0; c < v.S; c++) nops += s->len[c];
+    if (!avgpipe__cells_ok((double)cells, nops)) /* too few ops even with the idle ones: the exact count for the message */
+        return avgpipe__vmissing(&v, peaks);
     v.st = (uint8_t *)avgpipe__calloc(ctx, cells, 1);
     v.step = (uint8_t *)avgpipe__calloc(ctx, (size_t)v.N * v.G * v.R, 1);
     if (v.st && v.step && avgpipe__place_build(ctx, s, &v.pl) == AVGPIPE_OK) {
@@ -6863,12 +6925,21 @@ AVGPIPE_API avgpipe_result avgpipe_sched_validate(avgpipe_context *ctx, const av
     }
     if (oom || !v.st || !v.step || !v.sendq || !v.recvq)
         res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
-    for (c = 0; c < v.G && !res; c++)
-        if (v.pl.rank[c] < 0)
-            res = avgpipe__vfail(&v, AVGPIPE_INVALID_SCHEDULE, -1, -1, "stage %d is not placed on any rank (custom placement of %d stages)", c,
-                                 s->nplace);
-    if (!res && any_sync) res = avgpipe__vsync_prepare(&v);
-    if (!res) res = avgpipe__check_static(&v);
+    if (!res) res = avgpipe__vplaced(&v);
+    if (!res) res = guess ? avgpipe__check_static(&v, peaks) : AVGPIPE_INVALID_SCHEDULE;
+    if (res) { /* a fault, or a sync op: every check in its order from the start (the prescan's first) */
+        int allocated = !oom && v.st && v.step && v.sendq && v.recvq;
+        memset(report, 0, sizeof *report);
+        report->rank = report->pos = -1;
+        if (avgpipe__vmissing(&v, peaks)) res = AVGPIPE_INVALID_SCHEDULE;
+        else if (!allocated) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+        else if ((res = avgpipe__vplaced(&v)) == AVGPIPE_OK) {
+            avgpipe__vreset(&v, cells);
+            v.sync_known = 1;
+            if (v.any_sync) res = avgpipe__vsync_prepare(&v);
+            if (!res) res = avgpipe__check_static(&v, NULL); /* the prescan has counted the peaks */
+        }
+    }
     memcpy(report->peak_stash, peaks, sizeof peaks);
     if (!res && !(desc && desc->skip_memory)) res = avgpipe__check_memory(&v);
     if (!res && !(desc && desc->skip_replay)) res = avgpipe__replay(&v);

@@ -418,6 +418,104 @@ MUTATION_TESTS(zbh1, AVGPIPE_SCHED_ZBH1)
 MUTATION_TESTS(zbv, AVGPIPE_SCHED_ZBV)
 MUTATION_TESTS(dualpipev, AVGPIPE_SCHED_DUALPIPEV)
 
+/* The validator runs its static pass first on the guess that a schedule is valid and has no TIE or
+   AGREE ops, and every check in its order otherwise (avgpipe__validate_core, guess 0, as it ran
+   before): the same report either way, on schedules with ties and agreement (which the reference
+   validator does not know) and their mutations, with and without the replay and the memory model;
+   and on a sparse numbering padded with idle slots, whose size check comes before every other. */
+static void guess_agrees(const avgpipe_schedule *s, const char *what, tally *t) {
+    static const avgpipe_validate_desc descs[3] = {{0, 0}, {0, 1}, {1, 1}};
+    int k, r;
+    for (k = 0; k < 3; k++) {
+        avgpipe_validate_report a, b;
+        avgpipe_result ra, rb;
+        memset(&a, 0x5a, sizeof a);
+        memset(&b, 0x5a, sizeof b);
+        rb = avgpipe__validate_core(NULL, s, &descs[k], &b, 0);
+        ra = avgpipe__validate_core(NULL, s, &descs[k], &a, 1);
+        cr_assert_eq(ra, rb, "%s desc %d: %s guessed, %s in order\n  %s\n  %s", what, k, avgpipe_result_string(ra), avgpipe_result_string(rb),
+                     a.message, b.message);
+        cr_assert_str_eq(a.message, b.message, "%s desc %d", what, k);
+        if (ra) cr_assert_str_eq(avgpipe_last_error(NULL), a.message, "%s desc %d", what, k);
+        cr_assert(a.rank == b.rank && a.pos == b.pos, "%s desc %d: %s", what, k, a.message);
+        cr_assert_str_eq(a.op_text, b.op_text, "%s desc %d", what, k);
+        for (r = 0; r < s->nranks && r < 256; r++) cr_assert_eq(a.peak_stash[r], b.peak_stash[r], "%s desc %d: rank %d's peak", what, k, r);
+        t->cases++;
+        if (ra == AVGPIPE_OK) t->ok++;
+        else if (ra == AVGPIPE_DEADLOCK) t->deadlock_async++;
+        else t->invalid++;
+    }
+}
+
+Test(mutations, guessed_static_pass_is_the_ordered_one) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_AFAB,        AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE,
+                                               AVGPIPE_SCHED_INTERLEAVED, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV,
+                                               AVGPIPE_SCHED_DUALPIPEV};
+    tally t;
+    int ki, S, R, mode, pad;
+    memset(&t, 0, sizeof t);
+    lcg_state = 4242u;
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (S = 2; S <= 4; S++)
+            for (R = 1; R <= 2; R++)
+                for (mode = 0; mode < 3; mode++) {
+                    avgpipe_sched_kind kind = kinds[ki];
+                    avgpipe_sched_desc d = desc_of(kind, S, kind == AVGPIPE_SCHED_INTERLEAVED ? S : 2 * S, 2, kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, R,
+                                                   0, 0);
+                    avgpipe_schedule s, x;
+                    avgpipe_tie tie;
+                    avgpipe_sync_desc sy = {.ties = &tie};
+                    int k;
+                    char what[200], w[256];
+                    if (gen_skips(&d)) continue;
+                    gen(&d, &s);
+                    memset(&tie, 0, sizeof tie);
+                    tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 4;
+                    sy.nties = mode >= 1;
+                    sy.agree = mode == 2;
+                    if (mode) {
+                        cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &x), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+                        avgpipe_sched_free(NULL, &s);
+                        s = x;
+                    }
+                    snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
+                    guess_agrees(&s, what, &t);
+                    for (k = 0; k < 30; k++) {
+                        avgpipe_schedule cur, next;
+                        int m, changes = 1 + (int)rnd(3);
+                        cr_assert_eq(avgpipe_sched_copy(NULL, &s, &cur), AVGPIPE_OK);
+                        for (m = 0; m < changes; m++) {
+                            mutate_once(&cur, &next);
+                            avgpipe_sched_free(NULL, &cur);
+                            cur = next;
+                        }
+                        snprintf(w, sizeof w, "%s, mutation #%d (%d changes)", what, k, changes);
+                        guess_agrees(&cur, w, &t);
+                        avgpipe_sched_free(NULL, &cur);
+                    }
+                    avgpipe_sched_free(NULL, &s);
+                }
+    for (pad = 0; pad <= 2; pad++) { /* a forward of stage 1 before stage 0's, of 3000 micro-batches, idle slots to spare */
+        avgpipe_sched_desc sh = desc_of(AVGPIPE_SCHED_CUSTOM, 1, 3000, 1, 1, 1, 0, 0);
+        avgpipe_schedule s;
+        avgpipe_op idle, f = {1, 0, 0, AVGPIPE_OP_F, 0, 0};
+        int i;
+        char what[64];
+        memset(&idle, 0, sizeof idle);
+        cr_assert_eq(avgpipe_sched_init(NULL, &s, 1, &sh), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        cr_assert_eq(avgpipe_sched_push(NULL, &s, 0, f), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
+        for (i = 0; i < pad * 400; i++) cr_assert_eq(avgpipe_sched_push(NULL, &s, 0, idle), AVGPIPE_OK);
+        snprintf(what, sizeof what, "sparse, %d idle slots", pad * 400);
+        guess_agrees(&s, what, &t);
+        cr_assert_not_null(strstr(avgpipe_last_error(NULL), "missing forwards"), "%s: %s", what, avgpipe_last_error(NULL));
+        avgpipe_sched_free(NULL, &s);
+    }
+    cr_log_info("%ld reports compared: %ld valid, %ld invalid, %ld deadlocks", t.cases, t.ok, t.invalid, t.deadlock_async);
+    cr_assert_gt(t.ok, 100, "only %ld valid", t.ok);
+    cr_assert_gt(t.invalid, 1000, "only %ld refused", t.invalid);
+    cr_assert_gt(t.deadlock_async, 10, "only %ld deadlocks", t.deadlock_async);
+}
+
 /* ---- imported schedules ------------------------------------------------------------------------ */
 
 static void load(const char *path, avgpipe_schedule *s) {
