@@ -4880,6 +4880,12 @@ static int avgpipe__op_send(const avgpipe__place *pl, const avgpipe_op *op, avgp
       walking a channel backwards, slot_k = min(desired_k, slot_k+1).
    A slot q sits after compute unit q-1 and before that unit's sends. When no stage has a consumer
    on another rank (one rank), the result has no SEND/RECV ops and has_comm stays 0. */
+/* A message of the lowering: the compute op that sends it, rank src's op pos (its receive is
+   avgpipe__lower_msg). */
+typedef struct avgpipe__lmsg {
+    int32_t src, pos;
+} avgpipe__lmsg;
+
 typedef struct avgpipe__lower {
     const avgpipe_schedule *in;
     avgpipe__place pl;
@@ -4890,9 +4896,10 @@ typedef struct avgpipe__lower {
     int *ustart;        /* [S + 1] */
     int *nunits;        /* [S] */
     int *prevf;         /* [ustart[r] + q]: the last unit before q on rank r that holds a forward (-1: none) */
-    long long *moff;    /* [S + 1]: the messages into rank r are msgs[moff[r] .. moff[r + 1]) */
-    avgpipe_op *msgs;   /* every message as its receive, grouped by receiving rank, each group in (sender, sender's order) */
-    int *msrc, *slot;   /* each message's sender, and the slot of its receive (steps 2 and 3) */
+    long long *moff;    /* [S + 1]: message k of rank r (its receives) has the slot slot[moff[r] + k] */
+    avgpipe__lmsg **mref; /* [S][moff[r + 1] - moff[r]]: the messages into rank r, in (sender, sender's order) */
+    long long *mcap;    /* [S]: room in mref[r] while step 1 fills it */
+    int *slot;          /* the slot of each message's receive (steps 2 and 3) */
     int *bucket, *ord;  /* avgpipe__lower_rank: rank r's receives by slot, ord[bucket[q] .. bucket[q + 1]) in slot q */
     int *fill;          /* avgpipe__lower_rank's scratch: the next free place of each slot in ord */
 } avgpipe__lower;
@@ -4902,6 +4909,7 @@ static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
 }
 
 static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
+    int r;
     avgpipe__place_free(ctx, &L->pl);
     avgpipe_free(ctx, L->fpos);
     avgpipe_free(ctx, L->bpos);
@@ -4909,8 +4917,10 @@ static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
     avgpipe_free(ctx, L->prevf);
     avgpipe_free(ctx, L->ustart);
     avgpipe_free(ctx, L->nunits);
-    avgpipe_free(ctx, L->msgs);
-    avgpipe_free(ctx, L->msrc);
+    if (L->mref)
+        for (r = 0; r < L->S; r++) avgpipe_free(ctx, L->mref[r]);
+    avgpipe_free(ctx, L->mref);
+    avgpipe_free(ctx, L->mcap);
     avgpipe_free(ctx, L->moff);
     avgpipe_free(ctx, L->slot);
     avgpipe_free(ctx, L->bucket);
@@ -4924,7 +4934,7 @@ static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
 static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, avgpipe__lower *L) {
     avgpipe_result res;
     int r, maxu = 0;
-    long long total = 0, cells, i, *mfill = NULL;
+    long long total = 0, cells, i;
     memset(L, 0, sizeof *L);
     res = avgpipe__place_build(ctx, in, &L->pl);
     if (!res && (known = avgpipe__extent_ok(in, known)) != NULL) L->N = known->N, L->U = known->U;
@@ -4945,9 +4955,12 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     L->ustart = (int *)avgpipe__calloc(ctx, (size_t)L->S + 1, sizeof(int));
     L->nunits = (int *)avgpipe__calloc(ctx, (size_t)L->S, sizeof(int));
     L->moff = (long long *)avgpipe__calloc(ctx, (size_t)L->S + 1, sizeof(long long));
-    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff) goto oom;
+    L->mref = (avgpipe__lmsg **)avgpipe__calloc(ctx, (size_t)L->S, sizeof *L->mref);
+    L->mcap = (long long *)avgpipe__calloc(ctx, (size_t)L->S, sizeof(long long));
+    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff || !L->mref || !L->mcap) goto oom;
     for (i = 0; i < cells; i++) L->fpos[i] = L->bpos[i] = -1;
-    { /* units: an op with the ops it overlaps; idle slots are dropped */
+    { /* units: an op with the ops it overlaps; idle slots are dropped. And every message, by
+         receiving rank, each in (sender, sender's order): moff[r + 1] counts rank r's */
         long long off = 0;
         for (r = 0; r < L->S; r++) {
             int n = in->len[r], j, u = -1, open = 0, last = -1;
@@ -4955,76 +4968,79 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
             int *un = L->units + off, *pf = L->prevf + off;
             L->ustart[r] = (int)off;
             for (j = 0; j < n; j++) {
-                if (src[j].kind == AVGPIPE_OP_IDLE && !open) {
+                int k = src[j].kind, g = src[j].stage, dst = -1;
+                if (k == AVGPIPE_OP_IDLE && !open) {
                     un[j] = -1;
                     continue;
                 }
                 if (!open) pf[++u] = last; /* a new unit: the last unit before it that held a forward */
                 un[j] = u;
                 open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
-                if (src[j].kind == AVGPIPE_OP_F) {
-                    L->fpos[avgpipe__lix(L, src[j].pipe, src[j].stage, src[j].micro)] = u;
+                if (k == AVGPIPE_OP_F) {
+                    L->fpos[avgpipe__lix(L, src[j].pipe, g, src[j].micro)] = u;
                     last = u;
+                    if (L->pl.up[g] >= 0) dst = L->pl.rank[g + 1];
+                } else if (avgpipe__is_backward(k)) {
+                    L->bpos[avgpipe__lix(L, src[j].pipe, g, src[j].micro)] = u;
+                    if (L->pl.down[g] >= 0) dst = L->pl.rank[g - 1];
                 }
-                if (avgpipe__is_backward(src[j].kind)) L->bpos[avgpipe__lix(L, src[j].pipe, src[j].stage, src[j].micro)] = u;
+                if (dst >= 0) { /* avgpipe__op_send's message */
+                    long long *m = &L->moff[dst + 1];
+                    if (*m == L->mcap[dst]) {
+                        long long cap = L->mcap[dst] ? 2 * L->mcap[dst] : 1024;
+                        avgpipe__lmsg *q = (avgpipe__lmsg *)avgpipe__realloc(ctx, L->mref[dst], (size_t)*m * sizeof *q, (size_t)cap * sizeof *q);
+                        if (!q) goto oom;
+                        L->mref[dst] = q;
+                        L->mcap[dst] = cap;
+                    }
+                    L->mref[dst][*m].src = r;
+                    L->mref[dst][(*m)++].pos = j;
+                }
             }
             L->nunits[r] = u + 1;
             if (u + 1 > maxu) maxu = u + 1;
             off += n;
         }
     }
-    /* every message, grouped by receiving rank, each group in (sender, sender's order) */
-    for (r = 0; r < L->S; r++)
-        for (i = 0; i < in->len[r]; i++) {
-            avgpipe_op x;
-            if (avgpipe__op_send(&L->pl, &in->ops[r][i], &x)) L->moff[L->pl.rank[x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1)] + 1]++;
-        }
     for (r = 0; r < L->S; r++) L->moff[r + 1] += L->moff[r];
     {
         size_t maxmsg = (size_t)L->moff[L->S];
-        L->msgs = (avgpipe_op *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof *L->msgs);
-        L->msrc = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
         L->slot = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
         L->ord = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
         L->bucket = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
         L->fill = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
-        mfill = (long long *)avgpipe_alloc(ctx, ((size_t)L->S + 1) * sizeof(long long));
     }
-    if (!L->msgs || !L->msrc || !L->slot || !L->ord || !L->bucket || !L->fill || !mfill) goto oom;
-    memcpy(mfill, L->moff, ((size_t)L->S + 1) * sizeof(long long));
-    for (r = 0; r < L->S; r++)
-        for (i = 0; i < in->len[r]; i++) {
-            avgpipe_op x;
-            int g2, dst;
-            if (!avgpipe__op_send(&L->pl, &in->ops[r][i], &x)) continue;
-            g2 = x.stage + (x.kind == AVGPIPE_OP_SEND_F ? 1 : -1);
-            dst = L->pl.rank[g2];
-            L->msrc[mfill[dst]] = r;
-            L->msgs[mfill[dst]++] = avgpipe__op(x.kind == AVGPIPE_OP_SEND_F ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x.pipe, g2, x.micro);
-        }
-    avgpipe_free(ctx, mfill);
+    if (!L->slot || !L->ord || !L->bucket || !L->fill) goto oom;
     for (r = 0; r < L->S; r++) {
         long long a0 = L->moff[r], k;
         const int *pf = L->prevf + L->ustart[r];
+        const avgpipe__lmsg *mr = L->mref[r];
         for (k = a0; k < L->moff[r + 1]; k++) { /* desired slot */
-            const avgpipe_op *x = &L->msgs[k];
-            int c, f = L->fpos[avgpipe__lix(L, x->pipe, x->stage, x->micro)];
-            if (x->kind == AVGPIPE_OP_RECV_F) {
+            const avgpipe_op *x = &in->ops[mr[k - a0].src][mr[k - a0].pos];
+            int c, g2 = x->stage + (x->kind == AVGPIPE_OP_F ? 1 : -1), f = L->fpos[avgpipe__lix(L, x->pipe, g2, x->micro)];
+            if (x->kind == AVGPIPE_OP_F) {
                 L->slot[k] = f < 0 ? L->nunits[r] : pf[f] + 1;
             } else {
-                c = L->bpos[avgpipe__lix(L, x->pipe, x->stage, x->micro)];
+                c = L->bpos[avgpipe__lix(L, x->pipe, g2, x->micro)];
                 L->slot[k] = f >= 0 ? f + 1 : c < 0 ? L->nunits[r] : c;
                 if (c >= 0 && L->slot[k] > c) L->slot[k] = c;
             }
         }
         for (k = L->moff[r + 1] - 1; k > a0; k--) /* keep each channel's order */
-            if (L->msrc[k - 1] == L->msrc[k] && L->slot[k - 1] > L->slot[k]) L->slot[k - 1] = L->slot[k];
+            if (mr[k - 1 - a0].src == mr[k - a0].src && L->slot[k - 1] > L->slot[k]) L->slot[k - 1] = L->slot[k];
     }
     return AVGPIPE_OK;
 oom:
-    avgpipe_free(ctx, mfill);
     avgpipe__lower_free(ctx, L);
     return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_lower: out of memory");
+}
+
+/* The receive of message k into rank r (of its moff[r + 1] - moff[r]). */
+AVGPIPE__FORCE_INLINE avgpipe_op avgpipe__lower_msg(const avgpipe__lower *L, int r, long long k) {
+    const avgpipe__lmsg *m = &L->mref[r][k];
+    const avgpipe_op *x = &L->in->ops[m->src][m->pos];
+    int fwd = x->kind == AVGPIPE_OP_F;
+    return avgpipe__op(fwd ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x->pipe, x->stage + (fwd ? 1 : -1), x->micro);
 }
 
 /* Rank r's lowered list, op by op (avgpipe__lower_next), after avgpipe__lower_rank: slot q's receives
@@ -5056,7 +5072,7 @@ AVGPIPE__FORCE_INLINE int avgpipe__lower_next(const avgpipe__lower *L, avgpipe__
     for (;;) {
         if (c->phase == 0) { /* slot q's receives */
             if (c->b < L->bucket[c->q + 1]) {
-                *out = L->msgs[c->a0 + L->ord[c->b++]];
+                *out = avgpipe__lower_msg(L, c->r, L->ord[c->b++]);
                 return 1;
             }
             c->phase = 1;
@@ -9156,9 +9172,10 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
             if (avgpipe__op_send(&L.pl, &o[i], &x))
                 for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], x.pipe, x.micro)]++;
         }
-        for (k = L.moff[r]; k < L.moff[r + 1]; k++)
-            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &L.msgs[k], keys); j < nk; j++)
-                left[AVGPIPE__KEY(keys[j], L.msgs[k].pipe, L.msgs[k].micro)]++;
+        for (k = 0; k < L.moff[r + 1] - L.moff[r]; k++) {
+            x = avgpipe__lower_msg(&L, r, k);
+            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], x.pipe, x.micro)]++;
+        }
         avgpipe__lower_rank(&L, r, &c);
         while (avgpipe__lower_next(&L, &c, &x))
             for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) {
