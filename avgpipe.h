@@ -5942,6 +5942,17 @@ static avgpipe_result avgpipe__check_sync_op(avgpipe__vstate *v, int r, int i) {
     return AVGPIPE_OK;
 }
 
+/* The message an activation (fwd) or gradient carries to stage g, seen at rank r position i. Filled
+   only for SEND and RECV ops: filling it for every op kept it on the stack in check_op's loop. */
+static void avgpipe__msg_at(avgpipe__msg *m, int fwd, int p, int g, int u, int r, int i) {
+    m->kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
+    m->pipe = (int16_t)p;
+    m->stage = g;
+    m->micro = u;
+    m->rank = r;
+    m->pos = i;
+}
+
 /* One op of the static pass, inlined into check_static's loop: a call per op (a large frame, for
    the error paths) was a fifth of the pass. */
 AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r, int i) {
@@ -5992,10 +6003,6 @@ AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r
     if (u < 0 || u >= MR)
         return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "micro-batch %d out of range 0..%d (micro x rounds)", u, MR - 1);
     x = &v->st[avgpipe__vix(v, p, g, u)];
-    msg.pipe = (int16_t)p;
-    msg.micro = u;
-    msg.rank = r;
-    msg.pos = i;
     switch (k) {
     case AVGPIPE_OP_F:
         if (*x & AVGPIPE__VF) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate forward");
@@ -6033,8 +6040,7 @@ AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send before the op that produces its data");
         if (g2 < 0 || g2 >= G || v->pl.rank[g2] == r)
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "send with no consumer on another rank");
-        msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
-        msg.stage = g2;
+        avgpipe__msg_at(&msg, fwd, p, g2, u, r, i);
         if (!avgpipe__msgs_push(v->ctx, &v->sendq[fwd ? v->pl.up[g] : v->pl.down[g]], msg))
             return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         break;
@@ -6048,8 +6054,7 @@ AVGPIPE__FORCE_INLINE avgpipe_result avgpipe__check_op(avgpipe__vstate *v, int r
             return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "receive with no producer on another rank");
         if (*x & (fwd ? AVGPIPE__VRF : AVGPIPE__VRB)) return avgpipe__vfail(v, AVGPIPE_INVALID_SCHEDULE, r, i, "duplicate receive");
         *x |= fwd ? AVGPIPE__VRF : AVGPIPE__VRB;
-        msg.kind = (uint8_t)(fwd ? AVGPIPE_OP_F : AVGPIPE_OP_B);
-        msg.stage = g;
+        avgpipe__msg_at(&msg, fwd, p, g, u, r, i);
         if (!avgpipe__msgs_push(v->ctx, &v->recvq[fwd ? v->pl.up[g2] : v->pl.down[g2]], msg))
             return avgpipe__vfail(v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
         break;
