@@ -5429,8 +5429,9 @@ AVGPIPE__FORCE_INLINE int avgpipe__sim_op_ok(const avgpipe__sim *m, const avgpip
 static avgpipe_result avgpipe__sim_sync_tables(avgpipe__sim *m);
 
 /* Run rank r as far as it can go. Returns 0 on allocation failure, or (m->spec_bad) when a guessed
-   extent does not hold. */
-static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
+   extent does not hold. spec: m->spec, a constant in each of the two instances below (the checks
+   and the late sync tables in the loop made the unchecked runs, the tuner's, 10% slower). */
+AVGPIPE__FORCE_INLINE int avgpipe__sim_rank_in(avgpipe__sim *m, int r, const int spec) {
     const avgpipe_op *ops = m->s->ops[r];
     int n = m->s->len[r], ok = 1, pos = m->pos[r];
     avgpipe_rank_stats *st = &m->res->rank[r];
@@ -5444,16 +5445,18 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         size_t ix = 0;
         int k = op->kind, how;
         AVGPIPE__PREFETCH(op + 12);
-        if (m->spec && !avgpipe__sim_op_ok(m, op, r)) {
-            m->spec_bad = 1;
-            ok = 0;
-            goto stop;
+        if (spec) { /* idle ops never wait: each is counted once */
+            if (!avgpipe__sim_op_ok(m, op, r)) {
+                m->spec_bad = 1;
+                ok = 0;
+                goto stop;
+            }
         }
         if (avgpipe__has_micro(k) && !avgpipe__is_per_round(k)) ix = avgpipe__idx(m, op->pipe, op->stage, op->micro);
         switch (k) {
         case AVGPIPE_OP_TIE:
         case AVGPIPE_OP_AGREE:
-            if (!m->sync_ready) { /* the first sync op of a run whose extent was guessed: their tables now */
+            if (spec && !m->sync_ready) { /* the first sync op of a run whose extent was guessed: their tables now */
                 m->sync_ready = 1;
                 if (avgpipe__sim_sync_tables(m) != AVGPIPE_OK) {
                     m->spec_bad = 1;
@@ -5500,7 +5503,7 @@ static int avgpipe__sim_rank(avgpipe__sim *m, int r) {
         st->busy += c;
         t = end;
         m->res->ops++;
-        m->spec_idle += k == AVGPIPE_OP_IDLE;
+        if (spec) m->spec_idle += k == AVGPIPE_OP_IDLE;
         if (k != AVGPIPE_OP_IDLE && (d->record_events == AVGPIPE_SIM_EVENTS_ALL || (d->record_events && end > dep)))
             ok &= avgpipe__event(m, op, r, 0, -1, -1, dep, end);
         if (k == AVGPIPE_OP_F || k == AVGPIPE_OP_B || k == AVGPIPE_OP_W) {
@@ -5531,6 +5534,8 @@ stop:
     m->t[r] = t;
     return ok;
 }
+static int avgpipe__sim_rank(avgpipe__sim *m, int r) { return avgpipe__sim_rank_in(m, r, 0); }
+static int avgpipe__sim_rank_checked(avgpipe__sim *m, int r) { return avgpipe__sim_rank_in(m, r, 1); }
 
 AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_result *r) {
     if (!r) return;
@@ -5769,7 +5774,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     for (r = m.S - 1; r >= 0; r--) m.stack[m.nstack++] = r;
     while (m.nstack > 0) {
         r = m.stack[--m.nstack];
-        if (!avgpipe__sim_rank(&m, r)) {
+        if (!(spec ? avgpipe__sim_rank_checked(&m, r) : avgpipe__sim_rank(&m, r))) {
             if (m.spec_bad) goto again;
             res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sim_run: out of memory");
             goto done;
