@@ -5641,18 +5641,15 @@ AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_s
    a large schedule): 1 when the shape names one whose tables the scan would allow for this many ops
    (idle ones included; the run checks again without them). Not with blocking sends, whose sync ops
    are looked ahead at. */
-static int avgpipe__sim_guess(const avgpipe_schedule *s, const avgpipe_sim_desc *desc, int *N, long long *U) {
+static int avgpipe__sim_guess(const avgpipe_schedule *s, const avgpipe_sim_desc *desc, avgpipe__extent *e) {
     const avgpipe_sched_desc *sh = &s->shape;
     long long total = 0;
-    double cells;
     int r;
     if (desc->blocking_send || sh->pipes < 1 || sh->micro < 1 || sh->rounds < 1 || s->nstages < 1) return 0;
+    *e = avgpipe__gen_extent(s, 0); /* no sync ops counted: their tables come at the first one */
+    if (!avgpipe__extent_ok(s, e)) return 0;
     for (r = 0; r < s->nranks; r++) total += s->len[r];
-    cells = (double)sh->pipes * s->nstages * ((double)sh->micro * sh->rounds);
-    if (cells > (double)AVGPIPE__MAX_CELLS || !avgpipe__cells_ok(cells, total)) return 0;
-    *N = sh->pipes;
-    *U = (long long)sh->micro * sh->rounds;
-    return 1;
+    return avgpipe__cells_ok((double)e->N * s->nstages * (double)e->U, total);
 }
 
 /* stuck (optional) gets the rank and position of the first stuck op after a deadlock. known (may be
@@ -5663,6 +5660,7 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
                                         avgpipe_sim_result *out, int *stuck, const avgpipe__extent *known, int guess) {
     avgpipe_sim_desc zero, resolved;
     avgpipe__sim m;
+    avgpipe__extent guessed;
     avgpipe_result res;
     size_t cells;
     int r, N, nsync, spec = 0;
@@ -5698,8 +5696,8 @@ static avgpipe_result avgpipe__sim_core(avgpipe_context *ctx, const avgpipe_sche
     resolved = avgpipe_sim_query_defaults(desc);
     res = avgpipe__place_build(ctx, s, &m.pl);
     if (res) return res;
-    if ((known = avgpipe__extent_ok(s, known)) != NULL) N = known->N, U = known->U, nsync = known->nsync;
-    else if (guess && avgpipe__sim_guess(s, desc, &N, &U)) spec = 1, nsync = 0;
+    if (!(known = avgpipe__extent_ok(s, known)) && guess && avgpipe__sim_guess(s, desc, &guessed)) known = &guessed, spec = 1;
+    if (known) N = known->N, U = known->U, nsync = known->nsync;
     else res = avgpipe__sched_scan_sync(ctx, s, m.pl.rank, &N, &U, &nsync);
     if (res) {
         avgpipe__place_free(ctx, &m.pl);
@@ -6911,7 +6909,7 @@ static avgpipe_result avgpipe__validate_core(avgpipe_context *ctx, const avgpipe
     avgpipe_result res = AVGPIPE_OK;
     size_t cells;
     long long nops;
-    int c, oom = 0, peaks[256] = {0};
+    int c, oom = 0, allocated, peaks[256] = {0};
     if (!report) report = &local;
     memset(report, 0, sizeof *report);
     report->rank = report->pos = -1;
@@ -6947,12 +6945,11 @@ static avgpipe_result avgpipe__validate_core(avgpipe_context *ctx, const avgpipe
             oom = !v.seqf || !v.seqb || !v.nseq;
         }
     }
-    if (oom || !v.st || !v.step || !v.sendq || !v.recvq)
-        res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
+    allocated = !oom && v.st && v.step && v.sendq && v.recvq;
+    if (!allocated) res = avgpipe__vfail(&v, AVGPIPE_OUT_OF_MEMORY, -1, -1, "validator: out of memory");
     if (!res) res = avgpipe__vplaced(&v);
     if (!res) res = guess ? avgpipe__check_static(&v, peaks) : AVGPIPE_INVALID_SCHEDULE;
     if (res) { /* a fault, or a sync op: every check in its order from the start (the prescan's first) */
-        int allocated = !oom && v.st && v.step && v.sendq && v.recvq;
         memset(report, 0, sizeof *report);
         report->rank = report->pos = -1;
         if (avgpipe__vmissing(&v, peaks)) res = AVGPIPE_INVALID_SCHEDULE;

@@ -37,4 +37,28 @@ static inline void gen(const avgpipe_sched_desc *d, avgpipe_schedule *s) {
     cr_assert_eq(r, AVGPIPE_OK, "generate %s: %s (%s)", shape_str(d), avgpipe_result_string(r), avgpipe_last_error(NULL));
 }
 
+/* Generate d into s (0, s untouched, when the kind refuses the shape) with, by mode, no sync ops (0),
+   a tie of the first and the last stage (1, when there are two), or that tie and the step agreement
+   (2), placed by avgpipe_sched_add_sync. */
+static inline int gen_with_sync(const avgpipe_sched_desc *d, int mode, avgpipe_schedule *s) {
+    avgpipe_schedule t;
+    avgpipe_tie tie;
+    avgpipe_sync_desc sy;
+    avgpipe_context quiet;
+    avgpipe_context_init(&quiet, NULL);
+    if (avgpipe_sched_generate(&quiet, d, s) != AVGPIPE_OK) return 0;
+    memset(&tie, 0, sizeof tie);
+    memset(&sy, 0, sizeof sy);
+    tie.stage_a = 0, tie.stage_b = s->nstages - 1, tie.count = 4;
+    sy.ties = &tie;
+    sy.nties = mode >= 1 && s->nstages > 1;
+    sy.agree = mode == 2;
+    if (sy.nties || sy.agree) {
+        cr_assert_eq(avgpipe_sched_add_sync(NULL, s, &sy, &t), AVGPIPE_OK, "%s mode %d: %s", shape_str(d), mode, avgpipe_last_error(NULL));
+        avgpipe_sched_free(NULL, s);
+        *s = t;
+    }
+    return 1;
+}
+
 #endif

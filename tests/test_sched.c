@@ -1026,8 +1026,8 @@ static int expect_guess_is_scan(const avgpipe_schedule *s, int fault, unsigned s
     avgpipe_context qa, qb;
     avgpipe_result ra, rb;
     char ea[AVGPIPE_ERROR_MAX];
-    int r, N, stuck_a[2] = {-1, -1}, stuck_b[2] = {-1, -1}, guessed;
-    long long U;
+    avgpipe__extent ext;
+    int r, stuck_a[2] = {-1, -1}, stuck_b[2] = {-1, -1}, guessed;
     cr_assert_eq(avgpipe_sched_copy(NULL, s, &c), AVGPIPE_OK);
     if (fault) { /* one op of a random rank, out of what the shape or the placement allows */
         unsigned x = seed * 2654435761u + 7;
@@ -1047,7 +1047,7 @@ static int expect_guess_is_scan(const avgpipe_schedule *s, int fault, unsigned s
         }
     }
     sd.record_events = seed % 2 ? AVGPIPE_SIM_EVENTS_ALL : 0;
-    guessed = avgpipe__sim_guess(&c, &sd, &N, &U);
+    guessed = avgpipe__sim_guess(&c, &sd, &ext);
     avgpipe_context_init(&qa, NULL);
     avgpipe_context_init(&qb, NULL);
     ra = avgpipe__sim_core(&qa, &c, &sd, &a, stuck_a, NULL, 0);
@@ -1085,23 +1085,10 @@ Test(plan, unlowered_slots_are_the_lowered_plans) {
                         for (K = 0; K <= (kinds[ki] == AVGPIPE_SCHED_ADVANCE || kinds[ki] == AVGPIPE_SCHED_ZBV ? 3 : 0); K++)
                             for (mode = 0; mode < 3; mode++) {
                                 avgpipe_sched_desc d = desc_of(kinds[ki], S, M, N, kinds[ki] == AVGPIPE_SCHED_INTERLEAVED ? 2 + M % 2 : 1, 2, K, cont);
-                                avgpipe_schedule s, t, u;
-                                avgpipe_tie tie;
-                                avgpipe_sync_desc sy = {.ties = &tie};
-                                avgpipe_context quiet;
+                                avgpipe_schedule s, u;
                                 char what[256];
-                                avgpipe_context_init(&quiet, NULL);
-                                if (avgpipe_sched_generate(&quiet, &d, &s) != AVGPIPE_OK) continue; /* a shape the kind refuses */
-                                memset(&tie, 0, sizeof tie);
-                                tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 4;
-                                sy.nties = mode >= 1 && s.nstages > 1;
-                                sy.agree = mode == 2;
+                                if (!gen_with_sync(&d, mode, &s)) continue; /* a shape the kind refuses */
                                 snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
-                                if (sy.nties || sy.agree) {
-                                    cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
-                                    avgpipe_sched_free(NULL, &s);
-                                    s = t;
-                                }
                                 expect_unlowered_slots(&s, 1, what);
                                 shuffled(&s, (unsigned)cases, &u);
                                 strncat(what, " shuffled", sizeof what - strlen(what) - 1);
@@ -1127,22 +1114,9 @@ Test(closed_form, guessed_extent_simulates_as_the_scan) {
                         for (mode = 0; mode < 3; mode++) {
                             avgpipe_sched_desc d = desc_of(kinds[ki], S, M, N, kinds[ki] == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, 2,
                                                            kinds[ki] == AVGPIPE_SCHED_ADVANCE ? M % 3 : 0, cont);
-                            avgpipe_schedule s, t, u;
-                            avgpipe_tie tie;
-                            avgpipe_sync_desc sy = {.ties = &tie};
-                            avgpipe_context quiet;
+                            avgpipe_schedule s, u;
                             char what[256];
-                            avgpipe_context_init(&quiet, NULL);
-                            if (avgpipe_sched_generate(&quiet, &d, &s) != AVGPIPE_OK) continue;
-                            memset(&tie, 0, sizeof tie);
-                            tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 4;
-                            sy.nties = mode >= 1 && s.nstages > 1;
-                            sy.agree = mode == 2;
-                            if (sy.nties || sy.agree) {
-                                cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &t), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
-                                avgpipe_sched_free(NULL, &s);
-                                s = t;
-                            }
+                            if (!gen_with_sync(&d, mode, &s)) continue;
                             snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
                             for (fault = 0; fault <= 7; fault++, cases++) {
                                 int got = expect_guess_is_scan(&s, fault, (unsigned)cases, what);

@@ -462,22 +462,11 @@ Test(mutations, guessed_static_pass_is_the_ordered_one) {
                     avgpipe_sched_kind kind = kinds[ki];
                     avgpipe_sched_desc d = desc_of(kind, S, kind == AVGPIPE_SCHED_INTERLEAVED ? S : 2 * S, 2, kind == AVGPIPE_SCHED_INTERLEAVED ? 2 : 1, R,
                                                    0, 0);
-                    avgpipe_schedule s, x;
-                    avgpipe_tie tie;
-                    avgpipe_sync_desc sy = {.ties = &tie};
+                    avgpipe_schedule s;
                     int k;
                     char what[200], w[256];
                     if (gen_skips(&d)) continue;
-                    gen(&d, &s);
-                    memset(&tie, 0, sizeof tie);
-                    tie.stage_a = 0, tie.stage_b = s.nstages - 1, tie.count = 4;
-                    sy.nties = mode >= 1;
-                    sy.agree = mode == 2;
-                    if (mode) {
-                        cr_assert_eq(avgpipe_sched_add_sync(NULL, &s, &sy, &x), AVGPIPE_OK, "%s", avgpipe_last_error(NULL));
-                        avgpipe_sched_free(NULL, &s);
-                        s = x;
-                    }
+                    cr_assert(gen_with_sync(&d, mode, &s), "generate %s: %s", shape_str(&d), avgpipe_last_error(NULL));
                     snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
                     guess_agrees(&s, what, &t);
                     for (k = 0; k < 30; k++) {
