@@ -4857,6 +4857,18 @@ done:
 
 
 
+/* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
+   a forward hands its output to it on the same rank, the previous stage's when a backward does; none
+   for an op without a micro-batch or of a round (STEP, AVG, TIE, AGREE: no buffers). */
+AVGPIPE__FORCE_INLINE int avgpipe__plan_keys(int G, const int *home, int r, const avgpipe_op *op, int *keys) {
+    int n = 0, g = op->stage;
+    if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) return 0;
+    keys[n++] = g;
+    if (op->kind == AVGPIPE_OP_F && g + 1 < G && home[g + 1] == r) keys[n++] = g + 1;
+    if (avgpipe__is_backward(op->kind) && g > 0 && home[g - 1] == r) keys[n++] = g - 1;
+    return n;
+}
+
 /* The SEND a compute op needs (its consumer is on another rank). */
 static int avgpipe__op_send(const avgpipe__place *pl, const avgpipe_op *op, avgpipe_op *send) {
     if (op->kind == AVGPIPE_OP_F && pl->up[op->stage] >= 0) {
@@ -4880,10 +4892,13 @@ static int avgpipe__op_send(const avgpipe__place *pl, const avgpipe_op *op, avgp
       walking a channel backwards, slot_k = min(desired_k, slot_k+1).
    A slot q sits after compute unit q-1 and before that unit's sends. When no stage has a consumer
    on another rank (one rank), the result has no SEND/RECV ops and has_comm stays 0. */
-/* A message of the lowering: the compute op that sends it, rank src's op pos (its receive is
-   avgpipe__lower_msg). */
+/* A message of the lowering, as its receive names it (avgpipe__lower_msg): the receiving stage, the
+   pipeline and micro-batch, an activation or a gradient; and the rank that sends it. Kept here so that
+   placing and walking the receives does not go back to the sender's list (a cache miss a message). */
 typedef struct avgpipe__lmsg {
-    int32_t src, pos;
+    int32_t src, stage, micro;
+    int16_t pipe;
+    uint8_t fwd; /* 1: an activation (RECV_F), 0: a gradient (RECV_B) */
 } avgpipe__lmsg;
 
 typedef struct avgpipe__lower {
@@ -4902,6 +4917,8 @@ typedef struct avgpipe__lower {
     int *slot;          /* the slot of each message's receive (steps 2 and 3) */
     int *bucket, *ord;  /* avgpipe__lower_rank: rank r's receives by slot, ord[bucket[q] .. bucket[q + 1]) in slot q */
     int *fill;          /* avgpipe__lower_rank's scratch: the next free place of each slot in ord */
+    int32_t *touch;     /* [pipe][stage][micro] (lix), when asked for: how many ops of the lowered lists
+                           touch that micro-batch's slot of that stage (avgpipe__plan_keys) */
 } avgpipe__lower;
 
 static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
@@ -4926,12 +4943,15 @@ static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
     avgpipe_free(ctx, L->bucket);
     avgpipe_free(ctx, L->ord);
     avgpipe_free(ctx, L->fill);
+    avgpipe_free(ctx, L->touch);
     memset(L, 0, sizeof *L);
 }
 
 /* Steps 1-3 for every rank: the units, the messages and each receive's slot. known (may be NULL): the
-   schedule's extent (no scan). On failure L is freed and the error recorded. */
-static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, avgpipe__lower *L) {
+   schedule's extent (no scan). touch 1: count L->touch too (in the units pass: an op's keys, its
+   send's, its receive's). On failure L is freed and the error recorded. */
+static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, int touch,
+                                          avgpipe__lower *L) {
     avgpipe_result res;
     int r, maxu = 0;
     long long total = 0, cells, i;
@@ -4957,7 +4977,9 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     L->moff = (long long *)avgpipe__calloc(ctx, (size_t)L->S + 1, sizeof(long long));
     L->mref = (avgpipe__lmsg **)avgpipe__calloc(ctx, (size_t)L->S, sizeof *L->mref);
     L->mcap = (long long *)avgpipe__calloc(ctx, (size_t)L->S, sizeof(long long));
-    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff || !L->mref || !L->mcap) goto oom;
+    if (touch) L->touch = (int32_t *)avgpipe__calloc(ctx, (size_t)cells, sizeof(int32_t));
+    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff || !L->mref || !L->mcap || (touch && !L->touch))
+        goto oom;
     for (i = 0; i < cells; i++) L->fpos[i] = L->bpos[i] = -1;
     { /* units: an op with the ops it overlaps; idle slots are dropped. And every message, by
          receiving rank, each in (sender, sender's order): moff[r + 1] counts rank r's */
@@ -4975,6 +4997,10 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
                 }
                 if (!open) pf[++u] = last; /* a new unit: the last unit before it that held a forward */
                 un[j] = u;
+                if (L->touch) {
+                    int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(L->G, L->pl.rank, r, &src[j], keys), q;
+                    for (q = 0; q < nk; q++) L->touch[avgpipe__lix(L, src[j].pipe, keys[q], src[j].micro)]++;
+                }
                 open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
                 if (k == AVGPIPE_OP_F) {
                     L->fpos[avgpipe__lix(L, src[j].pipe, g, src[j].micro)] = u;
@@ -4987,14 +5013,25 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
                 if (dst >= 0) { /* avgpipe__op_send's message */
                     long long *m = &L->moff[dst + 1];
                     if (*m == L->mcap[dst]) {
-                        long long cap = L->mcap[dst] ? 2 * L->mcap[dst] : 1024;
+                        /* a rank receives at most one message per op of its own in a valid schedule */
+                        long long cap = L->mcap[dst] ? 2 * L->mcap[dst] : in->len[dst] + 64;
                         avgpipe__lmsg *q = (avgpipe__lmsg *)avgpipe__realloc(ctx, L->mref[dst], (size_t)*m * sizeof *q, (size_t)cap * sizeof *q);
                         if (!q) goto oom;
                         L->mref[dst] = q;
                         L->mcap[dst] = cap;
                     }
-                    L->mref[dst][*m].src = r;
-                    L->mref[dst][(*m)++].pos = j;
+                    {
+                        avgpipe__lmsg *x = &L->mref[dst][(*m)++];
+                        x->src = r;
+                        x->stage = g + (k == AVGPIPE_OP_F ? 1 : -1);
+                        x->micro = src[j].micro;
+                        x->pipe = src[j].pipe;
+                        x->fwd = k == AVGPIPE_OP_F;
+                        if (L->touch) { /* the send's key, and the receive's */
+                            L->touch[avgpipe__lix(L, x->pipe, g, x->micro)]++;
+                            L->touch[avgpipe__lix(L, x->pipe, x->stage, x->micro)]++;
+                        }
+                    }
                 }
             }
             L->nunits[r] = u + 1;
@@ -5006,22 +5043,25 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     {
         size_t maxmsg = (size_t)L->moff[L->S];
         L->slot = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
-        L->ord = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
-        L->bucket = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
-        L->fill = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+        if (!touch) { /* avgpipe__lower_rank's (the slot count walks without them) */
+            L->ord = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
+            L->bucket = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+            L->fill = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+        }
     }
-    if (!L->slot || !L->ord || !L->bucket || !L->fill) goto oom;
+    if (!L->slot || (!touch && (!L->ord || !L->bucket || !L->fill))) goto oom;
     for (r = 0; r < L->S; r++) {
         long long a0 = L->moff[r], k;
         const int *pf = L->prevf + L->ustart[r];
         const avgpipe__lmsg *mr = L->mref[r];
         for (k = a0; k < L->moff[r + 1]; k++) { /* desired slot */
-            const avgpipe_op *x = &in->ops[mr[k - a0].src][mr[k - a0].pos];
-            int c, g2 = x->stage + (x->kind == AVGPIPE_OP_F ? 1 : -1), f = L->fpos[avgpipe__lix(L, x->pipe, g2, x->micro)];
-            if (x->kind == AVGPIPE_OP_F) {
+            const avgpipe__lmsg *x = &mr[k - a0];
+            size_t ix = avgpipe__lix(L, x->pipe, x->stage, x->micro);
+            int c, f = L->fpos[ix];
+            if (x->fwd) {
                 L->slot[k] = f < 0 ? L->nunits[r] : pf[f] + 1;
             } else {
-                c = L->bpos[avgpipe__lix(L, x->pipe, g2, x->micro)];
+                c = L->bpos[ix];
                 L->slot[k] = f >= 0 ? f + 1 : c < 0 ? L->nunits[r] : c;
                 if (c >= 0 && L->slot[k] > c) L->slot[k] = c;
             }
@@ -5038,9 +5078,7 @@ oom:
 /* The receive of message k into rank r (of its moff[r + 1] - moff[r]). */
 AVGPIPE__FORCE_INLINE avgpipe_op avgpipe__lower_msg(const avgpipe__lower *L, int r, long long k) {
     const avgpipe__lmsg *m = &L->mref[r][k];
-    const avgpipe_op *x = &L->in->ops[m->src][m->pos];
-    int fwd = x->kind == AVGPIPE_OP_F;
-    return avgpipe__op(fwd ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, x->pipe, x->stage + (fwd ? 1 : -1), x->micro);
+    return avgpipe__op(m->fwd ? AVGPIPE_OP_RECV_F : AVGPIPE_OP_RECV_B, m->pipe, m->stage, m->micro);
 }
 
 /* Rank r's lowered list, op by op (avgpipe__lower_next), after avgpipe__lower_rank: slot q's receives
@@ -5102,7 +5140,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
-    if ((res = avgpipe__lower_prep(ctx, in, NULL, &L)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__lower_prep(ctx, in, NULL, 0, &L)) != AVGPIPE_OK) return res;
     res = avgpipe__sched_init_like(ctx, out, in);
     for (r = 0; r < L.S && !res; r++) {
         avgpipe__lower_cur c;
@@ -9081,18 +9119,6 @@ AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_p
     memset(plan, 0, sizeof *plan);
 }
 
-/* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
-   a forward hands its output to it on the same rank, the previous stage's when a backward does; none
-   for an op without a micro-batch or of a round (STEP, AVG, TIE, AGREE: no buffers). */
-AVGPIPE__FORCE_INLINE int avgpipe__plan_keys(int G, const int *home, int r, const avgpipe_op *op, int *keys) {
-    int n = 0, g = op->stage;
-    if (!avgpipe__has_micro(op->kind) || avgpipe__is_per_round(op->kind)) return 0;
-    keys[n++] = g;
-    if (op->kind == AVGPIPE_OP_F && g + 1 < G && home[g + 1] == r) keys[n++] = g + 1;
-    if (avgpipe__is_backward(op->kind) && g > 0 && home[g - 1] == r) keys[n++] = g - 1;
-    return n;
-}
-
 /* Slots: a micro-batch takes one on a stage at its first op there (a receive, its forward, or the
    forward of the stage before it on the same rank) and gives it back after its last op there. */
 static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_schedule *s, int N, int U, avgpipe_buffer_plan *p) {
@@ -9143,62 +9169,76 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
 }
 
 /* The slot counts avgpipe__plan_slots finds in the lowered form of the compute-only schedule in,
-   without lowering it (the tuner's memory model: no lowered lists to build and read twice). Each
-   key's touches are counted from in's own lists (an op, its send, the receives into the rank), then
-   each rank's lowered list is walked once (avgpipe__lower_next) taking a slot at a key's first touch
-   and giving it back at its last, as the plan does. slots: [in->nstages]; known (may be NULL): in's extent. */
+   without lowering it (the tuner's memory model: no lowered lists to build and read twice). The
+   lowering's units pass counts each key's touches (an op, its send, the receive into the rank); then
+   each rank's lowered order is walked once without building its ops: slot q's receives, the sends of
+   unit q-1, the ops of unit q, taking a slot at a key's first touch and giving it back at its last, as
+   the plan does. Each sender's receives come in its order with their slots non-decreasing (step 3 of
+   the lowering), so a cursor per sender gives slot q's receives in the lowering's order (sender, then
+   message) without sorting them. slots: [in->nstages]; known (may be NULL): in's extent. */
 static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, int *slots) {
     avgpipe__lower L;
     avgpipe_result res;
-    int r, g, G = in->nstages, *left = NULL, *live = NULL;
-    unsigned char *seen = NULL;
-    size_t cells;
-    if ((res = avgpipe__lower_prep(ctx, in, known, &L)) != AVGPIPE_OK) return res;
-    cells = (size_t)G * L.N * (size_t)L.U;
-    left = (int *)avgpipe__calloc(ctx, cells, sizeof(int));
-    seen = (unsigned char *)avgpipe__calloc(ctx, cells, 1);
+    int r, g, G = in->nstages, *live = NULL;
+    long long *cur = NULL;
+    if ((res = avgpipe__lower_prep(ctx, in, known, 1, &L)) != AVGPIPE_OK) return res;
     live = (int *)avgpipe__calloc(ctx, (size_t)G + 1, sizeof(int));
-    if (!left || !seen || !live) {
+    cur = (long long *)avgpipe_alloc(ctx, (2 * (size_t)L.S + 2) * sizeof(long long));
+    if (!live || !cur) {
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
         goto done;
     }
     for (g = 0; g < G; g++) slots[g] = 0;
-#define AVGPIPE__KEY(g, p, u) (((size_t)(g) * L.N + (size_t)(p)) * (size_t)L.U + (size_t)(u))
+    /* A key's touch: the first (its count still positive) takes a slot, the last (the count, negated
+       at the first, back at 0) gives it back. */
+#define AVGPIPE__TOUCH(g_, key_)                                                                                                              \
+    do {                                                                                                                                       \
+        int32_t *t_ = &L.touch[key_], v_ = *t_;                                                                                                 \
+        if (v_ > 0) {                                                                                                                          \
+            if (++live[g_] > slots[g_]) slots[g_] = live[g_];                                                                                  \
+            v_ = -v_;                                                                                                                          \
+        }                                                                                                                                      \
+        if (++v_ == 0) live[g_]--;                                                                                                             \
+        *t_ = v_;                                                                                                                              \
+    } while (0)
     for (r = 0; r < L.S; r++) {
         const avgpipe_op *o = in->ops[r];
-        const int *un = L.units + L.ustart[r];
-        avgpipe__lower_cur c;
-        avgpipe_op x;
-        int i, j, nk, keys[3] = {0, 0, 0};
-        long long k;
-        for (i = 0; i < in->len[r]; i++) {
-            if (un[i] < 0) continue; /* an idle slot lowering drops */
-            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &o[i], keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], o[i].pipe, o[i].micro)]++;
-            if (avgpipe__op_send(&L.pl, &o[i], &x))
-                for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], x.pipe, x.micro)]++;
-        }
-        for (k = 0; k < L.moff[r + 1] - L.moff[r]; k++) {
-            x = avgpipe__lower_msg(&L, r, k);
-            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) left[AVGPIPE__KEY(keys[j], x.pipe, x.micro)]++;
-        }
-        avgpipe__lower_rank(&L, r, &c);
-        while (avgpipe__lower_next(&L, &c, &x))
-            for (j = 0, nk = avgpipe__plan_keys(G, L.pl.rank, r, &x, keys); j < nk; j++) {
-                size_t key = AVGPIPE__KEY(keys[j], x.pipe, x.micro);
-                if (!seen[key]) { /* first touch: take a slot */
-                    seen[key] = 1;
-                    if (++live[keys[j]] > slots[keys[j]]) slots[keys[j]] = live[keys[j]];
-                }
-                if (--left[key] == 0) live[keys[j]]--; /* the last: give it back */
+        const int *un = L.units + L.ustart[r], *sl = L.slot + L.moff[r];
+        const avgpipe__lmsg *mr = L.mref[r];
+        long long nm = L.moff[r + 1] - L.moff[r], k, *end = cur + L.S + 1;
+        int n = in->len[r], nu = L.nunits[r], q, j = 0, a = 0, b = 0, i, ng = 0, h;
+        for (k = 0; k < nm; k++) /* the senders' runs of messages: cur[h] .. end[h] */
+            if (k == 0 || mr[k].src != mr[k - 1].src) {
+                if (ng > 0) end[ng - 1] = k;
+                cur[ng++] = k;
             }
+        if (ng > 0) end[ng - 1] = nm;
+        for (q = 0;; q++) {
+            for (h = 0; h < ng; h++) /* slot q's receives */
+                for (; cur[h] < end[h] && sl[cur[h]] == q; cur[h]++) {
+                    const avgpipe__lmsg *m = &mr[cur[h]];
+                    AVGPIPE__TOUCH(m->stage, avgpipe__lix(&L, m->pipe, m->stage, m->micro));
+                }
+            for (i = a; i < b; i++) { /* the sends of unit q - 1 */
+                int kd = o[i].kind, gs = o[i].stage;
+                if ((kd == AVGPIPE_OP_F && L.pl.up[gs] >= 0) || (avgpipe__is_backward(kd) && L.pl.down[gs] >= 0))
+                    AVGPIPE__TOUCH(gs, avgpipe__lix(&L, o[i].pipe, gs, o[i].micro));
+            }
+            if (q == nu) break;
+            while (j < n && un[j] < 0) j++; /* idle slots the lowering drops */
+            for (a = j; j < n && un[j] == q; j++) { /* unit q */
+                int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(G, L.pl.rank, r, &o[j], keys), e;
+                for (e = 0; e < nk; e++) AVGPIPE__TOUCH(keys[e], avgpipe__lix(&L, o[j].pipe, keys[e], o[j].micro));
+            }
+            b = j;
+        }
     }
-#undef AVGPIPE__KEY
+#undef AVGPIPE__TOUCH
     for (g = 0; g < G; g++)
         if (slots[g] < 1) slots[g] = 1;
 done:
-    avgpipe_free(ctx, left);
-    avgpipe_free(ctx, seen);
     avgpipe_free(ctx, live);
+    avgpipe_free(ctx, cur);
     avgpipe__lower_free(ctx, &L);
     return res;
 }
