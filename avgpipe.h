@@ -4921,9 +4921,9 @@ typedef struct avgpipe__lower {
                            touch that micro-batch's slot of that stage (avgpipe__plan_keys) */
 } avgpipe__lower;
 
-static size_t avgpipe__lix(const avgpipe__lower *L, int p, int g, int u) {
-    return ((size_t)p * (size_t)L->G + (size_t)g) * (size_t)L->U + (size_t)u;
-}
+/* The cell of (pipeline p, stage g, micro-batch u) in a table of G stages and U micro-batches (the
+   callers keep G and U in locals: a store through an int table may alias L's fields otherwise). */
+static size_t avgpipe__lix(size_t G, size_t U, int p, int g, int u) { return ((size_t)p * G + (size_t)g) * U + (size_t)u; }
 
 static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
     int r;
@@ -4983,6 +4983,10 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     for (i = 0; i < cells; i++) L->fpos[i] = L->bpos[i] = -1;
     { /* units: an op with the ops it overlaps; idle slots are dropped. And every message, by
          receiving rank, each in (sender, sender's order): moff[r + 1] counts rank r's */
+        const size_t LG = (size_t)L->G, LU = (size_t)L->U;
+        const int *up = L->pl.up, *down = L->pl.down, *home = L->pl.rank;
+        int *fpos = L->fpos, *bpos = L->bpos;
+        int32_t *tc = L->touch;
         long long off = 0;
         for (r = 0; r < L->S; r++) {
             int n = in->len[r], j, u = -1, open = 0, last = -1;
@@ -4997,18 +5001,18 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
                 }
                 if (!open) pf[++u] = last; /* a new unit: the last unit before it that held a forward */
                 un[j] = u;
-                if (L->touch) {
-                    int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(L->G, L->pl.rank, r, &src[j], keys), q;
-                    for (q = 0; q < nk; q++) L->touch[avgpipe__lix(L, src[j].pipe, keys[q], src[j].micro)]++;
+                if (tc) {
+                    int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys((int)LG, home, r, &src[j], keys), q;
+                    for (q = 0; q < nk; q++) tc[avgpipe__lix(LG, LU, src[j].pipe, keys[q], src[j].micro)]++;
                 }
                 open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
                 if (k == AVGPIPE_OP_F) {
-                    L->fpos[avgpipe__lix(L, src[j].pipe, g, src[j].micro)] = u;
+                    fpos[avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro)] = u;
                     last = u;
-                    if (L->pl.up[g] >= 0) dst = L->pl.rank[g + 1];
+                    if (up[g] >= 0) dst = home[g + 1];
                 } else if (avgpipe__is_backward(k)) {
-                    L->bpos[avgpipe__lix(L, src[j].pipe, g, src[j].micro)] = u;
-                    if (L->pl.down[g] >= 0) dst = L->pl.rank[g - 1];
+                    bpos[avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro)] = u;
+                    if (down[g] >= 0) dst = home[g - 1];
                 }
                 if (dst >= 0) { /* avgpipe__op_send's message */
                     long long *m = &L->moff[dst + 1];
@@ -5027,9 +5031,9 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
                         x->micro = src[j].micro;
                         x->pipe = src[j].pipe;
                         x->fwd = k == AVGPIPE_OP_F;
-                        if (L->touch) { /* the send's key, and the receive's */
-                            L->touch[avgpipe__lix(L, x->pipe, g, x->micro)]++;
-                            L->touch[avgpipe__lix(L, x->pipe, x->stage, x->micro)]++;
+                        if (tc) { /* the send's key, and the receive's */
+                            tc[avgpipe__lix(LG, LU, x->pipe, g, x->micro)]++;
+                            tc[avgpipe__lix(LG, LU, x->pipe, x->stage, x->micro)]++;
                         }
                     }
                 }
@@ -5051,23 +5055,25 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     }
     if (!L->slot || (!touch && (!L->ord || !L->bucket || !L->fill))) goto oom;
     for (r = 0; r < L->S; r++) {
-        long long a0 = L->moff[r], k;
-        const int *pf = L->prevf + L->ustart[r];
+        const size_t LG = (size_t)L->G, LU = (size_t)L->U;
+        long long n = L->moff[r + 1] - L->moff[r], k;
+        const int *pf = L->prevf + L->ustart[r], *fpos = L->fpos, *bpos = L->bpos, nu = L->nunits[r];
         const avgpipe__lmsg *mr = L->mref[r];
-        for (k = a0; k < L->moff[r + 1]; k++) { /* desired slot */
-            const avgpipe__lmsg *x = &mr[k - a0];
-            size_t ix = avgpipe__lix(L, x->pipe, x->stage, x->micro);
-            int c, f = L->fpos[ix];
+        int *sl = L->slot + L->moff[r];
+        for (k = 0; k < n; k++) { /* desired slot */
+            const avgpipe__lmsg *x = &mr[k];
+            size_t ix = avgpipe__lix(LG, LU, x->pipe, x->stage, x->micro);
+            int c, f = fpos[ix];
             if (x->fwd) {
-                L->slot[k] = f < 0 ? L->nunits[r] : pf[f] + 1;
+                sl[k] = f < 0 ? nu : pf[f] + 1;
             } else {
-                c = L->bpos[ix];
-                L->slot[k] = f >= 0 ? f + 1 : c < 0 ? L->nunits[r] : c;
-                if (c >= 0 && L->slot[k] > c) L->slot[k] = c;
+                c = bpos[ix];
+                sl[k] = f >= 0 ? f + 1 : c < 0 ? nu : c;
+                if (c >= 0 && sl[k] > c) sl[k] = c;
             }
         }
-        for (k = L->moff[r + 1] - 1; k > a0; k--) /* keep each channel's order */
-            if (mr[k - 1 - a0].src == mr[k - a0].src && L->slot[k - 1] > L->slot[k]) L->slot[k - 1] = L->slot[k];
+        for (k = n - 1; k > 0; k--) /* keep each channel's order */
+            if (mr[k - 1].src == mr[k].src && sl[k - 1] > sl[k]) sl[k - 1] = sl[k];
     }
     return AVGPIPE_OK;
 oom:
@@ -9180,7 +9186,10 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
     avgpipe__lower L;
     avgpipe_result res;
     int r, g, G = in->nstages, *live = NULL;
+    const int *up, *down, *home;
     long long *cur = NULL;
+    size_t LG, LU;
+    int32_t *tc;
     if ((res = avgpipe__lower_prep(ctx, in, known, 1, &L)) != AVGPIPE_OK) return res;
     live = (int *)avgpipe__calloc(ctx, (size_t)G + 1, sizeof(int));
     cur = (long long *)avgpipe_alloc(ctx, (2 * (size_t)L.S + 2) * sizeof(long long));
@@ -9189,11 +9198,12 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
         goto done;
     }
     for (g = 0; g < G; g++) slots[g] = 0;
+    LG = (size_t)G, LU = (size_t)L.U, tc = L.touch, up = L.pl.up, down = L.pl.down, home = L.pl.rank;
     /* A key's touch: the first (its count still positive) takes a slot, the last (the count, negated
        at the first, back at 0) gives it back. */
 #define AVGPIPE__TOUCH(g_, key_)                                                                                                              \
     do {                                                                                                                                       \
-        int32_t *t_ = &L.touch[key_], v_ = *t_;                                                                                                 \
+        int32_t *t_ = &tc[key_], v_ = *t_;                                                                                                 \
         if (v_ > 0) {                                                                                                                          \
             if (++live[g_] > slots[g_]) slots[g_] = live[g_];                                                                                  \
             v_ = -v_;                                                                                                                          \
@@ -9217,18 +9227,18 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
             for (h = 0; h < ng; h++) /* slot q's receives */
                 for (; cur[h] < end[h] && sl[cur[h]] == q; cur[h]++) {
                     const avgpipe__lmsg *m = &mr[cur[h]];
-                    AVGPIPE__TOUCH(m->stage, avgpipe__lix(&L, m->pipe, m->stage, m->micro));
+                    AVGPIPE__TOUCH(m->stage, avgpipe__lix(LG, LU, m->pipe, m->stage, m->micro));
                 }
             for (i = a; i < b; i++) { /* the sends of unit q - 1 */
                 int kd = o[i].kind, gs = o[i].stage;
-                if ((kd == AVGPIPE_OP_F && L.pl.up[gs] >= 0) || (avgpipe__is_backward(kd) && L.pl.down[gs] >= 0))
-                    AVGPIPE__TOUCH(gs, avgpipe__lix(&L, o[i].pipe, gs, o[i].micro));
+                if ((kd == AVGPIPE_OP_F && up[gs] >= 0) || (avgpipe__is_backward(kd) && down[gs] >= 0))
+                    AVGPIPE__TOUCH(gs, avgpipe__lix(LG, LU, o[i].pipe, gs, o[i].micro));
             }
             if (q == nu) break;
             while (j < n && un[j] < 0) j++; /* idle slots the lowering drops */
             for (a = j; j < n && un[j] == q; j++) { /* unit q */
-                int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(G, L.pl.rank, r, &o[j], keys), e;
-                for (e = 0; e < nk; e++) AVGPIPE__TOUCH(keys[e], avgpipe__lix(&L, o[j].pipe, keys[e], o[j].micro));
+                int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(G, home, r, &o[j], keys), e;
+                for (e = 0; e < nk; e++) AVGPIPE__TOUCH(keys[e], avgpipe__lix(LG, LU, o[j].pipe, keys[e], o[j].micro));
             }
             b = j;
         }
