@@ -4917,8 +4917,6 @@ typedef struct avgpipe__lower {
     int *slot;          /* the slot of each message's receive (steps 2 and 3) */
     int *bucket, *ord;  /* avgpipe__lower_rank: rank r's receives by slot, ord[bucket[q] .. bucket[q + 1]) in slot q */
     int *fill;          /* avgpipe__lower_rank's scratch: the next free place of each slot in ord */
-    int32_t *touch;     /* [pipe][stage][micro] (lix), when asked for: how many ops of the lowered lists
-                           touch that micro-batch's slot of that stage (avgpipe__plan_keys) */
 } avgpipe__lower;
 
 /* The cell of (pipeline p, stage g, micro-batch u) in a table of G stages and U micro-batches (the
@@ -4943,17 +4941,17 @@ static void avgpipe__lower_free(avgpipe_context *ctx, avgpipe__lower *L) {
     avgpipe_free(ctx, L->bucket);
     avgpipe_free(ctx, L->ord);
     avgpipe_free(ctx, L->fill);
-    avgpipe_free(ctx, L->touch);
     memset(L, 0, sizeof *L);
 }
 
-/* Steps 1-3 for every rank: the units, the messages and each receive's slot. known (may be NULL): the
-   schedule's extent (no scan). touch 1: count L->touch too (in the units pass: an op's keys, its
-   send's, its receive's). On failure L is freed and the error recorded. */
-static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, int touch,
-                                          avgpipe__lower *L) {
+/* What lowering and the slot count share: the placement, the extent, the tables, and every message
+   by receiving rank, each in (sender, sender's order): moff[r + 1] counts rank r's (the sends of
+   step 1: an F whose consumer is on another rank, a B or I whose producer is). known (may be NULL):
+   the schedule's extent (no scan; the scan also checks that each op's stage is on its rank, which
+   the steps below take per rank). On failure L is freed and the error recorded. */
+static avgpipe_result avgpipe__lower_init(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, avgpipe__lower *L) {
     avgpipe_result res;
-    int r, maxu = 0;
+    int r;
     long long total = 0, cells, i;
     memset(L, 0, sizeof *L);
     res = avgpipe__place_build(ctx, in, &L->pl);
@@ -4977,106 +4975,123 @@ static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_sc
     L->moff = (long long *)avgpipe__calloc(ctx, (size_t)L->S + 1, sizeof(long long));
     L->mref = (avgpipe__lmsg **)avgpipe__calloc(ctx, (size_t)L->S, sizeof *L->mref);
     L->mcap = (long long *)avgpipe__calloc(ctx, (size_t)L->S, sizeof(long long));
-    if (touch) L->touch = (int32_t *)avgpipe__calloc(ctx, (size_t)cells, sizeof(int32_t));
-    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff || !L->mref || !L->mcap || (touch && !L->touch))
-        goto oom;
+    if (!L->fpos || !L->bpos || !L->units || !L->prevf || !L->ustart || !L->nunits || !L->moff || !L->mref || !L->mcap) goto oom;
     for (i = 0; i < cells; i++) L->fpos[i] = L->bpos[i] = -1;
-    { /* units: an op with the ops it overlaps; idle slots are dropped. And every message, by
-         receiving rank, each in (sender, sender's order): moff[r + 1] counts rank r's */
-        const size_t LG = (size_t)L->G, LU = (size_t)L->U;
+    {
         const int *up = L->pl.up, *down = L->pl.down, *home = L->pl.rank;
-        int *fpos = L->fpos, *bpos = L->bpos;
-        int32_t *tc = L->touch;
         long long off = 0;
         for (r = 0; r < L->S; r++) {
-            int n = in->len[r], j, u = -1, open = 0, last = -1;
             const avgpipe_op *src = in->ops[r];
-            int *un = L->units + off, *pf = L->prevf + off;
+            int n = in->len[r], j;
             L->ustart[r] = (int)off;
+            off += n;
             for (j = 0; j < n; j++) {
-                int k = src[j].kind, g = src[j].stage, dst = -1;
-                if (k == AVGPIPE_OP_IDLE && !open) {
-                    un[j] = -1;
-                    continue;
+                int k = src[j].kind, g = src[j].stage, dst, fwd = k == AVGPIPE_OP_F;
+                long long *m;
+                if (fwd ? up[g] < 0 : !avgpipe__is_backward(k) || down[g] < 0) continue; /* no send (avgpipe__op_send) */
+                dst = home[fwd ? g + 1 : g - 1];
+                m = &L->moff[dst + 1];
+                if (*m == L->mcap[dst]) {
+                    /* a rank receives at most one message per op of its own in a valid schedule */
+                    long long cap = L->mcap[dst] ? 2 * L->mcap[dst] : in->len[dst] + 64;
+                    avgpipe__lmsg *q = (avgpipe__lmsg *)avgpipe__realloc(ctx, L->mref[dst], (size_t)*m * sizeof *q, (size_t)cap * sizeof *q);
+                    if (!q) goto oom;
+                    L->mref[dst] = q;
+                    L->mcap[dst] = cap;
                 }
-                if (!open) pf[++u] = last; /* a new unit: the last unit before it that held a forward */
-                un[j] = u;
-                if (tc) {
-                    int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys((int)LG, home, r, &src[j], keys), q;
-                    for (q = 0; q < nk; q++) tc[avgpipe__lix(LG, LU, src[j].pipe, keys[q], src[j].micro)]++;
-                }
-                open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
-                if (k == AVGPIPE_OP_F) {
-                    fpos[avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro)] = u;
-                    last = u;
-                    if (up[g] >= 0) dst = home[g + 1];
-                } else if (avgpipe__is_backward(k)) {
-                    bpos[avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro)] = u;
-                    if (down[g] >= 0) dst = home[g - 1];
-                }
-                if (dst >= 0) { /* avgpipe__op_send's message */
-                    long long *m = &L->moff[dst + 1];
-                    if (*m == L->mcap[dst]) {
-                        /* a rank receives at most one message per op of its own in a valid schedule */
-                        long long cap = L->mcap[dst] ? 2 * L->mcap[dst] : in->len[dst] + 64;
-                        avgpipe__lmsg *q = (avgpipe__lmsg *)avgpipe__realloc(ctx, L->mref[dst], (size_t)*m * sizeof *q, (size_t)cap * sizeof *q);
-                        if (!q) goto oom;
-                        L->mref[dst] = q;
-                        L->mcap[dst] = cap;
-                    }
-                    {
-                        avgpipe__lmsg *x = &L->mref[dst][(*m)++];
-                        x->src = r;
-                        x->stage = g + (k == AVGPIPE_OP_F ? 1 : -1);
-                        x->micro = src[j].micro;
-                        x->pipe = src[j].pipe;
-                        x->fwd = k == AVGPIPE_OP_F;
-                        if (tc) { /* the send's key, and the receive's */
-                            tc[avgpipe__lix(LG, LU, x->pipe, g, x->micro)]++;
-                            tc[avgpipe__lix(LG, LU, x->pipe, x->stage, x->micro)]++;
-                        }
-                    }
+                {
+                    avgpipe__lmsg *x = &L->mref[dst][(*m)++];
+                    x->src = r;
+                    x->stage = g + (fwd ? 1 : -1);
+                    x->micro = src[j].micro;
+                    x->pipe = src[j].pipe;
+                    x->fwd = (uint8_t)fwd;
                 }
             }
-            L->nunits[r] = u + 1;
-            if (u + 1 > maxu) maxu = u + 1;
-            off += n;
         }
     }
     for (r = 0; r < L->S; r++) L->moff[r + 1] += L->moff[r];
-    {
-        size_t maxmsg = (size_t)L->moff[L->S];
-        L->slot = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
-        if (!touch) { /* avgpipe__lower_rank's (the slot count walks without them) */
-            L->ord = (int *)avgpipe_alloc(ctx, (maxmsg + 1) * sizeof(int));
-            L->bucket = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
-            L->fill = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
-        }
-    }
-    if (!L->slot || (!touch && (!L->ord || !L->bucket || !L->fill))) goto oom;
-    for (r = 0; r < L->S; r++) {
-        const size_t LG = (size_t)L->G, LU = (size_t)L->U;
-        long long n = L->moff[r + 1] - L->moff[r], k;
-        const int *pf = L->prevf + L->ustart[r], *fpos = L->fpos, *bpos = L->bpos, nu = L->nunits[r];
-        const avgpipe__lmsg *mr = L->mref[r];
-        int *sl = L->slot + L->moff[r];
-        for (k = 0; k < n; k++) { /* desired slot */
-            const avgpipe__lmsg *x = &mr[k];
-            size_t ix = avgpipe__lix(LG, LU, x->pipe, x->stage, x->micro);
-            int c, f = fpos[ix];
-            if (x->fwd) {
-                sl[k] = f < 0 ? nu : pf[f] + 1;
-            } else {
-                c = bpos[ix];
-                sl[k] = f >= 0 ? f + 1 : c < 0 ? nu : c;
-                if (c >= 0 && sl[k] > c) sl[k] = c;
-            }
-        }
-        for (k = n - 1; k > 0; k--) /* keep each channel's order */
-            if (mr[k - 1].src == mr[k].src && sl[k - 1] > sl[k]) sl[k - 1] = sl[k];
-    }
+    if (!(L->slot = (int *)avgpipe_alloc(ctx, ((size_t)L->moff[L->S] + 1) * sizeof(int)))) goto oom;
     return AVGPIPE_OK;
 oom:
+    avgpipe__lower_free(ctx, L);
+    return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_lower: out of memory");
+}
+
+/* Rank r's units (an op with the ops it overlaps; idle slots are dropped): the unit of each op into
+   L->units, the last unit before each unit that holds a forward into L->prevf, the unit of each F and
+   B-or-I into L->fpos / L->bpos, their count into L->nunits[r]. touch (may be NULL): each key's
+   count of touches by r's ops and their sends (avgpipe__plan_keys). */
+static void avgpipe__lower_units(avgpipe__lower *L, int r, int32_t *touch) {
+    const size_t LG = (size_t)L->G, LU = (size_t)L->U;
+    const int *up = L->pl.up, *down = L->pl.down, *home = L->pl.rank;
+    const avgpipe_op *src = L->in->ops[r];
+    int *fpos = L->fpos, *bpos = L->bpos, *un = L->units + L->ustart[r], *pf = L->prevf + L->ustart[r];
+    int n = L->in->len[r], j, u = -1, open = 0, last = -1;
+    for (j = 0; j < n; j++) {
+        int k = src[j].kind, g = src[j].stage;
+        if (k == AVGPIPE_OP_IDLE && !open) {
+            un[j] = -1;
+            continue;
+        }
+        if (!open) pf[++u] = last; /* a new unit: the last unit before it that held a forward */
+        un[j] = u;
+        open = (src[j].flags & AVGPIPE_OPF_OVERLAP_NEXT) != 0;
+        if (touch) {
+            int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys((int)LG, home, r, &src[j], keys), q;
+            for (q = 0; q < nk; q++) touch[avgpipe__lix(LG, LU, src[j].pipe, keys[q], src[j].micro)]++;
+        }
+        if (k == AVGPIPE_OP_F) {
+            size_t ix = avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro);
+            fpos[ix] = u;
+            last = u;
+            if (touch && up[g] >= 0) touch[ix]++; /* its send's */
+        } else if (avgpipe__is_backward(k)) {
+            size_t ix = avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro);
+            bpos[ix] = u;
+            if (touch && down[g] >= 0) touch[ix]++;
+        }
+    }
+    L->nunits[r] = u + 1;
+}
+
+/* Steps 2 and 3 for the messages into rank r (after its units): each receive's slot into L->slot. */
+static void avgpipe__lower_recv_slots(avgpipe__lower *L, int r) {
+    const size_t LG = (size_t)L->G, LU = (size_t)L->U;
+    long long n = L->moff[r + 1] - L->moff[r], k;
+    const int *pf = L->prevf + L->ustart[r], *fpos = L->fpos, *bpos = L->bpos, nu = L->nunits[r];
+    const avgpipe__lmsg *mr = L->mref[r];
+    int *sl = L->slot + L->moff[r];
+    for (k = 0; k < n; k++) { /* desired slot */
+        const avgpipe__lmsg *x = &mr[k];
+        size_t ix = avgpipe__lix(LG, LU, x->pipe, x->stage, x->micro);
+        int c, f = fpos[ix];
+        if (x->fwd) {
+            sl[k] = f < 0 ? nu : pf[f] + 1;
+        } else {
+            c = bpos[ix];
+            sl[k] = f >= 0 ? f + 1 : c < 0 ? nu : c;
+            if (c >= 0 && sl[k] > c) sl[k] = c;
+        }
+    }
+    for (k = n - 1; k > 0; k--) /* keep each channel's order */
+        if (mr[k - 1].src == mr[k].src && sl[k - 1] > sl[k]) sl[k - 1] = sl[k];
+}
+
+/* Steps 1-3 for every rank, and avgpipe__lower_rank's tables. */
+static avgpipe_result avgpipe__lower_prep(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, avgpipe__lower *L) {
+    avgpipe_result res = avgpipe__lower_init(ctx, in, known, L);
+    int r, maxu = 0;
+    if (res) return res;
+    for (r = 0; r < L->S; r++) {
+        avgpipe__lower_units(L, r, NULL);
+        if (L->nunits[r] > maxu) maxu = L->nunits[r];
+        avgpipe__lower_recv_slots(L, r);
+    }
+    L->ord = (int *)avgpipe_alloc(ctx, ((size_t)L->moff[L->S] + 1) * sizeof(int));
+    L->bucket = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+    L->fill = (int *)avgpipe_alloc(ctx, ((size_t)maxu + 2) * sizeof(int));
+    if (L->ord && L->bucket && L->fill) return AVGPIPE_OK;
     avgpipe__lower_free(ctx, L);
     return avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_sched_lower: out of memory");
 }
@@ -5146,7 +5161,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
     if (!in || !out || !in->len) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: NULL argument");
     if (in->has_comm) return avgpipe__fail(ctx, AVGPIPE_INVALID_ARG, "avgpipe_sched_lower: the schedule already has SEND/RECV ops");
     memset(out, 0, sizeof *out);
-    if ((res = avgpipe__lower_prep(ctx, in, NULL, 0, &L)) != AVGPIPE_OK) return res;
+    if ((res = avgpipe__lower_prep(ctx, in, NULL, &L)) != AVGPIPE_OK) return res;
     res = avgpipe__sched_init_like(ctx, out, in);
     for (r = 0; r < L.S && !res; r++) {
         avgpipe__lower_cur c;
@@ -9174,36 +9189,181 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
     return AVGPIPE_OK;
 }
 
+/* A cache of ranks' slot counts (the tuner's: one per thread, across its candidates). A rank's slots
+   follow from its own list, the facts of its stages (the stage before and after on the same rank, a
+   consumer or producer on another) and the messages into it in order, none of which names another
+   rank's ops; the tuner's candidates repeat them (advance forward's K + 1 gives rank r the list rank
+   r - 1 had at K). The key is that input whole, stages counted from the rank's first and senders
+   from the rank, and a hit compares it whole: the cache only skips work.
+   words: the entries back to back (the key's 64-bit hash in two words, its length in words, the
+   rank's stage count, the key, the slots); table: open addressing on the hash, 1 + an entry's
+   offset (0: empty); key: the scratch a rank's key is built in. */
+typedef struct avgpipe__slot_memo {
+    uint32_t *words, *table, *key;
+    size_t n, cap, tsize, used, kcap;
+    size_t limit; /* words of entries before it starts again; 0 -> AVGPIPE__SLOT_MEMO_WORDS */
+    long long hits, misses, restarts;
+} avgpipe__slot_memo;
+
+#ifndef AVGPIPE__SLOT_MEMO_WORDS
+#define AVGPIPE__SLOT_MEMO_WORDS ((size_t)1 << 23) /* 32 MiB of entries; past it the cache starts again */
+#endif
+
+static void avgpipe__slot_memo_free(avgpipe_context *ctx, avgpipe__slot_memo *c) {
+    avgpipe_free(ctx, c->words);
+    avgpipe_free(ctx, c->table);
+    avgpipe_free(ctx, c->key);
+    memset(c, 0, sizeof *c);
+}
+
+/* A hash of w[0..n) for the cache's table (a hit compares the key whole: only the spread matters).
+   Four independent lanes of two words each: one multiply chain per word was a third of the search. */
+static uint64_t avgpipe__words_hash(const uint32_t *w, size_t n) {
+    const uint64_t k = 0x9e3779b97f4a7c15ULL;
+    uint64_t a = 0x243f6a8885a308d3ULL ^ n, b = 0x13198a2e03707344ULL, c = 0xa4093822299f31d0ULL, d = 0x082efa98ec4e6c89ULL, x;
+    size_t i;
+    for (i = 0; i + 8 <= n; i += 8) {
+        a = (a + (w[i] | (uint64_t)w[i + 1] << 32)) * k;
+        b = (b + (w[i + 2] | (uint64_t)w[i + 3] << 32)) * k;
+        c = (c + (w[i + 4] | (uint64_t)w[i + 5] << 32)) * k;
+        d = (d + (w[i + 6] | (uint64_t)w[i + 7] << 32)) * k;
+    }
+    for (; i < n; i++) a = (a + w[i]) * k;
+    x = a ^ (b << 17 | b >> 47) ^ (c << 31 | c >> 33) ^ (d << 47 | d >> 17);
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    return x ^ (x >> 32);
+}
+
+/* The entry of key[0..n) (hash h), or NULL. */
+static const uint32_t *avgpipe__slot_memo_find(const avgpipe__slot_memo *c, uint64_t h, const uint32_t *key, size_t n) {
+    size_t i, mask = c->tsize - 1;
+    if (!c->tsize) return NULL;
+    for (i = (size_t)h & mask; c->table[i]; i = (i + 1) & mask) {
+        const uint32_t *e = c->words + (c->table[i] - 1);
+        if (e[0] == (uint32_t)h && e[1] == (uint32_t)(h >> 32) && e[2] == n && memcmp(e + 4, key, n * sizeof *key) == 0) return e;
+    }
+    return NULL;
+}
+
+/* Remember key[0..n) (hash h) -> slots[0..nst). Returns 0 when out of memory (the cache is then left
+   as it was: it only saves work). */
+static int avgpipe__slot_memo_put(avgpipe_context *ctx, avgpipe__slot_memo *c, uint64_t h, const uint32_t *key, size_t n, const int *slots, int nst) {
+    size_t need = 4 + n + (size_t)nst, i, mask, limit = c->limit ? c->limit : AVGPIPE__SLOT_MEMO_WORDS;
+    uint32_t *e;
+    if (need > limit / 4) return 1; /* too large to be worth keeping */
+    if (c->n + need > limit) { /* full: start again */
+        c->n = c->used = 0;
+        c->restarts++;
+        if (c->table) memset(c->table, 0, c->tsize * sizeof *c->table);
+    }
+    if (c->n + need > c->cap) {
+        size_t cap = c->cap ? c->cap : 4096;
+        uint32_t *w;
+        while (cap < c->n + need) cap *= 2;
+        if (!(w = (uint32_t *)avgpipe__realloc(ctx, c->words, c->n * sizeof *w, cap * sizeof *w))) return 0;
+        c->words = w, c->cap = cap;
+    }
+    if (2 * (c->used + 1) > c->tsize) { /* grow the table, placing the entries again */
+        size_t ts = c->tsize ? 2 * c->tsize : 1024, off;
+        uint32_t *t = (uint32_t *)avgpipe__calloc(ctx, ts, sizeof *t);
+        if (!t) return 0;
+        avgpipe_free(ctx, c->table);
+        c->table = t, c->tsize = ts, mask = ts - 1;
+        for (off = 0; off < c->n; off += 4 + c->words[off + 2] + c->words[off + 3]) {
+            for (i = (c->words[off] | (size_t)c->words[off + 1] << 32) & mask; t[i]; i = (i + 1) & mask) {}
+            t[i] = (uint32_t)off + 1;
+        }
+    }
+    e = c->words + c->n;
+    e[0] = (uint32_t)h, e[1] = (uint32_t)(h >> 32), e[2] = (uint32_t)n, e[3] = (uint32_t)nst;
+    memcpy(e + 4, key, n * sizeof *key);
+    for (i = 0; i < (size_t)nst; i++) e[4 + n + i] = (uint32_t)slots[i];
+    for (mask = c->tsize - 1, i = (size_t)h & mask; c->table[i]; i = (i + 1) & mask) {}
+    c->table[i] = (uint32_t)c->n + 1;
+    c->n += need;
+    c->used++;
+    return 1;
+}
+
+/* Rank r's key into c->key (its length returned; 0 when out of memory): its stage count, op count and
+   message count; each of its stages (ascending, stg[0..nst)) counted from the first, with its facts;
+   each op (kind, flags, stage, pipeline, micro-batch; an idle slot by its kind and flags alone, the
+   lowering reads nothing else of it); each message into it (activation or gradient, stage, pipeline,
+   micro-batch, sender counted from r). */
+static size_t avgpipe__slot_memo_key(avgpipe_context *ctx, avgpipe__slot_memo *c, const avgpipe__lower *L, int r, const int *stg, int nst) {
+    const avgpipe_op *o = L->in->ops[r];
+    const avgpipe__lmsg *mr = L->mref[r];
+    const int *home = L->pl.rank, *up = L->pl.up, *down = L->pl.down;
+    int n = L->in->len[r], j, base = stg[0], G = L->G;
+    long long nm = L->moff[r + 1] - L->moff[r], k;
+    size_t need = 3 + (size_t)nst + 3 * (size_t)n + 3 * (size_t)nm, w = 0;
+    uint32_t *key;
+    if (need > c->kcap) {
+        uint32_t *q = (uint32_t *)avgpipe__realloc(ctx, c->key, c->kcap * sizeof *q, need * sizeof *q);
+        if (!q) return 0;
+        c->key = q, c->kcap = need;
+    }
+    key = c->key;
+    key[w++] = (uint32_t)nst, key[w++] = (uint32_t)n, key[w++] = (uint32_t)nm;
+    for (j = 0; j < nst; j++) {
+        int g = stg[j];
+        key[w++] = (uint32_t)(g - base) | (uint32_t)(g > 0 && home[g - 1] == r) << 16 | (uint32_t)(g + 1 < G && home[g + 1] == r) << 17 |
+                   (uint32_t)(up[g] >= 0) << 18 | (uint32_t)(down[g] >= 0) << 19;
+    }
+    for (j = 0; j < n; j++) {
+        const avgpipe_op *op = &o[j];
+        int idle = op->kind == AVGPIPE_OP_IDLE;
+        key[w++] = (uint32_t)op->kind | (uint32_t)op->flags << 5 | (idle ? 0 : (uint32_t)(op->stage - base) << 13);
+        key[w++] = idle ? 0 : (uint32_t)op->pipe;
+        key[w++] = idle ? 0 : (uint32_t)op->micro;
+    }
+    for (k = 0; k < nm; k++) {
+        key[w++] = (uint32_t)mr[k].fwd | (uint32_t)(mr[k].stage - base) << 1 | (uint32_t)mr[k].pipe << 16;
+        key[w++] = (uint32_t)(mr[k].src - r);
+        key[w++] = (uint32_t)mr[k].micro;
+    }
+    return w;
+}
+
 /* The slot counts avgpipe__plan_slots finds in the lowered form of the compute-only schedule in,
-   without lowering it (the tuner's memory model: no lowered lists to build and read twice). The
-   lowering's units pass counts each key's touches (an op, its send, the receive into the rank); then
-   each rank's lowered order is walked once without building its ops: slot q's receives, the sends of
-   unit q-1, the ops of unit q, taking a slot at a key's first touch and giving it back at its last, as
-   the plan does. Each sender's receives come in its order with their slots non-decreasing (step 3 of
-   the lowering), so a cursor per sender gives slot q's receives in the lowering's order (sender, then
-   message) without sorting them. slots: [in->nstages]; known (may be NULL): in's extent. */
-static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known, int *slots) {
+   without lowering it (the tuner's memory model: no lowered lists to build and read twice), rank by
+   rank: its units count each key's touches (its ops, their sends, the receives into it), then its
+   lowered order is walked once without building its ops (slot q's receives, the sends of unit q-1,
+   the ops of unit q), taking a slot at a key's first touch and giving it back at its last, as the
+   plan does. Each sender's receives come in its order with their slots non-decreasing (step 3 of the
+   lowering), so a cursor per sender gives slot q's receives in the lowering's order (sender, then
+   message) without sorting them. slots: [in->nstages]; known (may be NULL): in's extent; memo (may be
+   NULL): a rank whose key it holds takes its slots from it. */
+static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known,
+                                                    avgpipe__slot_memo *memo, int *slots) {
     avgpipe__lower L;
     avgpipe_result res;
-    int r, g, G = in->nstages, *live = NULL;
+    int r, g, G = in->nstages, *live = NULL, *stg = NULL, *sfirst;
     const int *up, *down, *home;
     long long *cur = NULL;
     size_t LG, LU;
-    int32_t *tc;
-    if ((res = avgpipe__lower_prep(ctx, in, known, 1, &L)) != AVGPIPE_OK) return res;
+    int32_t *tc = NULL;
+    if ((res = avgpipe__lower_init(ctx, in, known, &L)) != AVGPIPE_OK) return res;
     live = (int *)avgpipe__calloc(ctx, (size_t)G + 1, sizeof(int));
     cur = (long long *)avgpipe_alloc(ctx, (2 * (size_t)L.S + 2) * sizeof(long long));
-    if (!live || !cur) {
+    stg = (int *)avgpipe__calloc(ctx, (size_t)G + 2 * (size_t)L.S + 2, sizeof(int));
+    tc = (int32_t *)avgpipe__calloc(ctx, (size_t)L.N * (size_t)G * (size_t)L.U + 1, sizeof(int32_t));
+    if (!live || !cur || !stg || !tc) {
         res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
         goto done;
     }
+    LG = (size_t)G, LU = (size_t)L.U, up = L.pl.up, down = L.pl.down, home = L.pl.rank;
+    sfirst = stg + G; /* each rank's stages, ascending: stg[sfirst[r] .. sfirst[r + 1]) */
+    for (g = 0; g < G; g++) sfirst[home[g] + 1]++;
+    for (r = 0; r < L.S; r++) sfirst[r + 1] += sfirst[r];
+    for (g = 0; g < G; g++) stg[sfirst[L.S + 1 + home[g]]++ + sfirst[home[g]]] = g; /* counts after sfirst[S] */
     for (g = 0; g < G; g++) slots[g] = 0;
-    LG = (size_t)G, LU = (size_t)L.U, tc = L.touch, up = L.pl.up, down = L.pl.down, home = L.pl.rank;
     /* A key's touch: the first (its count still positive) takes a slot, the last (the count, negated
        at the first, back at 0) gives it back. */
 #define AVGPIPE__TOUCH(g_, key_)                                                                                                              \
     do {                                                                                                                                       \
-        int32_t *t_ = &tc[key_], v_ = *t_;                                                                                                 \
+        int32_t *t_ = &tc[key_], v_ = *t_;                                                                                                     \
         if (v_ > 0) {                                                                                                                          \
             if (++live[g_] > slots[g_]) slots[g_] = live[g_];                                                                                  \
             v_ = -v_;                                                                                                                          \
@@ -9213,10 +9373,29 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
     } while (0)
     for (r = 0; r < L.S; r++) {
         const avgpipe_op *o = in->ops[r];
-        const int *un = L.units + L.ustart[r], *sl = L.slot + L.moff[r];
+        const int *un = L.units + L.ustart[r], *sl = L.slot + L.moff[r], *rs = stg + sfirst[r];
         const avgpipe__lmsg *mr = L.mref[r];
         long long nm = L.moff[r + 1] - L.moff[r], k, *end = cur + L.S + 1;
-        int n = in->len[r], nu = L.nunits[r], q, j = 0, a = 0, b = 0, i, ng = 0, h;
+        int n = in->len[r], nu, q, j = 0, a = 0, b = 0, i, ng = 0, h, nst = sfirst[r + 1] - sfirst[r], kept[64];
+        size_t kn = 0;
+        uint64_t hash = 0;
+        if (nst == 0) continue; /* a rank without stages has no ops the scan lets through */
+        if (memo && nst <= 64) {
+            const uint32_t *e;
+            if ((kn = avgpipe__slot_memo_key(ctx, memo, &L, r, rs, nst)) > 0) {
+                hash = avgpipe__words_hash(memo->key, kn);
+                if ((e = avgpipe__slot_memo_find(memo, hash, memo->key, kn)) != NULL) {
+                    for (i = 0; i < nst; i++) slots[rs[i]] = (int)e[4 + kn + i];
+                    memo->hits++;
+                    continue;
+                }
+                memo->misses++;
+            }
+        }
+        avgpipe__lower_units(&L, r, tc);
+        for (k = 0; k < nm; k++) tc[avgpipe__lix(LG, LU, mr[k].pipe, mr[k].stage, mr[k].micro)]++; /* the receives' */
+        avgpipe__lower_recv_slots(&L, r);
+        nu = L.nunits[r];
         for (k = 0; k < nm; k++) /* the senders' runs of messages: cur[h] .. end[h] */
             if (k == 0 || mr[k].src != mr[k - 1].src) {
                 if (ng > 0) end[ng - 1] = k;
@@ -9242,6 +9421,10 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
             }
             b = j;
         }
+        if (kn > 0) { /* remembered (out of memory: not, which only costs the work next time) */
+            for (i = 0; i < nst; i++) kept[i] = slots[rs[i]];
+            (void)avgpipe__slot_memo_put(ctx, memo, hash, memo->key, kn, kept, nst);
+        }
     }
 #undef AVGPIPE__TOUCH
     for (g = 0; g < G; g++)
@@ -9249,6 +9432,8 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
 done:
     avgpipe_free(ctx, live);
     avgpipe_free(ctx, cur);
+    avgpipe_free(ctx, stg);
+    avgpipe_free(ctx, tc);
     avgpipe__lower_free(ctx, &L);
     return res;
 }
@@ -12514,9 +12699,9 @@ static avgpipe_result avgpipe__plan_from_slots(avgpipe_context *ctx, const avgpi
 /* avgpipe_run_memory, with the stages' slot counts given (slots_in: a plan of the same schedule found
    them; nothing is generated, lowered or planned) or handed out (slots_out, [G]; both may be NULL).
    own (may be NULL): the schedule desc->sched generates, already generated (with or without the TIE and
-   AGREE ops the run places); taken (and emptied). */
+   AGREE ops the run places); taken (and emptied). memo (may be NULL): the slot count's cache of ranks. */
 static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe_run_desc *desc, const int *slots_in, int *slots_out,
-                                             avgpipe_schedule *own, double *per_rank) {
+                                             avgpipe_schedule *own, avgpipe__slot_memo *memo, double *per_rank) {
     avgpipe_run run;
     avgpipe_schedule base;
     avgpipe_buffer_plan plan;
@@ -12539,7 +12724,7 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
             else {
                 int *slots = (int *)avgpipe_alloc(ctx, (size_t)run.G * sizeof(int));
                 avgpipe__extent ext = avgpipe__gen_extent(&base, 1); /* generated here or by the tuner, unless given */
-                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, desc->schedule ? NULL : &ext, slots)
+                res = slots ? avgpipe__plan_slots_unlowered(ctx, &base, desc->schedule ? NULL : &ext, memo, slots)
                             : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
                 if (!res) res = avgpipe__plan_from_slots(ctx, &run, slots, &plan);
                 avgpipe_free(ctx, slots);
@@ -12567,7 +12752,7 @@ static avgpipe_result avgpipe__run_memory_in(avgpipe_context *ctx, const avgpipe
 }
 
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank) {
-    return avgpipe__run_memory_in(ctx, desc, NULL, NULL, NULL, per_rank);
+    return avgpipe__run_memory_in(ctx, desc, NULL, NULL, NULL, NULL, per_rank);
 }
 
 /* --- 19. Profiles: events, the profile writer and reader, traces ------------------------------ */
@@ -13816,10 +14001,11 @@ static avgpipe_result avgpipe__model_check(avgpipe_context *ctx, const avgpipe_c
 }
 
 /* Predict one candidate: time by simulation, memory by the runtime's planner (or from the slot counts
-   slots_in an earlier plan of the same schedule found; slots_out, if not NULL, gets the plan's). */
+   slots_in an earlier plan of the same schedule found; slots_out, if not NULL, gets the plan's). memo
+   (may be NULL): the thread's cache of ranks' slot counts. */
 static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cost_model *m, const avgpipe_tune_desc *td,
                                          avgpipe_tune_candidate *c, size_t *act, size_t *pcount, double *mem, const int *slots_in,
-                                         int *slots_out) {
+                                         int *slots_out, avgpipe__slot_memo *memo) {
     avgpipe_run_desc rd;
     avgpipe_schedule gen, synced;
     avgpipe_result res;
@@ -13870,11 +14056,11 @@ static avgpipe_result avgpipe__tune_eval(avgpipe_context *ctx, const avgpipe_cos
                 t[k] = td->ties[k], t[k].offset_a = at[a], t[k].offset_b = at[b], at[a] += t[k].count, at[b] += t[k].count;
         }
         rd.ties = t, rd.nties = td->nties;
-        if (!res) res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, &gen, mem);
+        if (!res) res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, &gen, memo, mem);
         avgpipe_free(ctx, at);
         avgpipe_free(ctx, t);
     } else {
-        res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, &gen, mem);
+        res = avgpipe__run_memory_in(ctx, &rd, slots_in, slots_out, &gen, memo, mem);
     }
     avgpipe_sched_free(ctx, &gen); /* emptied when the memory model took it */
     if (res) return res;
@@ -13990,6 +14176,8 @@ static void *avgpipe__tune_work(void *arg) {
     double *mem = (double *)avgpipe__calloc(&w->ctx, (size_t)S, sizeof(double));                                 /* per rank */
     avgpipe_result res = act && mem ? AVGPIPE_OK : avgpipe__fail(&w->ctx, AVGPIPE_OUT_OF_MEMORY, "avgpipe_tune_search: out of memory");
     double t0 = w->caller ? avgpipe__now() : 0, said = t0;
+    avgpipe__slot_memo memo; /* the ranks' slot counts this thread has found */
+    memset(&memo, 0, sizeof memo);
     for (;;) {
         pthread_mutex_lock(&p->mu);
         i = p->next;
@@ -14009,7 +14197,7 @@ static void *avgpipe__tune_work(void *arg) {
         end = i + AVGPIPE__TUNE_BLOCK < p->n ? i + AVGPIPE__TUNE_BLOCK : p->n;
         for (j = i; j < end; j++) {
             int *sl = p->slots ? p->slots + (size_t)j * G : NULL;
-            if ((res = avgpipe__tune_eval(&w->ctx, p->m, p->td, &p->list[j], act, pcount, mem, p->known ? sl : NULL, p->known ? NULL : sl)) !=
+            if ((res = avgpipe__tune_eval(&w->ctx, p->m, p->td, &p->list[j], act, pcount, mem, p->known ? sl : NULL, p->known ? NULL : sl, &memo)) !=
                 AVGPIPE_OK)
                 break;
         }
@@ -14022,6 +14210,7 @@ static void *avgpipe__tune_work(void *arg) {
     }
     avgpipe_free(&w->ctx, act);
     avgpipe_free(&w->ctx, mem);
+    avgpipe__slot_memo_free(&w->ctx, &memo);
     return NULL;
 }
 

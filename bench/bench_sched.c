@@ -59,7 +59,7 @@ static int memory_model(const avgpipe_schedule *s, double *tm, double *tl) {
     if (!act || !slots) return 1;
     for (g = 0; g < s->nstages; g++) act[g] = 4096;
     t0 = now();
-    if (avgpipe__plan_slots_unlowered(NULL, s, NULL, slots)) {
+    if (avgpipe__plan_slots_unlowered(NULL, s, NULL, NULL, slots)) {
         fprintf(stderr, "slots: %s\n", avgpipe_last_error(NULL));
         return 1;
     }

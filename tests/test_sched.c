@@ -939,7 +939,7 @@ Test(kinds, table_agrees_with_the_resolver_and_the_generators) {
    shape instead of scanning (avgpipe__gen_extent), which must be the scan's, there and in the simulator. Every generated kind with and without ties and agreement, then the same
    lists shuffled on each rank, with idle slots and overlap flags strewn in (no longer valid schedules,
    but lowering and the plan take them, and they move receives, units and last touches about). */
-static void expect_unlowered_slots(const avgpipe_schedule *s, int generated, const char *what) {
+static void expect_unlowered_slots(const avgpipe_schedule *s, int generated, avgpipe__slot_memo *memo, const char *what) {
     avgpipe_schedule low;
     avgpipe_buffer_plan plan;
     size_t act[64];
@@ -948,16 +948,22 @@ static void expect_unlowered_slots(const avgpipe_schedule *s, int generated, con
     cr_assert_leq(s->nstages, 64);
     cr_assert_eq(avgpipe_sched_lower(NULL, s, &low), AVGPIPE_OK, "%s: lower: %s", what, avgpipe_last_error(NULL));
     cr_assert_eq(avgpipe_buffer_plan_build(NULL, &low, act, &plan), AVGPIPE_OK, "%s: plan: %s", what, avgpipe_last_error(NULL));
-    cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, NULL, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+    cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, NULL, NULL, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
     for (g = 0; g < s->nstages; g++)
         cr_assert_eq(got[g], plan.slots[g], "%s: stage %d: %d slots counted without lowering, %d planned", what, g, got[g], plan.slots[g]);
+    for (g = 0; g < 2; g++) { /* with the tuner's cache of ranks (two of them: one small, which starts again often) */
+        int k;
+        cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, NULL, &memo[g], got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+        for (k = 0; k < s->nstages; k++)
+            cr_assert_eq(got[k], plan.slots[k], "%s: stage %d: %d slots counted with cache %d, %d planned", what, k, got[k], g, plan.slots[k]);
+    }
     if (generated) { /* the tuner's way: the extent from the shape, no scan */
         avgpipe__extent e = avgpipe__gen_extent(s, 1);
         int N;
         long long U;
         cr_assert_eq(avgpipe__sched_scan(NULL, s, NULL, &N, &U), AVGPIPE_OK);
         cr_assert(N == e.N && U == e.U, "%s: the scan counts %d pipelines and %lld micro-batches, the shape %d and %lld", what, N, U, e.N, e.U);
-        cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, &e, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
+        cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, s, &e, NULL, got), AVGPIPE_OK, "%s: %s", what, avgpipe_last_error(NULL));
         for (g = 0; g < s->nstages; g++)
             cr_assert_eq(got[g], plan.slots[g], "%s: stage %d: %d slots counted with the shape's extent, %d planned", what, g, got[g], plan.slots[g]);
         { /* and the simulator with it */
@@ -1077,28 +1083,116 @@ Test(plan, unlowered_slots_are_the_lowered_plans) {
                                                AVGPIPE_SCHED_INTERLEAVED, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV,
                                                AVGPIPE_SCHED_DUALPIPEV};
     int ki, S, M, N, cont, K, mode, cases = 0;
+    avgpipe__slot_memo memo[2];
+    memset(memo, 0, sizeof memo);
+    memo[1].limit = 700; /* words: a few ranks' keys */
     for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
         for (S = 1; S <= 5; S++)
             for (M = 1; M <= 6; M++)
                 for (N = 1; N <= 2; N++)
                     for (cont = 0; cont <= 1; cont++)
-                        for (K = 0; K <= (kinds[ki] == AVGPIPE_SCHED_ADVANCE || kinds[ki] == AVGPIPE_SCHED_ZBV ? 3 : 0); K++)
+                        for (K = 0; K <= (kinds[ki] == AVGPIPE_SCHED_ADVANCE || kinds[ki] == AVGPIPE_SCHED_ZBV ? 5 : 0); K++)
                             for (mode = 0; mode < 3; mode++) {
                                 avgpipe_sched_desc d = desc_of(kinds[ki], S, M, N, kinds[ki] == AVGPIPE_SCHED_INTERLEAVED ? 2 + M % 2 : 1, 2, K, cont);
                                 avgpipe_schedule s, u;
                                 char what[256];
                                 if (!gen_with_sync(&d, mode, &s)) continue; /* a shape the kind refuses */
                                 snprintf(what, sizeof what, "%s mode %d", shape_str(&d), mode);
-                                expect_unlowered_slots(&s, 1, what);
+                                expect_unlowered_slots(&s, 1, memo, what);
                                 shuffled(&s, (unsigned)cases, &u);
                                 strncat(what, " shuffled", sizeof what - strlen(what) - 1);
-                                expect_unlowered_slots(&u, 0, what);
+                                expect_unlowered_slots(&u, 0, memo, what);
                                 avgpipe_sched_free(NULL, &u);
                                 avgpipe_sched_free(NULL, &s);
                                 cases++;
                             }
     cr_assert_gt(cases, 1000, "only %d cases ran", cases);
-    cr_log_info("%d schedules, each also shuffled", cases);
+    /* the cache was used: ranks repeat (advance forward's K moves a warm-up by one rank), and the small
+       one started again */
+    cr_assert(memo[0].hits > 1000 && memo[0].misses > 0 && memo[1].hits > 0 && memo[1].restarts > 10, "hits %lld/%lld, restarts %lld",
+              memo[0].hits, memo[1].hits, memo[1].restarts);
+    cr_log_info("%d schedules, each also shuffled; ranks from the cache: %lld of %lld (small cache: %lld, %lld restarts)", cases, memo[0].hits,
+                memo[0].hits + memo[0].misses, memo[1].hits, memo[1].restarts);
+    avgpipe__slot_memo_free(NULL, &memo[0]);
+    avgpipe__slot_memo_free(NULL, &memo[1]);
+}
+
+/* The slots of schedules s and a variant v counted one after the other with one cache of ranks: each
+   its own plan's. The variants move one thing a rank's slots depend on and leave the rest: */
+static int variant_micro(avgpipe_schedule *v, int r) { /* two backwards of rank r swap micro-batches */
+    int i, j;
+    for (i = 0; i < v->len[r]; i++)
+        for (j = i + 1; j < v->len[r] && avgpipe__is_backward(v->ops[r][i].kind); j++)
+            if (v->ops[r][j].kind == v->ops[r][i].kind && v->ops[r][j].micro != v->ops[r][i].micro && v->ops[r][j].pipe == v->ops[r][i].pipe) {
+                int u = v->ops[r][i].micro;
+                v->ops[r][i].micro = v->ops[r][j].micro;
+                v->ops[r][j].micro = u;
+                return 1;
+            }
+    return 0;
+}
+static int variant_flag(avgpipe_schedule *v, int r) { /* rank r's first backward overlaps the op after it */
+    int i;
+    for (i = 0; i + 1 < v->len[r]; i++)
+        if (avgpipe__is_backward(v->ops[r][i].kind)) {
+            v->ops[r][i].flags ^= AVGPIPE_OPF_OVERLAP_NEXT;
+            return 1;
+        }
+    return 0;
+}
+static int variant_order(avgpipe_schedule *v, int r) { /* rank r - 1's first and last forwards swap: rank r's messages come in another order */
+    int i, first = -1, last = -1;
+    if (r < 1) return 0;
+    for (i = 0; i < v->len[r - 1]; i++)
+        if (v->ops[r - 1][i].kind == AVGPIPE_OP_F) {
+            if (first < 0) first = i;
+            last = i;
+        }
+    if (first < 0 || last == first) return 0;
+    {
+        avgpipe_op o = v->ops[r - 1][first];
+        v->ops[r - 1][first] = v->ops[r - 1][last];
+        v->ops[r - 1][last] = o;
+    }
+    return 1;
+}
+
+Test(plan, slot_cache_tells_apart_what_moves_slots) {
+    static const avgpipe_sched_kind kinds[] = {AVGPIPE_SCHED_1F1B, AVGPIPE_SCHED_ADVANCE, AVGPIPE_SCHED_ZBH1, AVGPIPE_SCHED_ZBV};
+    int (*const vary[3])(avgpipe_schedule *, int) = {variant_micro, variant_flag, variant_order};
+    int ki, S, M, N, w, r, cases = 0, changed = 0;
+    avgpipe__slot_memo memo[2];
+    memset(memo, 0, sizeof memo);
+    memo[1].limit = 700;
+    for (ki = 0; ki < (int)(sizeof kinds / sizeof kinds[0]); ki++)
+        for (S = 2; S <= 4; S++)
+            for (M = 2; M <= 5; M++)
+                for (N = 1; N <= 2; N++)
+                    for (w = 0; w < 3; w++)
+                        for (r = 0; r < S; r++) {
+                            avgpipe_sched_desc d = desc_of(kinds[ki], S, M, N, 1, 1, kinds[ki] == AVGPIPE_SCHED_ADVANCE ? 1 : 0, 0);
+                            avgpipe_schedule s, v;
+                            char what[256];
+                            int a[64], b[64], g;
+                            if (!gen_with_sync(&d, 0, &s)) continue;
+                            cr_assert_eq(avgpipe_sched_copy(NULL, &s, &v), AVGPIPE_OK);
+                            if (r < v.nranks && vary[w](&v, r)) {
+                                snprintf(what, sizeof what, "%s variant %d of rank %d", shape_str(&d), w, r);
+                                expect_unlowered_slots(&s, 0, memo, what);
+                                expect_unlowered_slots(&v, 0, memo, what);
+                                cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, &s, NULL, NULL, a), AVGPIPE_OK);
+                                cr_assert_eq(avgpipe__plan_slots_unlowered(NULL, &v, NULL, NULL, b), AVGPIPE_OK);
+                                for (g = 0; g < s.nstages && a[g] == b[g]; g++) {}
+                                changed += g < s.nstages; /* the variant moved the slots: a stale hit would have shown */
+                                cases++;
+                            }
+                            avgpipe_sched_free(NULL, &v);
+                            avgpipe_sched_free(NULL, &s);
+                        }
+    cr_assert(cases > 300 && changed > 30, "%d variants, %d with other slots", cases, changed);
+    cr_log_info("%d variants, %d with other slots than their schedule's; ranks from the cache: %lld", cases, changed, memo[0].hits);
+    avgpipe__slot_memo_free(NULL, &memo[0]);
+    avgpipe__slot_memo_free(NULL, &memo[1]);
 }
 
 Test(closed_form, guessed_extent_simulates_as_the_scan) {
