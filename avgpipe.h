@@ -9206,7 +9206,7 @@ typedef struct avgpipe__slot_memo {
 } avgpipe__slot_memo;
 
 #ifndef AVGPIPE__SLOT_MEMO_WORDS
-#define AVGPIPE__SLOT_MEMO_WORDS ((size_t)1 << 23) /* 32 MiB of entries; past it the cache starts again */
+#define AVGPIPE__SLOT_MEMO_WORDS ((size_t)1 << 21) /* 8 MiB of entries a search thread; past it the cache starts again */
 #endif
 
 static void avgpipe__slot_memo_free(avgpipe_context *ctx, avgpipe__slot_memo *c) {
