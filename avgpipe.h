@@ -1,5 +1,5 @@
 /* avgpipe.h — pipeline-parallel DNN training with elastic averaging over parallel pipelines.
-   Header-only C11. Version 0.10.2 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
+   Header-only C11. Version 0.10.3 (CHANGELOG.md: what changed and how to port). License: MIT (see the end
    of this file).
 
    WHAT IT IS
@@ -138,8 +138,8 @@
    The companion headers are released with this one and refuse an avgpipe.h of another version. */
 #define AVGPIPE_VERSION_MAJOR 0
 #define AVGPIPE_VERSION_MINOR 10
-#define AVGPIPE_VERSION_PATCH 2
-#define AVGPIPE_VERSION_STRING "0.10.2"
+#define AVGPIPE_VERSION_PATCH 3
+#define AVGPIPE_VERSION_STRING "0.10.3"
 #define AVGPIPE_VERSION_NUMBER (AVGPIPE_VERSION_MAJOR * 10000 + AVGPIPE_VERSION_MINOR * 100 + AVGPIPE_VERSION_PATCH)
 
 #ifndef AVGPIPE_API
@@ -264,7 +264,7 @@ typedef enum avgpipe_result {
 
 /* A short English name of a result code ("invalid argument"); never NULL. Thread-safe. */
 AVGPIPE_API const char *avgpipe_result_string(avgpipe_result r);
-/* The version of the implementation compiled in ("0.10.2", AVGPIPE_VERSION_STRING when it was built):
+/* The version of the implementation compiled in ("0.10.3", AVGPIPE_VERSION_STRING when it was built):
    compare with the header's macros when the implementation lives in another translation unit. And the
    same as major * 10000 + minor * 100 + patch. Thread-safe. */
 AVGPIPE_API const char *avgpipe_version(void);

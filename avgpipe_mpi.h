@@ -86,8 +86,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_mpi.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 1002 /* released together: 0.10.2 */
-#error "avgpipe_mpi.h is version 0.10.2: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 1003 /* released together: 0.10.3 */
+#error "avgpipe_mpi.h is version 0.10.3: include the avgpipe.h of the same release"
 #endif
 
 #if defined(__cplusplus) /* the C API is all avgpipe uses: leave out MPI's deprecated C++ bindings */

@@ -202,8 +202,8 @@
 #ifndef AVGPIPE_H
 #error "avgpipe_nccl.h: include avgpipe.h first"
 #endif
-#if AVGPIPE_VERSION_NUMBER != 1002 /* released together: 0.10.2 */
-#error "avgpipe_nccl.h is version 0.10.2: include the avgpipe.h of the same release"
+#if AVGPIPE_VERSION_NUMBER != 1003 /* released together: 0.10.3 */
+#error "avgpipe_nccl.h is version 0.10.3: include the avgpipe.h of the same release"
 #endif
 
 #include <cuda_runtime_api.h>
