@@ -68,7 +68,7 @@
      avgpipe_hwloc.h  thread placement with hwloc: each rank's threads on the cores nearest its GPU or
                       NIC (AVGPIPE_HWLOC_IMPLEMENTATION; link hwloc).
    AVGPIPE_IMPL turns on the implementation of every header included.
-   Writing your own backend: a comm or device table (sections 10, 12) plus avgpipe_set_error for errors;
+   Writing your own backend: a comm or device table (sections 11, 13) plus avgpipe_set_error for errors;
    examples/custom_comm.c is a complete comm backend over POSIX pipes.
 
    ERRORS
@@ -94,7 +94,7 @@
 
    CONTENTS
    --------
-   Twenty-one sections, each one subject, in dependency order: no section's implementation calls a later
+   Twenty-two sections, each one subject, in dependency order: no section's implementation calls a later
    one (scripts/check_order.py checks it, and each section's size, in CI). The declarations and the
    implementation carry the same numbers.
      1. Basics          avgpipe_result, avgpipe_context (allocator, logger, last error), avgpipe_buf,
@@ -103,27 +103,28 @@
                                                                                     (avgpipe_sched_*, avgpipe_op_*)
      3. Text format     PyTorch-compatible CSV/text import and export               (avgpipe_sched_import/_export)
      4. Generators      AFAB, 1F1B, advance, interleaved, ZB-H1, ZB-V, DualPipeV    (avgpipe_sched_generate)
-     5. Greedy, lowering  greedy list scheduler; ties and agreement; SEND/RECV insertion
-                                                                (avgpipe_sched_greedy/_add_sync/_lower)
-     6. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
-     7. Validation      invariants: the static checks                               (avgpipe_sched_validate)
-     8. Replay          the validator's deadlock replay and entry point
-     9. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
-    10. Device backend  function-pointer table; the CPU device and its kernels      (avgpipe_device_*)
-    11. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
-    12. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
-    13. Buffer plan and run state   slots and their bytes; the run's structures, tags, accessors
+     5. Greedy, sync    greedy list scheduler; ties and agreement    (avgpipe_sched_greedy/_add_sync)
+     6. Lowering        SEND/RECV insertion; the lowered lists' buffer slots, counted without them
+                                                                                    (avgpipe_sched_lower)
+     7. Simulation      timed discrete-event simulator                              (avgpipe_sim_*)
+     8. Validation      invariants: the static checks                               (avgpipe_sched_validate)
+     9. Replay          the validator's deadlock replay and entry point
+    10. Rendering       ASCII timeline, Chrome trace JSON, SVG                      (avgpipe_render_*)
+    11. Device backend  function-pointer table; the CPU device and its kernels      (avgpipe_device_*)
+    12. Averaging       elastic averaging of N parallel models, per stage partition (avgpipe_ea_*)
+    13. Comm backend    function-pointer table (tagged p2p, split); in-process one  (avgpipe_comm_*)
+    14. Buffer plan and run state   slots and their bytes; the run's structures, tags, accessors
                                                                                     (avgpipe_run_plan_*)
-    14. Execution       callbacks, the run's description; waits, slots, compute and comm ops
+    15. Execution       callbacks, the run's description; waits, slots, compute and comm ops
                                                                                     (avgpipe_run_desc)
-    15. Steps and sync  ties, step agreement, STEP and AVG; the worker and averaging threads
+    16. Steps and sync  ties, step agreement, STEP and AVG; the worker and averaging threads
                                                           (avgpipe_grad_sumsq, avgpipe_clip_scale)
-    16. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
-    17. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
-    18. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
-    19. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
-    20. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
-    21. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
+    17. Processes       control messages, the fingerprint, collectives              (avgpipe_run_gather_*)
+    18. Checkpoints     save and load, atomic, checksummed                          (avgpipe_run_save/_load)
+    19. Run lifecycle   create, iterate, destroy; adaptive K; the memory model      (avgpipe_run_create ...)
+    20. Profiles        events, the profile's writer and reader, traces             (avgpipe_profile_*)
+    21. Cost model      fitting a profile, predicting a setting                     (avgpipe_tune_fit/_predict)
+    22. Search          candidates and their ranking; the stage partitioner         (avgpipe_tune_search/_plan)
 */
 #ifndef AVGPIPE_H
 #define AVGPIPE_H
@@ -603,7 +604,7 @@ AVGPIPE_API int avgpipe_sched_warmup(const avgpipe_sched_desc *desc, int rank);
 AVGPIPE_API int avgpipe_sched_peak_stash(const avgpipe_sched_desc *desc, int rank);
 
 /* ============================================================================================ */
-/* 5. Greedy scheduler and lowering   (avgpipe_sched_greedy, avgpipe_sched_lower)               */
+/* 5. Greedy scheduler; ties and agreement   (avgpipe_sched_greedy, avgpipe_sched_add_sync)     */
 /* ============================================================================================ */
 /* Greedy list scheduler for custom schedules (V = 1). It simulates the pipeline with the given op
    costs and free transfers; whenever a rank is free it runs the first ready op in priority order,
@@ -668,6 +669,9 @@ typedef struct avgpipe_sync_desc {
 AVGPIPE_API avgpipe_result avgpipe_sched_add_sync(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe_sync_desc *sync,
                                                   avgpipe_schedule *out);
 
+/* ============================================================================================ */
+/* 6. Lowering   (avgpipe_sched_lower)                                                          */
+/* ============================================================================================ */
 /* Lowering: insert SEND/RECV ops into a compute-only schedule. Each compute op that produces data
    for a stage on another rank is followed by its SEND; the receiver's RECV (the sender inserts the
    matching receive) is posted right after the receiver's previous compute op, before that op's own
@@ -676,7 +680,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
                                                avgpipe_schedule *out);
 
 /* ============================================================================================ */
-/* 6. Simulation                                                                                */
+/* 7. Simulation                                                                                */
 /* ============================================================================================ */
 /* Model: per rank one compute resource that runs its ops in list order, and a full-duplex link
    between each pair of ranks (one resource per direction, FIFO in the sender's order). A transfer
@@ -757,7 +761,7 @@ AVGPIPE_API avgpipe_result avgpipe_sim_run(avgpipe_context *ctx, const avgpipe_s
 AVGPIPE_API void avgpipe_sim_result_free(avgpipe_context *ctx, avgpipe_sim_result *r);
 
 /* ============================================================================================ */
-/* 7. Validation                                                                                */
+/* 8. Validation                                                                                */
 /* ============================================================================================ */
 /* Checks (the invariants of a correct schedule): per (pipeline, stage, round) M forwards and B + (I + W)/2 = M, each I before
    its W, each op on the rank that holds its stage; forward/backward data dependencies; each channel
@@ -796,13 +800,13 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
                                                      int mark_rank, int mark_pos, avgpipe_buf *out);
 
 /* ============================================================================================ */
-/* 8. Deadlock replay   (inside avgpipe_sched_validate)                                         */
+/* 9. Deadlock replay   (inside avgpipe_sched_validate)                                         */
 /* ============================================================================================ */
-/* The lockstep replay of section 7's validator (asynchronous and blocking sends, TIE and AGREE as
+/* The lockstep replay of section 8's validator (asynchronous and blocking sends, TIE and AGREE as
    rendezvous), and the validator's entry point and grid, which run it: no declarations of its own. */
 
 /* ============================================================================================ */
-/* 9. Rendering                                                                                 */
+/* 10. Rendering                                                                                */
 /* ============================================================================================ */
 /* Renderers take events (from the simulator, or later from a real run's profile). */
 typedef struct avgpipe_render_desc {
@@ -826,7 +830,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
                                               int nranks, const avgpipe_render_desc *desc, avgpipe_buf *out);
 
 /* ============================================================================================ */
-/* 10. Device backend   (avgpipe_device_*)                                                       */
+/* 11. Device backend   (avgpipe_device_*)                                                       */
 /* ============================================================================================ */
 /* A device is a table of function pointers plus `void *user` (passed back as the first argument of
    every entry). The library never touches device memory itself: it only calls the table. Entries take a
@@ -970,7 +974,7 @@ AVGPIPE_API void avgpipe_device_destroy(avgpipe_device *dev);
 AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgpipe_device *dev);
 
 /* ============================================================================================ */
-/* 11. Averaging   (avgpipe_ea_*)                                                               */
+/* 12. Averaging   (avgpipe_ea_*)                                                               */
 /* ============================================================================================ */
 /* The elastic-averaging state of ONE stage partition (P floats) shared by N parallel models.
 
@@ -1168,7 +1172,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_load_state(avgpipe_context *ctx, avgpipe_e
 AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *ea, avgpipe_device_stream stream);
 
 /* ============================================================================================ */
-/* 12. Comm backend   (avgpipe_comm_*)                                                          */
+/* 13. Comm backend   (avgpipe_comm_*)                                                          */
 /* ============================================================================================ */
 /* Point-to-point messages between ranks plus the collectives a trainer needs. A backend is this table
    plus `user`; `self` is the calling rank. An in-process backend serves several ranks (threads) of one
@@ -1305,7 +1309,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
 AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t stride, int nparts, size_t count);
 
 /* ============================================================================================ */
-/* 13. Buffer plan and run state   (avgpipe_run_plan_*, the run's accessors)                    */
+/* 14. Buffer plan and run state   (avgpipe_run_plan_*, the run's accessors)                    */
 /* ============================================================================================ */
 /* The runtime's buffer plan for a lowered schedule, the one avgpipe_run_create allocates by and the
    tuner's memory model reads: per stage, the bytes of one slot (input activation, output activation
@@ -1327,7 +1331,7 @@ AVGPIPE_API avgpipe_result avgpipe_buffer_plan_build(avgpipe_context *ctx, const
                                                     avgpipe_buffer_plan *out);
 AVGPIPE_API void avgpipe_buffer_plan_free(avgpipe_context *ctx, avgpipe_buffer_plan *plan);
 
-/* A run (avgpipe_run_create, section 18): what it holds, asked between iterations. */
+/* A run (avgpipe_run_create, section 19): what it holds, asked between iterations. */
 typedef struct avgpipe_run avgpipe_run; /* opaque */
 /* The reference model's partition of stage g (newest complete) of the first local replica group that
    holds it; count floats. NULL when no local rank holds g. Valid until the next iteration. */
@@ -1347,7 +1351,7 @@ AVGPIPE_API const avgpipe_schedule *avgpipe_run_schedule(const avgpipe_run *run)
 AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage);
 
 /* ============================================================================================ */
-/* 14. Execution   (avgpipe_stage_callbacks, avgpipe_run_desc, avgpipe_run_stats)               */
+/* 15. Execution   (avgpipe_stage_callbacks, avgpipe_run_desc, avgpipe_run_stats)               */
 /* ============================================================================================ */
 /* Executes a schedule: one host worker thread per local rank walks its (lowered) op list and calls
    the user's stage callbacks with the buffers of each (pipeline, micro-batch); receives are posted
@@ -1576,7 +1580,7 @@ typedef struct avgpipe_run_desc {
     const float *const *reference;     /* optional [G]: the reference's starting values (NULL entries for
                                           stages this process does not run); NULL -> pipeline 0's params */
     /* Averaging: mode (0 -> MEAN), alpha (0 -> 0.1, AVGPIPE_ZERO for exactly 0) and momentum (ELASTIC),
-       as avgpipe_ea_desc documents them (section 11). The run fills in the rest for each stage
+       as avgpipe_ea_desc documents them (section 12). The run fills in the rest for each stage
        partition (count, pipes, initial, device, stage, hold_every: leave them 0) and always guards
        against non-finite models (no_finite_check must be 0). */
     avgpipe_ea_desc averaging;
@@ -1652,9 +1656,9 @@ typedef struct avgpipe_run_stats {
 } avgpipe_run_stats;
 
 /* ============================================================================================ */
-/* 15. Steps and sync: the agreement's arithmetic   (avgpipe_grad_sumsq, _agree_combine)        */
+/* 16. Steps and sync: the agreement's arithmetic   (avgpipe_grad_sumsq, _agree_combine)        */
 /* ============================================================================================ */
-/* Ties and step agreement run inside the iteration (section 14 describes them); these give a plain
+/* Ties and step agreement run inside the iteration (section 15 describes them); these give a plain
    loop the runtime's bits. */
 /* Sum of squares for the global gradient norm: *sumsq += x[i]·x[i] for i = 0 .. count-1 in that order
    in double, *nonfinite += the number of NaN and Inf among them (either pointer may be NULL). The
@@ -1669,7 +1673,7 @@ AVGPIPE_API void avgpipe_agree_combine(const double *parts, int nparts, int widt
 AVGPIPE_API double avgpipe_clip_scale(double sumsq, double clip_norm);
 
 /* ============================================================================================ */
-/* 16. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
+/* 17. Processes: collectives between iterations   (avgpipe_run_gather_*, _allreduce)           */
 /* ============================================================================================ */
 /* Collective (every process, between iterations): the reference of every stage of replica group 0
    lands in dst[g] (param_count[g] floats each) on the process that runs global rank 0; other
@@ -1689,7 +1693,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
 AVGPIPE_API avgpipe_result avgpipe_run_allreduce(avgpipe_run *run, double *values, int count);
 
 /* ============================================================================================ */
-/* 17. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
+/* 18. Checkpoints   (avgpipe_run_save, avgpipe_run_load)                                       */
 /* ============================================================================================ */
 #ifndef AVGPIPE_NO_STDIO
 /* Checkpoints. Collective (every process, between iterations, the same dir name). avgpipe_run_save
@@ -1713,7 +1717,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir);
 #endif
 
 /* ============================================================================================ */
-/* 18. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
+/* 19. Run lifecycle   (avgpipe_run_create, _iteration, _destroy; the memory model)             */
 /* ============================================================================================ */
 /* desc with its defaults filled in, as avgpipe_run_create resolves them: sched as
    avgpipe_sched_query_defaults; averaging as avgpipe_ea_query_defaults (mode, alpha); timeout_s 0 -> 60,
@@ -1761,7 +1765,7 @@ AVGPIPE_API double avgpipe_run_bytes(const avgpipe_run *run, int rank);
 AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpipe_run_desc *desc, double *per_rank);
 
 /* ============================================================================================ */
-/* 19. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
+/* 20. Profiles   (avgpipe_run_events, avgpipe_run_write_profile, avgpipe_profile_*)            */
 /* ============================================================================================ */
 /* Events of the last iteration (desc.profile = 1), of the local ranks: times in seconds from its start. */
 AVGPIPE_API const avgpipe_event *avgpipe_run_events(const avgpipe_run *run, size_t *count);
@@ -1836,7 +1840,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 AVGPIPE_API void avgpipe_profile_free(avgpipe_context *ctx, avgpipe_profile *p);
 
 /* ============================================================================================ */
-/* 20. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
+/* 21. Cost model   (avgpipe_tune_fit, _predict, _split, _slowest_share, _measure_averaging)    */
 /* ============================================================================================ */
 /* One profiled run is enough (the paper's Section 5, made exact): fit each stage's op times as a
    linear function of the micro-batch size (the profile should hold two sizes: two sections), the
@@ -1997,7 +2001,7 @@ AVGPIPE_API double avgpipe_tune_noise_from_ratio(double batch, double k, double 
 AVGPIPE_API double avgpipe_tune_efficiency(double noise_scale, double samples_per_round);
 
 /* ============================================================================================ */
-/* 21. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
+/* 22. Search and the stage partitioner   (avgpipe_tune_search, avgpipe_tune_choose_split)              */
 /* ============================================================================================ */
 /* The stage partitioner. With per-layer costs in the profile ('layer' lines: each layer's forward and
    backward time as a + b x samples, its parameters and output bytes, the stage that held it),
@@ -2158,7 +2162,7 @@ AVGPIPE_API void avgpipe_tune_split_choice_free(avgpipe_context *ctx, avgpipe_tu
 
 /* A function the compiler should inline although its size argues against it: bodies of hot loops
    whose rare paths (errors, events) make them big: the validator's op check, the simulator's
-   transfers, the averaging kernels (section 10). */
+   transfers, the averaging kernels (section 11). */
 #if defined(__GNUC__) || defined(__clang__)
 #define AVGPIPE__FORCE_INLINE static inline __attribute__((always_inline))
 #elif defined(_MSC_VER)
@@ -4245,7 +4249,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_generate(avgpipe_context *ctx, const av
     return res;
 }
 
-/* --- 5. Greedy scheduler and lowering --------------------------------------------------------- */
+/* --- 5. Greedy scheduler; ties and agreement ------------------------------------------------- */
 
 /* ---- greedy list scheduler ---- */
 
@@ -4852,10 +4856,7 @@ done:
     return res;
 }
 
-/* ---- lowering ---- */
-
-
-
+/* --- 6. Lowering, and the lowered lists' buffer slots counted without them ------------------- */
 
 /* The stages whose slot of op's micro-batch an op on rank r touches: its own, the next stage's when
    a forward hands its output to it on the same rank, the previous stage's when a backward does; none
@@ -5180,7 +5181,256 @@ AVGPIPE_API avgpipe_result avgpipe_sched_lower(avgpipe_context *ctx, const avgpi
 }
 
 
-/* --- 6. Simulation ---------------------------------------------------------------------------- */
+/* A cache of ranks' slot counts (the tuner's: one per thread, across its candidates). A rank's slots
+   follow from its own list, the facts of its stages (the stage before and after on the same rank, a
+   consumer or producer on another) and the messages into it in order, none of which names another
+   rank's ops; the tuner's candidates repeat them (advance forward's K + 1 gives rank r the list rank
+   r - 1 had at K). The key is that input whole, stages counted from the rank's first and senders
+   from the rank, and a hit compares it whole: the cache only skips work.
+   words: the entries back to back (the key's 64-bit hash in two words, its length in words, the
+   rank's stage count, the key, the slots); table: open addressing on the hash, 1 + an entry's
+   offset (0: empty); key: the scratch a rank's key is built in. */
+typedef struct avgpipe__slot_memo {
+    uint32_t *words, *table, *key;
+    size_t n, cap, tsize, used, kcap;
+    size_t limit; /* words of entries before it starts again; 0 -> AVGPIPE__SLOT_MEMO_WORDS */
+    long long hits, misses, restarts;
+} avgpipe__slot_memo;
+
+#ifndef AVGPIPE__SLOT_MEMO_WORDS
+#define AVGPIPE__SLOT_MEMO_WORDS ((size_t)1 << 21) /* 8 MiB of entries a search thread; past it the cache starts again */
+#endif
+
+static void avgpipe__slot_memo_free(avgpipe_context *ctx, avgpipe__slot_memo *c) {
+    avgpipe_free(ctx, c->words);
+    avgpipe_free(ctx, c->table);
+    avgpipe_free(ctx, c->key);
+    memset(c, 0, sizeof *c);
+}
+
+/* A hash of w[0..n) for the cache's table (a hit compares the key whole: only the spread matters).
+   Four independent lanes of two words each: one multiply chain per word was a third of the search. */
+static uint64_t avgpipe__words_hash(const uint32_t *w, size_t n) {
+    const uint64_t k = 0x9e3779b97f4a7c15ULL;
+    uint64_t a = 0x243f6a8885a308d3ULL ^ n, b = 0x13198a2e03707344ULL, c = 0xa4093822299f31d0ULL, d = 0x082efa98ec4e6c89ULL, x;
+    size_t i;
+    for (i = 0; i + 8 <= n; i += 8) {
+        a = (a + (w[i] | (uint64_t)w[i + 1] << 32)) * k;
+        b = (b + (w[i + 2] | (uint64_t)w[i + 3] << 32)) * k;
+        c = (c + (w[i + 4] | (uint64_t)w[i + 5] << 32)) * k;
+        d = (d + (w[i + 6] | (uint64_t)w[i + 7] << 32)) * k;
+    }
+    for (; i < n; i++) a = (a + w[i]) * k;
+    x = a ^ (b << 17 | b >> 47) ^ (c << 31 | c >> 33) ^ (d << 47 | d >> 17);
+    x ^= x >> 29;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    return x ^ (x >> 32);
+}
+
+/* The entry of key[0..n) (hash h), or NULL. */
+static const uint32_t *avgpipe__slot_memo_find(const avgpipe__slot_memo *c, uint64_t h, const uint32_t *key, size_t n) {
+    size_t i, mask = c->tsize - 1;
+    if (!c->tsize) return NULL;
+    for (i = (size_t)h & mask; c->table[i]; i = (i + 1) & mask) {
+        const uint32_t *e = c->words + (c->table[i] - 1);
+        if (e[0] == (uint32_t)h && e[1] == (uint32_t)(h >> 32) && e[2] == n && memcmp(e + 4, key, n * sizeof *key) == 0) return e;
+    }
+    return NULL;
+}
+
+/* Remember key[0..n) (hash h) -> slots[0..nst). Returns 0 when out of memory (the cache is then left
+   as it was: it only saves work). */
+static int avgpipe__slot_memo_put(avgpipe_context *ctx, avgpipe__slot_memo *c, uint64_t h, const uint32_t *key, size_t n, const int *slots, int nst) {
+    size_t need = 4 + n + (size_t)nst, i, mask, limit = c->limit ? c->limit : AVGPIPE__SLOT_MEMO_WORDS;
+    uint32_t *e;
+    if (need > limit / 4) return 1; /* too large to be worth keeping */
+    if (c->n + need > limit) { /* full: start again */
+        c->n = c->used = 0;
+        c->restarts++;
+        if (c->table) memset(c->table, 0, c->tsize * sizeof *c->table);
+    }
+    if (c->n + need > c->cap) {
+        size_t cap = c->cap ? c->cap : 4096;
+        uint32_t *w;
+        while (cap < c->n + need) cap *= 2;
+        if (!(w = (uint32_t *)avgpipe__realloc(ctx, c->words, c->n * sizeof *w, cap * sizeof *w))) return 0;
+        c->words = w, c->cap = cap;
+    }
+    if (2 * (c->used + 1) > c->tsize) { /* grow the table, placing the entries again */
+        size_t ts = c->tsize ? 2 * c->tsize : 1024, off;
+        uint32_t *t = (uint32_t *)avgpipe__calloc(ctx, ts, sizeof *t);
+        if (!t) return 0;
+        avgpipe_free(ctx, c->table);
+        c->table = t, c->tsize = ts, mask = ts - 1;
+        for (off = 0; off < c->n; off += 4 + c->words[off + 2] + c->words[off + 3]) {
+            for (i = (c->words[off] | (size_t)c->words[off + 1] << 32) & mask; t[i]; i = (i + 1) & mask) {}
+            t[i] = (uint32_t)off + 1;
+        }
+    }
+    e = c->words + c->n;
+    e[0] = (uint32_t)h, e[1] = (uint32_t)(h >> 32), e[2] = (uint32_t)n, e[3] = (uint32_t)nst;
+    memcpy(e + 4, key, n * sizeof *key);
+    for (i = 0; i < (size_t)nst; i++) e[4 + n + i] = (uint32_t)slots[i];
+    for (mask = c->tsize - 1, i = (size_t)h & mask; c->table[i]; i = (i + 1) & mask) {}
+    c->table[i] = (uint32_t)c->n + 1;
+    c->n += need;
+    c->used++;
+    return 1;
+}
+
+/* Rank r's key into c->key (its length returned; 0 when out of memory): its stage count, op count and
+   message count; each of its stages (ascending, stg[0..nst)) counted from the first, with its facts;
+   each op (kind, flags, stage, pipeline, micro-batch; an idle slot by its kind and flags alone, the
+   lowering reads nothing else of it); each message into it (activation or gradient, stage, pipeline,
+   micro-batch, sender counted from r). */
+static size_t avgpipe__slot_memo_key(avgpipe_context *ctx, avgpipe__slot_memo *c, const avgpipe__lower *L, int r, const int *stg, int nst) {
+    const avgpipe_op *o = L->in->ops[r];
+    const avgpipe__lmsg *mr = L->mref[r];
+    const int *home = L->pl.rank, *up = L->pl.up, *down = L->pl.down;
+    int n = L->in->len[r], j, base = stg[0], G = L->G;
+    long long nm = L->moff[r + 1] - L->moff[r], k;
+    size_t need = 3 + (size_t)nst + 3 * (size_t)n + 3 * (size_t)nm, w = 0;
+    uint32_t *key;
+    if (need > c->kcap) {
+        uint32_t *q = (uint32_t *)avgpipe__realloc(ctx, c->key, c->kcap * sizeof *q, need * sizeof *q);
+        if (!q) return 0;
+        c->key = q, c->kcap = need;
+    }
+    key = c->key;
+    key[w++] = (uint32_t)nst, key[w++] = (uint32_t)n, key[w++] = (uint32_t)nm;
+    for (j = 0; j < nst; j++) {
+        int g = stg[j];
+        key[w++] = (uint32_t)(g - base) | (uint32_t)(g > 0 && home[g - 1] == r) << 16 | (uint32_t)(g + 1 < G && home[g + 1] == r) << 17 |
+                   (uint32_t)(up[g] >= 0) << 18 | (uint32_t)(down[g] >= 0) << 19;
+    }
+    for (j = 0; j < n; j++) {
+        const avgpipe_op *op = &o[j];
+        int idle = op->kind == AVGPIPE_OP_IDLE;
+        key[w++] = (uint32_t)op->kind | (uint32_t)op->flags << 5 | (idle ? 0 : (uint32_t)(op->stage - base) << 13);
+        key[w++] = idle ? 0 : (uint32_t)op->pipe;
+        key[w++] = idle ? 0 : (uint32_t)op->micro;
+    }
+    for (k = 0; k < nm; k++) {
+        key[w++] = (uint32_t)mr[k].fwd | (uint32_t)(mr[k].stage - base) << 1 | (uint32_t)mr[k].pipe << 16;
+        key[w++] = (uint32_t)(mr[k].src - r);
+        key[w++] = (uint32_t)mr[k].micro;
+    }
+    return w;
+}
+
+/* The slot counts avgpipe__plan_slots finds in the lowered form of the compute-only schedule in,
+   without lowering it (the tuner's memory model: no lowered lists to build and read twice), rank by
+   rank: its units count each key's touches (its ops, their sends, the receives into it), then its
+   lowered order is walked once without building its ops (slot q's receives, the sends of unit q-1,
+   the ops of unit q), taking a slot at a key's first touch and giving it back at its last, as the
+   plan does. Each sender's receives come in its order with their slots non-decreasing (step 3 of the
+   lowering), so a cursor per sender gives slot q's receives in the lowering's order (sender, then
+   message) without sorting them. slots: [in->nstages]; known (may be NULL): in's extent; memo (may be
+   NULL): a rank whose key it holds takes its slots from it. */
+static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known,
+                                                    avgpipe__slot_memo *memo, int *slots) {
+    avgpipe__lower L;
+    avgpipe_result res;
+    int r, g, G = in->nstages, *live = NULL, *stg = NULL, *sfirst;
+    const int *up, *down, *home;
+    long long *cur = NULL;
+    size_t LG, LU;
+    int32_t *tc = NULL;
+    if ((res = avgpipe__lower_init(ctx, in, known, &L)) != AVGPIPE_OK) return res;
+    live = (int *)avgpipe__calloc(ctx, (size_t)G + 1, sizeof(int));
+    cur = (long long *)avgpipe_alloc(ctx, (2 * (size_t)L.S + 2) * sizeof(long long));
+    stg = (int *)avgpipe__calloc(ctx, (size_t)G + 2 * (size_t)L.S + 2, sizeof(int));
+    tc = (int32_t *)avgpipe__calloc(ctx, (size_t)L.N * (size_t)G * (size_t)L.U + 1, sizeof(int32_t));
+    if (!live || !cur || !stg || !tc) {
+        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
+        goto done;
+    }
+    LG = (size_t)G, LU = (size_t)L.U, up = L.pl.up, down = L.pl.down, home = L.pl.rank;
+    sfirst = stg + G; /* each rank's stages, ascending: stg[sfirst[r] .. sfirst[r + 1]) */
+    for (g = 0; g < G; g++) sfirst[home[g] + 1]++;
+    for (r = 0; r < L.S; r++) sfirst[r + 1] += sfirst[r];
+    for (g = 0; g < G; g++) stg[sfirst[L.S + 1 + home[g]]++ + sfirst[home[g]]] = g; /* counts after sfirst[S] */
+    for (g = 0; g < G; g++) slots[g] = 0;
+    /* A key's touch: the first (its count still positive) takes a slot, the last (the count, negated
+       at the first, back at 0) gives it back. */
+#define AVGPIPE__TOUCH(g_, key_)                                                                                                              \
+    do {                                                                                                                                       \
+        int32_t *t_ = &tc[key_], v_ = *t_;                                                                                                     \
+        if (v_ > 0) {                                                                                                                          \
+            if (++live[g_] > slots[g_]) slots[g_] = live[g_];                                                                                  \
+            v_ = -v_;                                                                                                                          \
+        }                                                                                                                                      \
+        if (++v_ == 0) live[g_]--;                                                                                                             \
+        *t_ = v_;                                                                                                                              \
+    } while (0)
+    for (r = 0; r < L.S; r++) {
+        const avgpipe_op *o = in->ops[r];
+        const int *un = L.units + L.ustart[r], *sl = L.slot + L.moff[r], *rs = stg + sfirst[r];
+        const avgpipe__lmsg *mr = L.mref[r];
+        long long nm = L.moff[r + 1] - L.moff[r], k, *end = cur + L.S + 1;
+        int n = in->len[r], nu, q, j = 0, a = 0, b = 0, i, ng = 0, h, nst = sfirst[r + 1] - sfirst[r], kept[64];
+        size_t kn = 0;
+        uint64_t hash = 0;
+        if (nst == 0) continue; /* a rank without stages has no ops the scan lets through */
+        if (memo && nst <= 64) {
+            const uint32_t *e;
+            if ((kn = avgpipe__slot_memo_key(ctx, memo, &L, r, rs, nst)) > 0) {
+                hash = avgpipe__words_hash(memo->key, kn);
+                if ((e = avgpipe__slot_memo_find(memo, hash, memo->key, kn)) != NULL) {
+                    for (i = 0; i < nst; i++) slots[rs[i]] = (int)e[4 + kn + i];
+                    memo->hits++;
+                    continue;
+                }
+                memo->misses++;
+            }
+        }
+        avgpipe__lower_units(&L, r, tc);
+        for (k = 0; k < nm; k++) tc[avgpipe__lix(LG, LU, mr[k].pipe, mr[k].stage, mr[k].micro)]++; /* the receives' */
+        avgpipe__lower_recv_slots(&L, r);
+        nu = L.nunits[r];
+        for (k = 0; k < nm; k++) /* the senders' runs of messages: cur[h] .. end[h] */
+            if (k == 0 || mr[k].src != mr[k - 1].src) {
+                if (ng > 0) end[ng - 1] = k;
+                cur[ng++] = k;
+            }
+        if (ng > 0) end[ng - 1] = nm;
+        for (q = 0;; q++) {
+            for (h = 0; h < ng; h++) /* slot q's receives */
+                for (; cur[h] < end[h] && sl[cur[h]] == q; cur[h]++) {
+                    const avgpipe__lmsg *m = &mr[cur[h]];
+                    AVGPIPE__TOUCH(m->stage, avgpipe__lix(LG, LU, m->pipe, m->stage, m->micro));
+                }
+            for (i = a; i < b; i++) { /* the sends of unit q - 1 */
+                int kd = o[i].kind, gs = o[i].stage;
+                if ((kd == AVGPIPE_OP_F && up[gs] >= 0) || (avgpipe__is_backward(kd) && down[gs] >= 0))
+                    AVGPIPE__TOUCH(gs, avgpipe__lix(LG, LU, o[i].pipe, gs, o[i].micro));
+            }
+            if (q == nu) break;
+            while (j < n && un[j] < 0) j++; /* idle slots the lowering drops */
+            for (a = j; j < n && un[j] == q; j++) { /* unit q */
+                int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(G, home, r, &o[j], keys), e;
+                for (e = 0; e < nk; e++) AVGPIPE__TOUCH(keys[e], avgpipe__lix(LG, LU, o[j].pipe, keys[e], o[j].micro));
+            }
+            b = j;
+        }
+        if (kn > 0) { /* remembered (out of memory: not, which only costs the work next time) */
+            for (i = 0; i < nst; i++) kept[i] = slots[rs[i]];
+            (void)avgpipe__slot_memo_put(ctx, memo, hash, memo->key, kn, kept, nst);
+        }
+    }
+#undef AVGPIPE__TOUCH
+    for (g = 0; g < G; g++)
+        if (slots[g] < 1) slots[g] = 1;
+done:
+    avgpipe_free(ctx, live);
+    avgpipe_free(ctx, cur);
+    avgpipe_free(ctx, stg);
+    avgpipe_free(ctx, tc);
+    avgpipe__lower_free(ctx, &L);
+    return res;
+}
+
+/* --- 7. Simulation ---------------------------------------------------------------------------- */
 
 typedef struct avgpipe__chan {
     double link_free;
@@ -5868,7 +6118,7 @@ again: /* the guessed extent did not hold: the scan's run decides */
     return avgpipe__sim_core(ctx, s, desc, out, stuck, NULL, 0);
 }
 
-/* --- 7. Validation: the static checks (section 8 replays) ------------------------------------ */
+/* --- 8. Validation: the static checks (section 9 replays) ------------------------------------ */
 
 typedef struct avgpipe__msg {
     uint8_t kind; /* AVGPIPE_OP_F (activation) or AVGPIPE_OP_B (gradient) */
@@ -6341,7 +6591,7 @@ static avgpipe_result avgpipe__check_memory(avgpipe__vstate *v) {
     return AVGPIPE_OK;
 }
 
-/* --- 8. The deadlock replay, and the validator's entry point --------------------------------- */
+/* --- 9. The deadlock replay, and the validator's entry point --------------------------------- */
 
 /* Every rank runs its list in order; an op waits only for what it needs from another rank (the
    static pass has already put each rank's own dependencies in order): a forward or backward waits
@@ -7083,7 +7333,7 @@ AVGPIPE_API avgpipe_result avgpipe_sched_render_grid(avgpipe_context *ctx, const
     return AVGPIPE_OK;
 }
 
-/* --- 9. Rendering ----------------------------------------------------------------------------- */
+/* --- 10. Rendering ---------------------------------------------------------------------------- */
 
 AVGPIPE_API avgpipe_render_desc avgpipe_render_query_defaults(const avgpipe_render_desc *desc) {
     avgpipe_render_desc d;
@@ -7367,7 +7617,7 @@ AVGPIPE_API avgpipe_result avgpipe_render_svg(avgpipe_context *ctx, const avgpip
     return ok ? AVGPIPE_OK : avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "render: out of memory");
 }
 
-/* --- 10. Device backend ------------------------------------------------------------------------ */
+/* --- 11. Device backend ------------------------------------------------------------------------ */
 
 /* POSIX threads (<pthread.h>, included above) run the CPU device's kernel threads and guard the
    averaging module's bookkeeping. */
@@ -7802,7 +8052,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_check(avgpipe_context *ctx, const avgp
     return AVGPIPE_OK;
 }
 
-/* --- 11. Averaging ---------------------------------------------------------------------------- */
+/* --- 12. Averaging ---------------------------------------------------------------------------- */
 
 struct avgpipe_ea {
     avgpipe_ea_desc desc;        /* resolved; desc.device points at dev */
@@ -8344,7 +8594,7 @@ AVGPIPE_API avgpipe_result avgpipe_ea_publish(avgpipe_context *ctx, avgpipe_ea *
     return r;
 }
 
-/* --- 12. Comm backend: in-process threads ----------------------------------------------------- */
+/* --- 13. Comm backend: in-process threads ----------------------------------------------------- */
 
 /* Spin-then-sleep waits: a flag written under the mutex is read lock-free while spinning. */
 #ifndef AVGPIPE_COMM_SPIN
@@ -8755,7 +9005,7 @@ AVGPIPE_API void avgpipe_comm_sum_ranks(float *dst, const float *parts, size_t s
     avgpipe__fp_exact_leave(fp);
 }
 
-/* The step agreement's arithmetic (declared in section 15): the same bits under any flags. A value is
+/* The step agreement's arithmetic (declared in section 16): the same bits under any flags. A value is
    non-finite when its exponent bits are all ones (a bit test: -ffinite-math-only folds isnan away). */
 AVGPIPE_API void avgpipe_grad_sumsq(const float *x, size_t count, double *sumsq, double *nonfinite) {
     uint64_t fp = avgpipe__fp_exact_enter();
@@ -9120,7 +9370,7 @@ AVGPIPE_API avgpipe_result avgpipe_comm_check(avgpipe_context *ctx, const avgpip
     return AVGPIPE_OK;
 }
 
-/* --- 13. Buffer plan; the run's state, message tags, schedule preparation --------------------- */
+/* --- 14. Buffer plan; the run's state, message tags, schedule preparation --------------------- */
 
 /* A slot's buffers start at multiples of AVGPIPE__SLOT_ALIGN bytes from its allocation (cudaMalloc's own
    alignment), so that a kernel may load them as float4 or wider: each part's bytes, rounded up. */
@@ -9187,255 +9437,6 @@ static avgpipe_result avgpipe__plan_slots(avgpipe_context *ctx, const avgpipe_sc
     avgpipe_free(ctx, live);
     avgpipe_free(ctx, seen);
     return AVGPIPE_OK;
-}
-
-/* A cache of ranks' slot counts (the tuner's: one per thread, across its candidates). A rank's slots
-   follow from its own list, the facts of its stages (the stage before and after on the same rank, a
-   consumer or producer on another) and the messages into it in order, none of which names another
-   rank's ops; the tuner's candidates repeat them (advance forward's K + 1 gives rank r the list rank
-   r - 1 had at K). The key is that input whole, stages counted from the rank's first and senders
-   from the rank, and a hit compares it whole: the cache only skips work.
-   words: the entries back to back (the key's 64-bit hash in two words, its length in words, the
-   rank's stage count, the key, the slots); table: open addressing on the hash, 1 + an entry's
-   offset (0: empty); key: the scratch a rank's key is built in. */
-typedef struct avgpipe__slot_memo {
-    uint32_t *words, *table, *key;
-    size_t n, cap, tsize, used, kcap;
-    size_t limit; /* words of entries before it starts again; 0 -> AVGPIPE__SLOT_MEMO_WORDS */
-    long long hits, misses, restarts;
-} avgpipe__slot_memo;
-
-#ifndef AVGPIPE__SLOT_MEMO_WORDS
-#define AVGPIPE__SLOT_MEMO_WORDS ((size_t)1 << 21) /* 8 MiB of entries a search thread; past it the cache starts again */
-#endif
-
-static void avgpipe__slot_memo_free(avgpipe_context *ctx, avgpipe__slot_memo *c) {
-    avgpipe_free(ctx, c->words);
-    avgpipe_free(ctx, c->table);
-    avgpipe_free(ctx, c->key);
-    memset(c, 0, sizeof *c);
-}
-
-/* A hash of w[0..n) for the cache's table (a hit compares the key whole: only the spread matters).
-   Four independent lanes of two words each: one multiply chain per word was a third of the search. */
-static uint64_t avgpipe__words_hash(const uint32_t *w, size_t n) {
-    const uint64_t k = 0x9e3779b97f4a7c15ULL;
-    uint64_t a = 0x243f6a8885a308d3ULL ^ n, b = 0x13198a2e03707344ULL, c = 0xa4093822299f31d0ULL, d = 0x082efa98ec4e6c89ULL, x;
-    size_t i;
-    for (i = 0; i + 8 <= n; i += 8) {
-        a = (a + (w[i] | (uint64_t)w[i + 1] << 32)) * k;
-        b = (b + (w[i + 2] | (uint64_t)w[i + 3] << 32)) * k;
-        c = (c + (w[i + 4] | (uint64_t)w[i + 5] << 32)) * k;
-        d = (d + (w[i + 6] | (uint64_t)w[i + 7] << 32)) * k;
-    }
-    for (; i < n; i++) a = (a + w[i]) * k;
-    x = a ^ (b << 17 | b >> 47) ^ (c << 31 | c >> 33) ^ (d << 47 | d >> 17);
-    x ^= x >> 29;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    return x ^ (x >> 32);
-}
-
-/* The entry of key[0..n) (hash h), or NULL. */
-static const uint32_t *avgpipe__slot_memo_find(const avgpipe__slot_memo *c, uint64_t h, const uint32_t *key, size_t n) {
-    size_t i, mask = c->tsize - 1;
-    if (!c->tsize) return NULL;
-    for (i = (size_t)h & mask; c->table[i]; i = (i + 1) & mask) {
-        const uint32_t *e = c->words + (c->table[i] - 1);
-        if (e[0] == (uint32_t)h && e[1] == (uint32_t)(h >> 32) && e[2] == n && memcmp(e + 4, key, n * sizeof *key) == 0) return e;
-    }
-    return NULL;
-}
-
-/* Remember key[0..n) (hash h) -> slots[0..nst). Returns 0 when out of memory (the cache is then left
-   as it was: it only saves work). */
-static int avgpipe__slot_memo_put(avgpipe_context *ctx, avgpipe__slot_memo *c, uint64_t h, const uint32_t *key, size_t n, const int *slots, int nst) {
-    size_t need = 4 + n + (size_t)nst, i, mask, limit = c->limit ? c->limit : AVGPIPE__SLOT_MEMO_WORDS;
-    uint32_t *e;
-    if (need > limit / 4) return 1; /* too large to be worth keeping */
-    if (c->n + need > limit) { /* full: start again */
-        c->n = c->used = 0;
-        c->restarts++;
-        if (c->table) memset(c->table, 0, c->tsize * sizeof *c->table);
-    }
-    if (c->n + need > c->cap) {
-        size_t cap = c->cap ? c->cap : 4096;
-        uint32_t *w;
-        while (cap < c->n + need) cap *= 2;
-        if (!(w = (uint32_t *)avgpipe__realloc(ctx, c->words, c->n * sizeof *w, cap * sizeof *w))) return 0;
-        c->words = w, c->cap = cap;
-    }
-    if (2 * (c->used + 1) > c->tsize) { /* grow the table, placing the entries again */
-        size_t ts = c->tsize ? 2 * c->tsize : 1024, off;
-        uint32_t *t = (uint32_t *)avgpipe__calloc(ctx, ts, sizeof *t);
-        if (!t) return 0;
-        avgpipe_free(ctx, c->table);
-        c->table = t, c->tsize = ts, mask = ts - 1;
-        for (off = 0; off < c->n; off += 4 + c->words[off + 2] + c->words[off + 3]) {
-            for (i = (c->words[off] | (size_t)c->words[off + 1] << 32) & mask; t[i]; i = (i + 1) & mask) {}
-            t[i] = (uint32_t)off + 1;
-        }
-    }
-    e = c->words + c->n;
-    e[0] = (uint32_t)h, e[1] = (uint32_t)(h >> 32), e[2] = (uint32_t)n, e[3] = (uint32_t)nst;
-    memcpy(e + 4, key, n * sizeof *key);
-    for (i = 0; i < (size_t)nst; i++) e[4 + n + i] = (uint32_t)slots[i];
-    for (mask = c->tsize - 1, i = (size_t)h & mask; c->table[i]; i = (i + 1) & mask) {}
-    c->table[i] = (uint32_t)c->n + 1;
-    c->n += need;
-    c->used++;
-    return 1;
-}
-
-/* Rank r's key into c->key (its length returned; 0 when out of memory): its stage count, op count and
-   message count; each of its stages (ascending, stg[0..nst)) counted from the first, with its facts;
-   each op (kind, flags, stage, pipeline, micro-batch; an idle slot by its kind and flags alone, the
-   lowering reads nothing else of it); each message into it (activation or gradient, stage, pipeline,
-   micro-batch, sender counted from r). */
-static size_t avgpipe__slot_memo_key(avgpipe_context *ctx, avgpipe__slot_memo *c, const avgpipe__lower *L, int r, const int *stg, int nst) {
-    const avgpipe_op *o = L->in->ops[r];
-    const avgpipe__lmsg *mr = L->mref[r];
-    const int *home = L->pl.rank, *up = L->pl.up, *down = L->pl.down;
-    int n = L->in->len[r], j, base = stg[0], G = L->G;
-    long long nm = L->moff[r + 1] - L->moff[r], k;
-    size_t need = 3 + (size_t)nst + 3 * (size_t)n + 3 * (size_t)nm, w = 0;
-    uint32_t *key;
-    if (need > c->kcap) {
-        uint32_t *q = (uint32_t *)avgpipe__realloc(ctx, c->key, c->kcap * sizeof *q, need * sizeof *q);
-        if (!q) return 0;
-        c->key = q, c->kcap = need;
-    }
-    key = c->key;
-    key[w++] = (uint32_t)nst, key[w++] = (uint32_t)n, key[w++] = (uint32_t)nm;
-    for (j = 0; j < nst; j++) {
-        int g = stg[j];
-        key[w++] = (uint32_t)(g - base) | (uint32_t)(g > 0 && home[g - 1] == r) << 16 | (uint32_t)(g + 1 < G && home[g + 1] == r) << 17 |
-                   (uint32_t)(up[g] >= 0) << 18 | (uint32_t)(down[g] >= 0) << 19;
-    }
-    for (j = 0; j < n; j++) {
-        const avgpipe_op *op = &o[j];
-        int idle = op->kind == AVGPIPE_OP_IDLE;
-        key[w++] = (uint32_t)op->kind | (uint32_t)op->flags << 5 | (idle ? 0 : (uint32_t)(op->stage - base) << 13);
-        key[w++] = idle ? 0 : (uint32_t)op->pipe;
-        key[w++] = idle ? 0 : (uint32_t)op->micro;
-    }
-    for (k = 0; k < nm; k++) {
-        key[w++] = (uint32_t)mr[k].fwd | (uint32_t)(mr[k].stage - base) << 1 | (uint32_t)mr[k].pipe << 16;
-        key[w++] = (uint32_t)(mr[k].src - r);
-        key[w++] = (uint32_t)mr[k].micro;
-    }
-    return w;
-}
-
-/* The slot counts avgpipe__plan_slots finds in the lowered form of the compute-only schedule in,
-   without lowering it (the tuner's memory model: no lowered lists to build and read twice), rank by
-   rank: its units count each key's touches (its ops, their sends, the receives into it), then its
-   lowered order is walked once without building its ops (slot q's receives, the sends of unit q-1,
-   the ops of unit q), taking a slot at a key's first touch and giving it back at its last, as the
-   plan does. Each sender's receives come in its order with their slots non-decreasing (step 3 of the
-   lowering), so a cursor per sender gives slot q's receives in the lowering's order (sender, then
-   message) without sorting them. slots: [in->nstages]; known (may be NULL): in's extent; memo (may be
-   NULL): a rank whose key it holds takes its slots from it. */
-static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const avgpipe_schedule *in, const avgpipe__extent *known,
-                                                    avgpipe__slot_memo *memo, int *slots) {
-    avgpipe__lower L;
-    avgpipe_result res;
-    int r, g, G = in->nstages, *live = NULL, *stg = NULL, *sfirst;
-    const int *up, *down, *home;
-    long long *cur = NULL;
-    size_t LG, LU;
-    int32_t *tc = NULL;
-    if ((res = avgpipe__lower_init(ctx, in, known, &L)) != AVGPIPE_OK) return res;
-    live = (int *)avgpipe__calloc(ctx, (size_t)G + 1, sizeof(int));
-    cur = (long long *)avgpipe_alloc(ctx, (2 * (size_t)L.S + 2) * sizeof(long long));
-    stg = (int *)avgpipe__calloc(ctx, (size_t)G + 2 * (size_t)L.S + 2, sizeof(int));
-    tc = (int32_t *)avgpipe__calloc(ctx, (size_t)L.N * (size_t)G * (size_t)L.U + 1, sizeof(int32_t));
-    if (!live || !cur || !stg || !tc) {
-        res = avgpipe__fail(ctx, AVGPIPE_OUT_OF_MEMORY, "runtime: out of memory planning the buffers");
-        goto done;
-    }
-    LG = (size_t)G, LU = (size_t)L.U, up = L.pl.up, down = L.pl.down, home = L.pl.rank;
-    sfirst = stg + G; /* each rank's stages, ascending: stg[sfirst[r] .. sfirst[r + 1]) */
-    for (g = 0; g < G; g++) sfirst[home[g] + 1]++;
-    for (r = 0; r < L.S; r++) sfirst[r + 1] += sfirst[r];
-    for (g = 0; g < G; g++) stg[sfirst[L.S + 1 + home[g]]++ + sfirst[home[g]]] = g; /* counts after sfirst[S] */
-    for (g = 0; g < G; g++) slots[g] = 0;
-    /* A key's touch: the first (its count still positive) takes a slot, the last (the count, negated
-       at the first, back at 0) gives it back. */
-#define AVGPIPE__TOUCH(g_, key_)                                                                                                              \
-    do {                                                                                                                                       \
-        int32_t *t_ = &tc[key_], v_ = *t_;                                                                                                     \
-        if (v_ > 0) {                                                                                                                          \
-            if (++live[g_] > slots[g_]) slots[g_] = live[g_];                                                                                  \
-            v_ = -v_;                                                                                                                          \
-        }                                                                                                                                      \
-        if (++v_ == 0) live[g_]--;                                                                                                             \
-        *t_ = v_;                                                                                                                              \
-    } while (0)
-    for (r = 0; r < L.S; r++) {
-        const avgpipe_op *o = in->ops[r];
-        const int *un = L.units + L.ustart[r], *sl = L.slot + L.moff[r], *rs = stg + sfirst[r];
-        const avgpipe__lmsg *mr = L.mref[r];
-        long long nm = L.moff[r + 1] - L.moff[r], k, *end = cur + L.S + 1;
-        int n = in->len[r], nu, q, j = 0, a = 0, b = 0, i, ng = 0, h, nst = sfirst[r + 1] - sfirst[r], kept[64];
-        size_t kn = 0;
-        uint64_t hash = 0;
-        if (nst == 0) continue; /* a rank without stages has no ops the scan lets through */
-        if (memo && nst <= 64) {
-            const uint32_t *e;
-            if ((kn = avgpipe__slot_memo_key(ctx, memo, &L, r, rs, nst)) > 0) {
-                hash = avgpipe__words_hash(memo->key, kn);
-                if ((e = avgpipe__slot_memo_find(memo, hash, memo->key, kn)) != NULL) {
-                    for (i = 0; i < nst; i++) slots[rs[i]] = (int)e[4 + kn + i];
-                    memo->hits++;
-                    continue;
-                }
-                memo->misses++;
-            }
-        }
-        avgpipe__lower_units(&L, r, tc);
-        for (k = 0; k < nm; k++) tc[avgpipe__lix(LG, LU, mr[k].pipe, mr[k].stage, mr[k].micro)]++; /* the receives' */
-        avgpipe__lower_recv_slots(&L, r);
-        nu = L.nunits[r];
-        for (k = 0; k < nm; k++) /* the senders' runs of messages: cur[h] .. end[h] */
-            if (k == 0 || mr[k].src != mr[k - 1].src) {
-                if (ng > 0) end[ng - 1] = k;
-                cur[ng++] = k;
-            }
-        if (ng > 0) end[ng - 1] = nm;
-        for (q = 0;; q++) {
-            for (h = 0; h < ng; h++) /* slot q's receives */
-                for (; cur[h] < end[h] && sl[cur[h]] == q; cur[h]++) {
-                    const avgpipe__lmsg *m = &mr[cur[h]];
-                    AVGPIPE__TOUCH(m->stage, avgpipe__lix(LG, LU, m->pipe, m->stage, m->micro));
-                }
-            for (i = a; i < b; i++) { /* the sends of unit q - 1 */
-                int kd = o[i].kind, gs = o[i].stage;
-                if ((kd == AVGPIPE_OP_F && up[gs] >= 0) || (avgpipe__is_backward(kd) && down[gs] >= 0))
-                    AVGPIPE__TOUCH(gs, avgpipe__lix(LG, LU, o[i].pipe, gs, o[i].micro));
-            }
-            if (q == nu) break;
-            while (j < n && un[j] < 0) j++; /* idle slots the lowering drops */
-            for (a = j; j < n && un[j] == q; j++) { /* unit q */
-                int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys(G, home, r, &o[j], keys), e;
-                for (e = 0; e < nk; e++) AVGPIPE__TOUCH(keys[e], avgpipe__lix(LG, LU, o[j].pipe, keys[e], o[j].micro));
-            }
-            b = j;
-        }
-        if (kn > 0) { /* remembered (out of memory: not, which only costs the work next time) */
-            for (i = 0; i < nst; i++) kept[i] = slots[rs[i]];
-            (void)avgpipe__slot_memo_put(ctx, memo, hash, memo->key, kn, kept, nst);
-        }
-    }
-#undef AVGPIPE__TOUCH
-    for (g = 0; g < G; g++)
-        if (slots[g] < 1) slots[g] = 1;
-done:
-    avgpipe_free(ctx, live);
-    avgpipe_free(ctx, cur);
-    avgpipe_free(ctx, stg);
-    avgpipe_free(ctx, tc);
-    avgpipe__lower_free(ctx, &L);
-    return res;
 }
 
 /* The bytes of one slot of stage g (of G): its input and output activations, and a copy of each that
@@ -10087,7 +10088,7 @@ AVGPIPE_API int avgpipe_run_slots(const avgpipe_run *run, int stage) {
     return run && stage >= 0 && stage < run->G ? run->plan.slots[stage] : -1;
 }
 
-/* --- 14. Execution: waits, slots, callbacks, the compute and comm ops ------------------------- */
+/* --- 15. Execution: waits, slots, callbacks, the compute and comm ops ------------------------- */
 
 static int avgpipe__record(avgpipe__worker *w, const avgpipe_op *op, int track, int peer, int flow, double a, double b, double bytes) {
     avgpipe_run *run = w->run;
@@ -10706,7 +10707,7 @@ static avgpipe_result avgpipe__exec_comm(avgpipe__worker *w, const avgpipe_op *o
     return res;
 }
 
-/* --- 15. Steps and sync: ties, agreement, STEP and AVG; worker and averaging threads ---------- */
+/* --- 16. Steps and sync: ties, agreement, STEP and AVG; worker and averaging threads ---------- */
 
 /* ---- ties and step agreement (TIE, AGREE) ---- */
 
@@ -11260,7 +11261,7 @@ static void avgpipe__run_cancel_pending(avgpipe_run *run) {
     }
 }
 
-/* --- 16. Processes: control messages between iterations, collectives -------------------------- */
+/* --- 17. Processes: control messages between iterations, collectives -------------------------- */
 
 /* Post, for local worker k, a receive or a send of `bytes` with rank `peer`; collected in reqs. */
 typedef struct avgpipe__ctl {
@@ -11573,7 +11574,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_gather_params(avgpipe_run *run, int repli
     return avgpipe__run_gather(run, replica, pipe, dst, AVGPIPE__TAG_CTL + 0x20000u, what);
 }
 
-/* --- 17. Checkpoints -------------------------------------------------------------------------- */
+/* --- 18. Checkpoints -------------------------------------------------------------------------- */
 
 #ifndef AVGPIPE_NO_STDIO
 #define AVGPIPE__CKPT_VERSION 1u
@@ -11958,7 +11959,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_load(avgpipe_run *run, const char *dir) {
 }
 #endif
 
-/* --- 18. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
+/* --- 19. Run lifecycle: create, iterate, destroy, adaptive K, the memory model ---------------- */
 
 /* The floats of stage-rank r's tie receive buffer: its longest tie range with a stage on another rank. */
 static size_t avgpipe__tie_floats(const avgpipe_run *run, int r) {
@@ -12755,7 +12756,7 @@ AVGPIPE_API avgpipe_result avgpipe_run_memory(avgpipe_context *ctx, const avgpip
     return avgpipe__run_memory_in(ctx, desc, NULL, NULL, NULL, NULL, per_rank);
 }
 
-/* --- 19. Profiles: events, the profile writer and reader, traces ------------------------------ */
+/* --- 20. Profiles: events, the profile writer and reader, traces ------------------------------ */
 
 /* The local ranks' events of the last iteration, gathered into one array (run->mev). */
 static size_t avgpipe__gather_events(avgpipe_run *run) {
@@ -13233,7 +13234,7 @@ AVGPIPE_API avgpipe_result avgpipe_profile_load(avgpipe_context *ctx, const char
 }
 #endif
 
-/* --- 20. Cost model: fitting and prediction --------------------------------------------------- */
+/* --- 21. Cost model: fitting and prediction --------------------------------------------------- */
 
 AVGPIPE_API void avgpipe_tune_cost_model_free(avgpipe_context *ctx, avgpipe_cost_model *m) {
     if (!m) return;
@@ -13954,7 +13955,7 @@ AVGPIPE_API double avgpipe_tune_slowest_share(const avgpipe_cost_model *m, int s
     return total > 0 ? worst / total : -1;
 }
 
-/* --- 21. Search and the stage partitioner ----------------------------------------------------- */
+/* --- 22. Search and the stage partitioner ----------------------------------------------------- */
 
 /* The order of the throughput ranking; the time-to-target ranking (below) puts time_to_target first. */
 static int avgpipe__cmp_candidate(const void *x, const void *y) {

@@ -1,5 +1,5 @@
 /* avgpipe_cuda.h — the CUDA device backend for avgpipe.h: memory, copies, streams, events and the averaging
-   kernels of one NVIDIA GPU, behind avgpipe.h's device table (section 10).
+   kernels of one NVIDIA GPU, behind avgpipe.h's device table (section 11).
 
    WHAT IT IS
    ----------
@@ -411,7 +411,7 @@ AVGPIPE_API avgpipe_result avgpipe_device_cuda_ea_pass_host(avgpipe_context *ctx
     AVGPIPE__CU_DEVICE unsigned avgpipe__cu_cas(unsigned *p, unsigned cmp, unsigned v) { return atomicCAS(p, cmp, v); } \
     AVGPIPE__CU_DEVICE void avgpipe__cu_or(unsigned *p, unsigned v) { atomicOr(p, v); }
 
-/* The element function of avgpipe_ea_pass (avgpipe.h, section 10), operation for operation as the CPU
+/* The element function of avgpipe_ea_pass (avgpipe.h, section 11), operation for operation as the CPU
    kernel avgpipe__ea_elem: w, z, zp, a are the element's inputs (z, zp, a only meaningful where f says they
    are read); *wo receives w's new value (unchanged without PULL), *ao acc's. */
 #define AVGPIPE__CUDA_ELEM_TEXT(Q, NAME, ADD, SUB, MUL)                                                     \

@@ -2,7 +2,7 @@
 
    WHAT IT IS
    ----------
-   An avgpipe_comm table (avgpipe.h, section 12) over MPI point-to-point messages and nonblocking
+   An avgpipe_comm table (avgpipe.h, section 13) over MPI point-to-point messages and nonblocking
    collectives, so that avgpipe_run executes one pipeline rank per MPI process: on one machine over
    shared memory, across machines over whatever network MPI uses. Open MPI from Debian (libopenmpi-dev,
    openmpi-bin) is what it is tested with; any MPI-3 library with MPI_THREAD_MULTIPLE should do.

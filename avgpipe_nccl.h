@@ -3,7 +3,7 @@
 
    WHAT IT IS
    ----------
-   An avgpipe_comm table (avgpipe.h, section 12) over NCCL point-to-point calls (ncclSend/ncclRecv) and
+   An avgpipe_comm table (avgpipe.h, section 13) over NCCL point-to-point calls (ncclSend/ncclRecv) and
    collectives (ncclAllReduce, ncclAllGather), for avgpipe_run on CUDA devices: each pipeline rank is one
    process driving one GPU; between GPUs of one machine NCCL uses NVLink or PCIe, across machines the
    network. It implements every entry of the table, including the device-ordered isend_on/irecv_on that a

@@ -1,7 +1,7 @@
 /* custom_comm.c — a communication backend written by the user, plugged into avgpipe's runtime.
 
    avgpipe moves activations and gradients between stage ranks through a table of function pointers
-   (avgpipe_comm, section 12 of avgpipe.h). This file implements one from scratch over POSIX pipes
+   (avgpipe_comm, section 13 of avgpipe.h). This file implements one from scratch over POSIX pipes
    between the stage threads of one process — the same shape a socket, RDMA or shared-memory backend
    would have:
      - one pipe per ordered pair of ranks (src -> dst); a message is a 16-byte header (size, tag) + payload;

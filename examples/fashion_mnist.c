@@ -888,7 +888,7 @@ static void layer_line(app *A, int l, int k, const int *sizes, int nsizes, doubl
     *b = sxx > 0 ? sxy / sxx : 0;
 }
 
-/* What the stage partitioner reads (avgpipe.h, section 19), appended to the tuner's profile: a 'layer' line
+/* What the stage partitioner reads (avgpipe.h, section 20), appended to the tuner's profile: a 'layer' line
    per layer (its forward and backward as a + b x samples from the profile runs' per-layer times, its
    parameters, its output bytes per sample, the stage that held it) and an 'averaging' line per stage
    (one contribution of its parameters, timed). */

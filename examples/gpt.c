@@ -1099,7 +1099,7 @@ static void layer_line(app *A, int l, int k, const int *rows, int nsizes, double
     *b = sxx > 0 ? sxy / sxx : 0;
 }
 
-/* The partitioner's input (avgpipe.h section 19), appended to the profile: a 'layer' line per layer (its
+/* The partitioner's input (avgpipe.h section 20), appended to the profile: a 'layer' line per layer (its
    parameters: the head's with its wte copy, as every split with more than one partition holds it) and an
    'averaging' line per partition of the profiled split. */
 static int append_layer_costs(app *A, avgpipe_context *ctx, const char *path, const int *rows, int nsizes) {

@@ -53,7 +53,7 @@ static inline int xr_ftz_on(void) {
 #endif
 }
 
-/* One element of the pass, as avgpipe.h's section 9 documents it (MEAN and ELASTIC). */
+/* One element of the pass, as avgpipe.h's section 11 documents it (MEAN and ELASTIC). */
 typedef struct xr_pass {
     int elastic, first, last;
     float alpha, scale, momentum;

@@ -1,4 +1,4 @@
-/* Tests of the in-process comm backend (section 12) on its own: per-peer FIFO matching, tag and size
+/* Tests of the in-process comm backend (section 13) on its own: per-peer FIFO matching, tag and size
    mismatches, cancel, split, timeouts, abort, barrier and allreduce across threads, table checks.
    Posting never blocks on this backend, so one thread may post for several ranks in turn (one rank's
    calls still come from one thread at a time); waits that must block run on their own threads. */

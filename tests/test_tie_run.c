@@ -1,4 +1,4 @@
-/* Tests of ties and step agreement at run time (avgpipe.h sections 14-15): a small tied, clipped model
+/* Tests of ties and step agreement at run time (avgpipe.h sections 15-16): a small tied, clipped model
    trained by the runtime under every schedule kind, against a plain loop that sums each tie at the
    step and clips by the same global norm (parameters bit for bit); the tied copies identical after
    every iteration; ranks split over several runs sharing one comm backend, as processes do (the

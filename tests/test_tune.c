@@ -1,4 +1,4 @@
-/* Tests of the tuner (sections 20, 21) and the profile it reads (section 19):
+/* Tests of the tuner (sections 21, 22) and the profile it reads (section 20):
      - the memory model (avgpipe_run_memory) equals what the CPU runtime allocates, exactly, over a grid of
        settings: against avgpipe_run_bytes and against the bytes a counting allocator handed out for the
        runtime's own buffers;

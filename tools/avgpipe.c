@@ -349,7 +349,7 @@ static const cli_command cli_commands[] = {
      "fitted costs; its memory per rank is the runtime's boundary buffers and averaging buffers plus N x\n"
      "parameters x (4 + --opt-bytes-per-param) bytes. Candidates that fit --mem-limit come first, each\n"
      "group fastest per sample first. Sizes: plain bytes or a suffix K, M, G (binary: 1K = 1024 bytes).\n"
-     "With 'layer' lines in the profile (per-layer costs: avgpipe.h section 19) the stage partitioner picks\n"
+     "With 'layer' lines in the profile (per-layer costs: avgpipe.h section 20) the stage partitioner picks\n"
      "the split of the layers into --stages partitions jointly with the setting (every split's best setting,\n"
      "splits bounded out by their least possible time), prints it and what bounds the model: the busiest\n"
      "stage's share of the work; the ranking is that split's.\n"

@@ -1,4 +1,4 @@
-/* libFuzzer harness: runtime profiles and the tuner (section 11).
+/* libFuzzer harness: runtime profiles and the tuner (sections 20-22).
 
    The input is (data, size) with no NUL after it, as avgpipe_profile_parse allows. A profile that
    parses is fitted (avgpipe_tune_fit); a small one (few stages) is then searched over a small grid

@@ -1,4 +1,4 @@
-/* libFuzzer harness: schedule text (section 2) and what reads a schedule (sections 4-6).
+/* libFuzzer harness: schedule text (section 2) and what reads a schedule (sections 4-9).
 
    The input is (data, size) with no NUL after it, as avgpipe_sched_import allows. An input that
    imports must also: validate without a crash, export, import back, and export to the very same bytes
