@@ -4870,17 +4870,18 @@ AVGPIPE__FORCE_INLINE int avgpipe__plan_keys(int G, const int *home, int r, cons
     return n;
 }
 
+/* The channel an op of kind k on stage g sends its data on when lowered, or -1: a forward whose
+   consumer, or a backward (B or I) whose producer, is on another rank. Lowering, its slot count and
+   its messages all ask this (up and down: the placement's, kept in locals by the hot loops). */
+AVGPIPE__FORCE_INLINE int avgpipe__send_chan(const int *up, const int *down, int k, int g) {
+    return k == AVGPIPE_OP_F ? up[g] : avgpipe__is_backward(k) ? down[g] : -1;
+}
+
 /* The SEND a compute op needs (its consumer is on another rank). */
 static int avgpipe__op_send(const avgpipe__place *pl, const avgpipe_op *op, avgpipe_op *send) {
-    if (op->kind == AVGPIPE_OP_F && pl->up[op->stage] >= 0) {
-        *send = avgpipe__op(AVGPIPE_OP_SEND_F, op->pipe, op->stage, op->micro);
-        return 1;
-    }
-    if (avgpipe__is_backward(op->kind) && pl->down[op->stage] >= 0) {
-        *send = avgpipe__op(AVGPIPE_OP_SEND_B, op->pipe, op->stage, op->micro);
-        return 1;
-    }
-    return 0;
+    if (avgpipe__send_chan(pl->up, pl->down, op->kind, op->stage) < 0) return 0;
+    *send = avgpipe__op(op->kind == AVGPIPE_OP_F ? AVGPIPE_OP_SEND_F : AVGPIPE_OP_SEND_B, op->pipe, op->stage, op->micro);
+    return 1;
 }
 
 /* Lowering, in three steps per schedule:
@@ -4989,7 +4990,7 @@ static avgpipe_result avgpipe__lower_init(avgpipe_context *ctx, const avgpipe_sc
             for (j = 0; j < n; j++) {
                 int k = src[j].kind, g = src[j].stage, dst, fwd = k == AVGPIPE_OP_F;
                 long long *m;
-                if (fwd ? up[g] < 0 : !avgpipe__is_backward(k) || down[g] < 0) continue; /* no send (avgpipe__op_send) */
+                if (avgpipe__send_chan(up, down, k, g) < 0) continue; /* no send */
                 dst = home[fwd ? g + 1 : g - 1];
                 m = &L->moff[dst + 1];
                 if (*m == L->mcap[dst]) {
@@ -5042,15 +5043,11 @@ static void avgpipe__lower_units(avgpipe__lower *L, int r, int32_t *touch) {
             int keys[3] = {0, 0, 0}, nk = avgpipe__plan_keys((int)LG, home, r, &src[j], keys), q;
             for (q = 0; q < nk; q++) touch[avgpipe__lix(LG, LU, src[j].pipe, keys[q], src[j].micro)]++;
         }
-        if (k == AVGPIPE_OP_F) {
+        if (k == AVGPIPE_OP_F || avgpipe__is_backward(k)) { /* where lowering finds its unit; its send's touch */
             size_t ix = avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro);
-            fpos[ix] = u;
-            last = u;
-            if (touch && up[g] >= 0) touch[ix]++; /* its send's */
-        } else if (avgpipe__is_backward(k)) {
-            size_t ix = avgpipe__lix(LG, LU, src[j].pipe, g, src[j].micro);
-            bpos[ix] = u;
-            if (touch && down[g] >= 0) touch[ix]++;
+            if (k == AVGPIPE_OP_F) fpos[ix] = last = u;
+            else bpos[ix] = u;
+            if (touch && avgpipe__send_chan(up, down, k, g) >= 0) touch[ix]++;
         }
     }
     L->nunits[r] = u + 1;
@@ -5400,11 +5397,9 @@ static avgpipe_result avgpipe__plan_slots_unlowered(avgpipe_context *ctx, const 
                     const avgpipe__lmsg *m = &mr[cur[h]];
                     AVGPIPE__TOUCH(m->stage, avgpipe__lix(LG, LU, m->pipe, m->stage, m->micro));
                 }
-            for (i = a; i < b; i++) { /* the sends of unit q - 1 */
-                int kd = o[i].kind, gs = o[i].stage;
-                if ((kd == AVGPIPE_OP_F && up[gs] >= 0) || (avgpipe__is_backward(kd) && down[gs] >= 0))
-                    AVGPIPE__TOUCH(gs, avgpipe__lix(LG, LU, o[i].pipe, gs, o[i].micro));
-            }
+            for (i = a; i < b; i++) /* the sends of unit q - 1 */
+                if (avgpipe__send_chan(up, down, o[i].kind, o[i].stage) >= 0)
+                    AVGPIPE__TOUCH(o[i].stage, avgpipe__lix(LG, LU, o[i].pipe, o[i].stage, o[i].micro));
             if (q == nu) break;
             while (j < n && un[j] < 0) j++; /* idle slots the lowering drops */
             for (a = j; j < n && un[j] == q; j++) { /* unit q */
